@@ -1,0 +1,1 @@
+"""A training application for PyTorch models on DeepSpeed, driven by JSON configs."""

@@ -1,0 +1,116 @@
+"""The engine, the training step, evaluation, and the fit loop."""
+import time
+
+import torch
+
+from app.errors import UserError
+from app.metrics import Meter
+from app.models import correct, per_sample_loss
+
+
+def build_engine(model, ds_config: dict):
+    """deepspeed.initialize, with DeepSpeed's complaints about the config turned into one line."""
+    import deepspeed
+    try:
+        engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=ds_config)
+    except (TypeError, ValueError, AssertionError, KeyError) as e:
+        text = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise UserError(f"DeepSpeed could not build the engine from this config: {text}") from None
+    return engine
+
+
+def input_dtype(engine) -> torch.dtype:
+    """The dtype the engine's parameters are kept in for the forward pass."""
+    if engine.bfloat16_enabled():
+        return torch.bfloat16
+    if engine.fp16_enabled():
+        return torch.float16
+    return torch.float32
+
+
+def _to_device(batch, device, dtype):
+    x, y, w = batch
+    x = x.to(device, non_blocking=True)
+    if x.is_floating_point():
+        x = x.to(dtype)
+    return x, y.to(device, non_blocking=True), w.to(device, non_blocking=True)
+
+
+def train_step(engine, batch, dtype, meter: Meter):
+    """Forward, engine.backward(loss), engine.step(); the loss is weighted so ranks average exactly."""
+    x, y, w = _to_device(batch, engine.device, dtype)
+    losses = per_sample_loss(engine(x), y)
+    engine.backward((losses * w).sum())
+    engine.step()
+    real = (w > 0).to(losses.dtype)
+    meter.add(real.sum(), loss=(losses.detach() * real).sum())
+
+
+def evaluate(engine, loader, dtype) -> dict:
+    """Held-out loss and accuracy over every rank's shard (padding excluded)."""
+    meter = Meter(["loss", "accuracy"], engine.device)
+    engine.eval()
+    with torch.no_grad():
+        for batch in loader:
+            x, y, w = _to_device(batch, engine.device, dtype)
+            logits = engine(x)
+            real = (w > 0).float()
+            meter.add(real.sum(), loss=(per_sample_loss(logits, y) * real).sum(),
+                      accuracy=(correct(logits, y) * real).sum())
+    engine.train()
+    result = meter.reduce()
+    return {"eval_loss": result["loss"], "eval_accuracy": result["accuracy"]}
+
+
+def total_steps(max_steps: int, epochs: int, batches_per_epoch: int, accumulation: int) -> int:
+    """Optimizer steps the run will take: max_steps when set, else whole epochs."""
+    steps = max_steps or (epochs * batches_per_epoch) // accumulation
+    if steps < 1:
+        raise UserError(f"{epochs} epoch(s) of {batches_per_epoch} micro batches make no optimizer step with "
+                        f"gradient_accumulation_steps {accumulation}; raise --epochs or set --max_steps")
+    return steps
+
+
+def fit(engine, train_loader, eval_loader, settings, log, steps: int) -> dict:
+    """Train for `steps` optimizer steps, logging and evaluating at the configured intervals."""
+    dtype = input_dtype(engine)
+    meter = Meter(["loss"], engine.device)
+    sampler = train_loader.batch_sampler
+    samples, train_s, epoch, last_eval = 0.0, 0.0, 0, {}
+    window = time.perf_counter()
+    engine.train()
+    while engine.global_steps < steps:
+        sampler.set_epoch(epoch)
+        for batch in train_loader:
+            before = engine.global_steps
+            train_step(engine, batch, dtype, meter)
+            step = engine.global_steps
+            if step == before:
+                continue  # inside a gradient accumulation window
+            log.advance(1)
+            if step % settings.log_interval == 0 or step == steps:
+                result = meter.reduce()
+                elapsed = time.perf_counter() - window
+                samples, train_s = samples + result["count"], train_s + elapsed
+                log.write_row({"step": step, "epoch": epoch, "loss": result["loss"], "lr": engine.get_lr()[0],
+                               "samples_per_s": result["count"] / elapsed})
+                window = time.perf_counter()
+            if step == steps or (settings.eval_interval and step % settings.eval_interval == 0):
+                last_eval, spent = _eval_row(engine, eval_loader, dtype, log, step, epoch)
+                window += spent  # evaluation time does not count against training throughput
+            if step >= steps:
+                break
+        else:
+            if not settings.eval_interval and engine.global_steps < steps:
+                last_eval, spent = _eval_row(engine, eval_loader, dtype, log, engine.global_steps, epoch)
+                window += spent
+        epoch += 1
+    return {"steps": engine.global_steps, "epochs": epoch, "samples": samples, "train_s": train_s,
+            "samples_per_s": samples / train_s if train_s else 0.0, **last_eval}
+
+
+def _eval_row(engine, loader, dtype, log, step, epoch):
+    start = time.perf_counter()
+    result = evaluate(engine, loader, dtype)
+    log.write_row({"step": step, "epoch": epoch, **result})
+    return result, time.perf_counter() - start

@@ -1,0 +1,148 @@
+"""Meters reduced across ranks, and the rank-0 sinks: progress bar, CSV, TensorBoard, summary, plot."""
+import csv
+import json
+import resource
+import sys
+from pathlib import Path
+
+import torch
+
+from app import distributed
+
+CSV_FIELDS = ["step", "epoch", "loss", "lr", "samples_per_s", "eval_loss", "eval_accuracy"]
+
+
+class Meter:
+    """Sums and counts kept on the device (no host sync per step), reduced across ranks on read."""
+
+    def __init__(self, names, device):
+        self.names = list(names)
+        self.totals = torch.zeros(len(self.names) + 1, dtype=torch.float64, device=device)
+
+    def add(self, count: torch.Tensor, **sums: torch.Tensor):
+        """Add per-batch sums (tensors) and the number of samples they cover."""
+        self.totals[-1] += count
+        for i, name in enumerate(self.names):
+            self.totals[i] += sums[name]
+
+    def reduce(self) -> dict:
+        """Global means over every rank since the last reset, plus the global 'count'; then reset."""
+        totals = distributed.all_reduce_sum(self.totals.clone()).tolist()
+        self.totals.zero_()
+        count = totals[-1]
+        result = {name: totals[i] / count if count else float("nan") for i, name in enumerate(self.names)}
+        result["count"] = count
+        return result
+
+
+def peak_memory_bytes(device: torch.device) -> int:
+    """Largest memory this rank has held: CUDA allocator peak on GPU, max resident set on CPU."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device)
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+class RunLog:
+    """Everything the main rank writes; on other ranks every method does nothing."""
+
+    def __init__(self, output_dir: Path, total_steps: int, show_progress=None):
+        self.active = distributed.is_main()
+        self.output_dir = output_dir
+        self.rows = []
+        if not self.active:
+            return
+        from torch.utils.tensorboard import SummaryWriter
+        from tqdm import tqdm
+        output_dir.mkdir(parents=True, exist_ok=True)
+        self.csv_file = open(output_dir / "metrics.csv", "w", newline="")
+        self.csv = csv.DictWriter(self.csv_file, fieldnames=CSV_FIELDS)
+        self.csv.writeheader()
+        self.tb = SummaryWriter(str(output_dir / "tensorboard"))
+        # disable=None: a bar on a terminal, plain log lines when output goes to a file or pipe
+        self.bar = tqdm(total=total_steps, unit="step", dynamic_ncols=True, disable=show_progress, file=sys.stdout)
+        self.plain = self.bar.disable
+
+    def write_row(self, row: dict):
+        """One metrics.csv row; also TensorBoard scalars and the progress bar or a log line."""
+        if not self.active:
+            return
+        self.rows.append(row)
+        self.csv.writerow({k: _fmt(row.get(k)) for k in CSV_FIELDS})
+        self.csv_file.flush()
+        for key, value in row.items():
+            if key not in ("step", "epoch") and value is not None:
+                self.tb.add_scalar(key, value, row["step"])
+        shown = {k: f"{row[k]:.4g}" for k in ("loss", "lr", "samples_per_s", "eval_loss", "eval_accuracy")
+                 if row.get(k) is not None}
+        if self.plain:
+            print(f"step {row['step']} epoch {row['epoch']} " + " ".join(f"{k} {v}" for k, v in shown.items()),
+                  flush=True)
+        else:
+            self.bar.set_postfix(shown, refresh=False)
+
+    def advance(self, steps: int):
+        """Move the progress bar on by steps optimizer steps."""
+        if self.active and steps:
+            self.bar.update(steps)
+
+    def message(self, text: str):
+        """A line for the user that does not break the progress bar."""
+        if self.active:
+            self.bar.write(text, file=sys.stdout) if not self.plain else print(text, flush=True)
+
+    def finish(self, summary: dict):
+        """Write summary.json and loss.png, close every file."""
+        if not self.active:
+            return
+        self.bar.close()
+        self.tb.close()
+        self.csv_file.close()
+        (self.output_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+        plot_losses(self.rows, self.output_dir / "loss.png")
+
+
+def _fmt(value):
+    if value is None:
+        return ""
+    return f"{value:.8g}" if isinstance(value, float) else value
+
+
+def plot_losses(rows, path: Path):
+    """Training and evaluation loss against step, saved as a PNG."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(figsize=(6, 4))
+    train = [(r["step"], r["loss"]) for r in rows if r.get("loss") is not None]
+    evals = [(r["step"], r["eval_loss"]) for r in rows if r.get("eval_loss") is not None]
+    if train:
+        ax.plot(*zip(*train), label="train loss")
+    if evals:
+        ax.plot(*zip(*evals), "o-", label="eval loss")
+    ax.set_xlabel("step")
+    ax.set_ylabel("loss")
+    ax.set_yscale("log")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+RUN_FILES = ("metrics.csv", "summary.json", "loss.png")
+
+
+def check_output_dir(path: Path, overwrite: bool) -> str:
+    """Why path cannot take this run's files, or '' when it can (creates it if missing)."""
+    existing = [name for name in RUN_FILES if (path / name).exists()]
+    if existing and not overwrite:
+        return (f"output directory {path} already holds a run ({', '.join(existing)}); "
+                f"pick a new --output_dir or pass --overwrite")
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        probe = path / f".write-test-{distributed.rank()}"
+        probe.write_text("")
+        probe.unlink()
+    except OSError as e:
+        return f"cannot write to output directory {path}: {e.strerror}; pick a writable --output_dir"
+    return ""

@@ -1,0 +1,88 @@
+"""Train a model through DeepSpeed: parse, set up, build, fit, tear down."""
+import os
+import random
+import sys
+import time
+from pathlib import Path
+
+if __package__ in (None, ""):  # run as `python app/train.py` or by a launcher: make `app` importable
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import numpy as np
+import torch
+
+from app import config, data, distributed, loop, metrics, models
+from app.errors import UserError
+
+
+def seed_everything(seed: int):
+    """The same seed on every rank: identical initial weights and data order."""
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def output_dir_for(settings) -> Path:
+    """The run's output directory: the flag, or a fresh timestamped one chosen by rank 0."""
+    name = settings.output_dir or f"runs/{settings.dataset}-{settings.model}-{time.strftime('%Y%m%d-%H%M%S')}"
+    path = Path(distributed.broadcast_object(name))
+    problem = distributed.broadcast_object(metrics.check_output_dir(path, settings.overwrite)
+                                           if distributed.is_main() else "")
+    if problem:
+        raise UserError(problem)
+    return path
+
+
+def main(argv=None) -> int:
+    """Run one training job; returns the process exit code."""
+    started = time.perf_counter()
+    distributed.prepare_environment()
+    try:
+        settings, ds_config = config.parse(argv)
+        world = distributed.setup(settings.single_process, settings.dist_timeout)
+        ds_config = config.resolve_batch_sizes(ds_config, world.world_size, settings.deepspeed_config)
+        output_dir = output_dir_for(settings)
+        seed_everything(settings.seed)
+        with distributed.main_process_first():
+            train_set, eval_set, info = data.build_datasets(settings.dataset, settings.data_dir, settings.image_size)
+        model = models.build_model(settings.model, info)
+        micro, accum = ds_config["train_micro_batch_size_per_gpu"], ds_config["gradient_accumulation_steps"]
+        loader_args = dict(rank=world.rank, world_size=world.world_size, seed=settings.seed,
+                           num_workers=settings.num_workers, pin_memory=settings.pin_memory)
+        train_loader = data.build_loader(train_set, micro, shuffle=True, **loader_args)
+        eval_loader = data.build_loader(eval_set, micro, shuffle=False, **loader_args)
+        steps = loop.total_steps(settings.max_steps, settings.epochs, len(train_loader), accum)
+        engine = loop.build_engine(model, config.fill_scheduler_length(ds_config, steps))
+        distributed.print0(f"mode: {world.reason}; ZeRO stage {engine.zero_optimization_stage()}, "
+                           f"global batch {engine.train_batch_size()}, {steps} steps -> {output_dir}")
+        log = metrics.RunLog(output_dir, steps)
+        result = loop.fit(engine, train_loader, eval_loader, settings, log, steps)
+        peak = distributed.all_reduce_max(torch.tensor([metrics.peak_memory_bytes(world.device)]))
+        summary = {**result, "world_size": world.world_size, "zero_stage": engine.zero_optimization_stage(),
+                   "precision": str(loop.input_dtype(engine)).replace("torch.", ""), "model": settings.model,
+                   "dataset": settings.dataset, "deepspeed_config": settings.deepspeed_config,
+                   "launcher": world.launcher, "peak_memory_bytes": int(peak.item()),
+                   "wall_s": time.perf_counter() - started}
+        log.finish(summary)
+        distributed.print0(f"done: eval_loss {summary.get('eval_loss', float('nan')):.4f} eval_accuracy "
+                           f"{summary.get('eval_accuracy', float('nan')):.4f} {summary['samples_per_s']:.0f} "
+                           f"samples/s in {summary['wall_s']:.1f} s; files in {output_dir}")
+        return 0
+    except UserError as e:
+        report(e)
+        return 2
+    finally:
+        distributed.teardown()
+
+
+def report(error: UserError):
+    """One line on stderr from rank 0; other ranks speak only if rank 0 did not end the run first."""
+    if distributed.rank() != 0:
+        time.sleep(3)  # the launcher stops us before this if rank 0 failed the same way
+        print(f"[rank {distributed.rank()}] error: {error}", file=sys.stderr, flush=True)
+    else:
+        print(f"error: {error}", file=sys.stderr, flush=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

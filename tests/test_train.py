@@ -1,0 +1,79 @@
+"""End-to-end runs of app/train.py through every launch mode and every file in ds_configs/."""
+import json
+
+import pytest
+
+from conftest import REPO, config_variant, read_metrics, read_summary, train
+
+CONFIGS = sorted(p.stem for p in (REPO / "ds_configs").glob("*.json"))
+STAGE = {"dp": 0, "bf16": 0, "zero1": 1, "zero2": 2, "zero3": 3, "zero2_offload": 2, "zero3_offload": 3}
+
+
+def test_every_config_is_covered():
+    assert set(CONFIGS) == set(STAGE), "add the new ds_configs file to STAGE so it is run end to end"
+
+
+@pytest.mark.parametrize("name", CONFIGS)
+def test_config_trains_with_two_ranks(name, tmp_path):
+    """Every ds_config trains the digits CNN with 2 gloo ranks through the deepspeed launcher."""
+    out = tmp_path / "run"
+    result = train("deepspeed", 2, "--deepspeed_config", REPO / "ds_configs" / f"{name}.json",
+                   "--epochs", 2, "--log_interval", 5, "--output_dir", out)
+    train_rows, eval_rows = read_metrics(out)
+    summary = read_summary(out)
+    assert summary["world_size"] == 2 and summary["zero_stage"] == STAGE[name]
+    assert summary["precision"] == ("bfloat16" if "bf16" in name else "float32")
+    assert summary["steps"] == 2 * 23  # 1437 samples / (32 x 2 ranks) = 23 steps per epoch
+    assert len(eval_rows) == 2, "one evaluation per epoch"
+    assert train_rows[-1]["loss"] < 0.6 * train_rows[0]["loss"], "the loss falls"
+    assert summary["eval_accuracy"] > 0.8, summary
+    assert summary["samples_per_s"] > 0 and summary["peak_memory_bytes"] > 0 and summary["wall_s"] > 0
+    assert all(r["lr"] > 0 and r["samples_per_s"] > 0 for r in train_rows)
+    assert (out / "loss.png").stat().st_size > 1000
+    assert list((out / "tensorboard").glob("events.out.tfevents.*"))
+    # only rank 0 prints: the mode line and every metrics line appear once
+    assert result.stdout.count("mode: started by deepspeed") == 1
+    assert result.stdout.count("step 5 epoch 0 loss") == 1
+
+
+def test_python_without_launcher_uses_one_cpu_process(tmp_path):
+    out = tmp_path / "run"
+    result = train("python", 1, "--max_steps", 6, "--log_interval", 2, "--output_dir", out)
+    assert "mode: no launcher and no GPU: one CPU process with gloo" in result.stdout
+    assert read_summary(out)["world_size"] == 1
+    train_rows, eval_rows = read_metrics(out)
+    assert [r["step"] for r in train_rows] == [2, 4, 6] and len(eval_rows) == 1
+
+
+def test_torchrun_two_processes(tmp_path):
+    out = tmp_path / "run"
+    result = train("torchrun", 2, "--deepspeed_config", REPO / "ds_configs" / "zero1.json", "--max_steps", 10,
+                   "--output_dir", out)
+    assert result.stdout.count("mode: started by torchrun; 2 rank(s)") == 1
+    summary = read_summary(out)
+    assert summary["world_size"] == 2 and summary["launcher"] == "torchrun" and summary["steps"] == 10
+
+
+def _losses(launcher, nproc, config, out):
+    train(launcher, nproc, "--deepspeed_config", config, "--max_steps", 12, "--log_interval", 1,
+          "--output_dir", out)
+    return [r["loss"] for r in read_metrics(out)[0]]
+
+
+@pytest.mark.parametrize("name", ["dp", "zero1", "zero2", "zero3"])
+def test_two_ranks_compute_what_one_process_does(name, tmp_path):
+    """Synchronous data parallelism: 2 ranks x micro batch 4 == 1 rank x micro batch 8, step by step."""
+    one = _losses("python", 1, config_variant(tmp_path, name, train_micro_batch_size_per_gpu=8), tmp_path / "one")
+    two = _losses("deepspeed", 2, config_variant(tmp_path, name, train_micro_batch_size_per_gpu=4), tmp_path / "two")
+    assert len(one) == len(two) == 12
+    assert max(abs(a - b) for a, b in zip(one, two)) < 1e-5, list(zip(one, two))
+    assert one[-1] < one[0]
+
+
+def test_gradient_accumulation_counts_optimizer_steps(tmp_path):
+    out = tmp_path / "run"
+    config = config_variant(tmp_path, "dp", train_micro_batch_size_per_gpu=16, gradient_accumulation_steps=2)
+    train("python", 1, "--deepspeed_config", config, "--max_steps", 4, "--log_interval", 1, "--output_dir", out)
+    rows = read_metrics(out)[0]
+    assert [r["step"] for r in rows] == [1, 2, 3, 4]
+    assert json.loads((out / "summary.json").read_text())["samples"] == 4 * 32
