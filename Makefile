@@ -4,6 +4,7 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
+OPS := $(VENV)/.ops-built
 
 .PHONY: setup train test clean
 
@@ -13,8 +14,12 @@ $(STAMP): requirements.txt
 	$(PY) -m pip install --quiet -r requirements.txt
 	touch $(STAMP)
 
-setup: $(STAMP)
+# DeepSpeed compiles its ops on first use (about a minute each); do it once here, not in a run.
+$(OPS): $(STAMP)
 	$(PY) -m app.build_ops
+	touch $(OPS)
+
+setup: $(OPS)
 
 train: setup
 	$(VENV)/bin/deepspeed app/train.py --deepspeed_config ds_configs/dp.json

@@ -1,0 +1,36 @@
+"""Models build by name, fit the data's shape, and the loss is fp32 whatever the precision."""
+import pytest
+import torch
+
+from app import models
+from app.data import DataInfo
+from app.errors import UserError
+
+
+@pytest.mark.parametrize("name, info", [
+    ("cnn", DataInfo(10, 1, 8)), ("cnn", DataInfo(10, 3, 32)), ("mlp", DataInfo(7, 3, 16)),
+    ("resnet18", DataInfo(10, 1, 28)), ("resnet34", DataInfo(5, 3, 32)), ("mobilenet_v3_small", DataInfo(4, 1, 32)),
+])
+def test_models_fit_the_data(name, info):
+    model = models.build_model(name, info)
+    logits = model.eval()(torch.randn(2, info.in_channels, info.image_size, info.image_size))
+    assert logits.shape == (2, info.num_classes)
+
+
+def test_first_conv_takes_the_data_channels():
+    model = models.build_model("resnet18", DataInfo(10, 1, 28))
+    assert model.conv1.in_channels == 1 and model.conv1.out_channels == 64 and model.conv1.stride == (2, 2)
+
+
+def test_unknown_model():
+    with pytest.raises(UserError, match="unknown model 'resnet9000'"):
+        models.build_model("resnet9000", DataInfo(10, 1, 8))
+    assert "resnet50" in models.model_names() and "cnn" in models.model_names()
+
+
+def test_loss_and_accuracy():
+    logits = torch.tensor([[4.0, 0.0], [0.0, 4.0], [4.0, 0.0]], dtype=torch.bfloat16)
+    labels = torch.tensor([0, 1, 1])
+    losses = models.per_sample_loss(logits, labels)
+    assert losses.dtype == torch.float32 and losses.shape == (3,) and losses[2] > losses[0]
+    assert models.correct(logits, labels).tolist() == [1.0, 1.0, 0.0]
