@@ -192,11 +192,6 @@ def check_ds_keys(ds: dict, where: str):
             for sub_key in sub:
                 if sub_key not in section.read:
                     raise UserError(f"{where}: unknown key {key}.{sub_key}{_close(sub_key, section.read)}")
-    for section in ("optimizer", "scheduler"):
-        if isinstance(ds.get(section), dict):
-            extra = set(ds[section]) - {"type", "params"}
-            if extra:
-                raise UserError(f"{where}: unknown key {section}.{sorted(extra)[0]} (a {section} has 'type' and 'params')")
 
 
 def _pydantic_checked(ds, key) -> bool:

@@ -57,6 +57,8 @@ class RunLog:
         self.csv_file = open(output_dir / "metrics.csv", "w", newline="")
         self.csv = csv.DictWriter(self.csv_file, fieldnames=CSV_FIELDS)
         self.csv.writeheader()
+        for stale in (output_dir / "tensorboard").glob("events.out.tfevents.*"):  # an overwritten run's
+            stale.unlink()
         self.tb = SummaryWriter(str(output_dir / "tensorboard"))
         # disable=None: a bar on a terminal, plain log lines when output goes to a file or pipe
         self.bar = tqdm(total=total_steps, unit="step", dynamic_ncols=True, disable=show_progress, file=sys.stdout)
