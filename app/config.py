@@ -38,6 +38,12 @@ class Settings:
     """Directory for metrics, plots and TensorBoard files; default runs/<dataset>-<model>-<time>."""
     overwrite: bool = False
     """Allow writing into an output_dir that already holds a run."""
+    save_interval: int = 0
+    """Save a checkpoint every N optimizer steps (0: only at the end, which always saves)."""
+    keep_last: int = 3
+    """Keep the newest K complete checkpoints (0 keeps all)."""
+    resume: str = ""
+    """'auto': continue from the newest complete checkpoint in output_dir (fresh if none); or a checkpoint path."""
     seed: int = 42
     """Seed for model initialisation and data order (identical on every rank)."""
     num_workers: int = 0
@@ -55,7 +61,7 @@ class Settings:
         for name in ("epochs", "log_interval", "dist_timeout", "image_size"):
             if getattr(self, name) < 1:
                 raise UserError(f"--{name} must be at least 1, got {getattr(self, name)}")
-        for name in ("max_steps", "eval_interval", "num_workers"):
+        for name in ("max_steps", "eval_interval", "num_workers", "save_interval", "keep_last"):
             if getattr(self, name) < 0:
                 raise UserError(f"--{name} must be 0 or more, got {getattr(self, name)}")
 

@@ -128,11 +128,11 @@ class ShardSampler:
         if size == 0:
             raise UserError("the dataset is empty; check --dataset and --data_dir")
         self.size, self.batch_size, self.rank, self.world_size = size, batch_size, rank, world_size
-        self.shuffle, self.seed, self.epoch = shuffle, seed, 0
+        self.shuffle, self.seed, self.epoch, self.skip = shuffle, seed, 0, 0
 
-    def set_epoch(self, epoch: int):
-        """Pick the order for an epoch (the same on every rank)."""
-        self.epoch = epoch
+    def set_epoch(self, epoch: int, skip: int = 0):
+        """Pick the order for an epoch (the same on every rank), leaving out its first `skip` batches."""
+        self.epoch, self.skip = epoch, skip
 
     def __len__(self):
         return math.ceil(self.size / (self.batch_size * self.world_size))
@@ -144,7 +144,7 @@ class ShardSampler:
         else:
             order = list(range(self.size))
         span = self.batch_size * self.world_size
-        for start in range(0, self.size, span):
+        for start in range(self.skip * span, self.size, span):
             chunk = order[start:start + span]
             weight = self.world_size / len(chunk)
             mine = [(i, weight) for i in chunk[self.rank::self.world_size]]

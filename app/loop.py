@@ -71,17 +71,18 @@ def total_steps(max_steps: int, epochs: int, batches_per_epoch: int, accumulatio
     return steps
 
 
-def fit(engine, train_loader, eval_loader, settings, log, steps: int) -> dict:
-    """Train for `steps` optimizer steps, logging and evaluating at the configured intervals."""
+def fit(engine, train_loader, eval_loader, settings, log, steps: int, start=(0, 0), save=None) -> dict:
+    """Train until `steps` optimizer steps, from (epoch, batch) `start`, logging, evaluating and saving."""
     dtype = input_dtype(engine)
     meter = Meter(["loss"], engine.device)
     sampler = train_loader.batch_sampler
-    samples, train_s, epoch, last_eval = 0.0, 0.0, 0, {}
+    samples, train_s, last_eval = 0.0, 0.0, {}
+    epoch, skip = start
     window = time.perf_counter()
     engine.train()
     while engine.global_steps < steps:
-        sampler.set_epoch(epoch)
-        for batch in train_loader:
+        sampler.set_epoch(epoch, skip)
+        for batch_index, batch in enumerate(train_loader, start=skip + 1):
             before = engine.global_steps
             train_step(engine, batch, dtype, meter)
             step = engine.global_steps
@@ -98,13 +99,18 @@ def fit(engine, train_loader, eval_loader, settings, log, steps: int) -> dict:
             if step == steps or (settings.eval_interval and step % settings.eval_interval == 0):
                 last_eval, spent = _eval_row(engine, eval_loader, dtype, log, step, epoch)
                 window += spent  # evaluation time does not count against training throughput
+            if save and (step == steps or (settings.save_interval and step % settings.save_interval == 0)):
+                started = time.perf_counter()
+                done = batch_index == len(train_loader)
+                save({"step": step, "epoch": epoch + done, "batch": 0 if done else batch_index})
+                window += time.perf_counter() - started
             if step >= steps:
                 break
         else:
             if not settings.eval_interval and engine.global_steps < steps:
                 last_eval, spent = _eval_row(engine, eval_loader, dtype, log, engine.global_steps, epoch)
                 window += spent
-        epoch += 1
+        epoch, skip = epoch + 1, 0
     return {"steps": engine.global_steps, "epochs": epoch, "samples": samples, "train_s": train_s,
             "samples_per_s": samples / train_s if train_s else 0.0, **last_eval}
 

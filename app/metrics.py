@@ -45,7 +45,8 @@ def peak_memory_bytes(device: torch.device) -> int:
 class RunLog:
     """Everything the main rank writes; on other ranks every method does nothing."""
 
-    def __init__(self, output_dir: Path, total_steps: int, show_progress=None):
+    def __init__(self, output_dir: Path, total_steps: int, resumed_step: int = 0, show_progress=None):
+        """Start metrics afresh, or (resumed_step > 0) keep the rows up to that step and append."""
         self.active = distributed.is_main()
         self.output_dir = output_dir
         self.rows = []
@@ -54,14 +55,20 @@ class RunLog:
         from torch.utils.tensorboard import SummaryWriter
         from tqdm import tqdm
         output_dir.mkdir(parents=True, exist_ok=True)
+        if resumed_step:  # rows logged after the checkpoint are redone by this run
+            self.rows = [r for r in read_rows(output_dir / "metrics.csv") if r["step"] <= resumed_step]
+        else:
+            for stale in (output_dir / "tensorboard").glob("events.out.tfevents.*"):  # an overwritten run's
+                stale.unlink()
         self.csv_file = open(output_dir / "metrics.csv", "w", newline="")
         self.csv = csv.DictWriter(self.csv_file, fieldnames=CSV_FIELDS)
         self.csv.writeheader()
-        for stale in (output_dir / "tensorboard").glob("events.out.tfevents.*"):  # an overwritten run's
-            stale.unlink()
-        self.tb = SummaryWriter(str(output_dir / "tensorboard"))
+        for row in self.rows:
+            self.csv.writerow({k: _fmt(row.get(k)) for k in CSV_FIELDS})
+        self.tb = SummaryWriter(str(output_dir / "tensorboard"), purge_step=resumed_step + 1 if resumed_step else None)
         # disable=None: a bar on a terminal, plain log lines when output goes to a file or pipe
-        self.bar = tqdm(total=total_steps, unit="step", dynamic_ncols=True, disable=show_progress, file=sys.stdout)
+        self.bar = tqdm(total=total_steps, initial=resumed_step, unit="step", dynamic_ncols=True,
+                        disable=show_progress, file=sys.stdout)
         self.plain = self.bar.disable
 
     def write_row(self, row: dict):
@@ -103,6 +110,15 @@ class RunLog:
         plot_losses(self.rows, self.output_dir / "loss.png")
 
 
+def read_rows(path: Path) -> list:
+    """metrics.csv rows with numbers parsed and empty cells as None ([] when there is no file)."""
+    if not path.is_file():
+        return []
+    with open(path, newline="") as f:
+        return [{k: (None if v == "" else int(v) if k in ("step", "epoch") else float(v)) for k, v in row.items()}
+                for row in csv.DictReader(f)]
+
+
 def _fmt(value):
     if value is None:
         return ""
@@ -134,12 +150,12 @@ def plot_losses(rows, path: Path):
 RUN_FILES = ("metrics.csv", "summary.json", "loss.png")
 
 
-def check_output_dir(path: Path, overwrite: bool) -> str:
+def check_output_dir(path: Path, overwrite: bool, resume: bool = False) -> str:
     """Why path cannot take this run's files, or '' when it can (creates it if missing)."""
     existing = [name for name in RUN_FILES if (path / name).exists()]
-    if existing and not overwrite:
+    if existing and not (overwrite or resume):
         return (f"output directory {path} already holds a run ({', '.join(existing)}); "
-                f"pick a new --output_dir or pass --overwrite")
+                f"pick a new --output_dir, --resume auto to continue it, or --overwrite")
     try:
         path.mkdir(parents=True, exist_ok=True)
         probe = path / f".write-test-{distributed.rank()}"

@@ -11,7 +11,7 @@ if __package__ in (None, ""):  # run as `python app/train.py` or by a launcher: 
 import numpy as np
 import torch
 
-from app import config, data, distributed, loop, metrics, models
+from app import checkpoint, config, data, distributed, loop, metrics, models
 from app.errors import UserError
 
 
@@ -24,13 +24,32 @@ def seed_everything(seed: int):
 
 def output_dir_for(settings) -> Path:
     """The run's output directory: the flag, or a fresh timestamped one chosen by rank 0."""
+    if settings.resume == "auto" and not settings.output_dir:
+        raise UserError("--resume auto continues the run in --output_dir; pass the same --output_dir as that run")
+    if settings.resume and settings.resume != "auto" and not settings.output_dir:
+        settings.output_dir = str(Path(settings.resume).resolve().parent.parent)  # <run>/checkpoints/<tag>
     name = settings.output_dir or f"runs/{settings.dataset}-{settings.model}-{time.strftime('%Y%m%d-%H%M%S')}"
     path = Path(distributed.broadcast_object(name))
-    problem = distributed.broadcast_object(metrics.check_output_dir(path, settings.overwrite)
+    problem = distributed.broadcast_object(metrics.check_output_dir(path, settings.overwrite, bool(settings.resume))
                                            if distributed.is_main() else "")
     if problem:
         raise UserError(problem)
     return path
+
+
+def resume(engine, settings, output_dir, record) -> tuple:
+    """Restore the checkpoint --resume names (if any) and return the (epoch, batch) to continue from."""
+    if not settings.resume:
+        return 0, 0
+    folder = checkpoint.find(output_dir, settings.resume)
+    if folder is None:
+        distributed.print0(f"resume: no complete checkpoint in {checkpoint.checkpoint_root(output_dir)}, starting fresh")
+        return 0, 0
+    saved = checkpoint.verify(folder)
+    checkpoint.check_compatible(saved, record, folder)
+    checkpoint.load(engine, folder, saved)
+    distributed.print0(f"resume: {folder} at step {saved['step']}, epoch {saved['epoch']}, batch {saved['batch']}")
+    return saved["epoch"], saved["batch"]
 
 
 def main(argv=None) -> int:
@@ -55,8 +74,13 @@ def main(argv=None) -> int:
         engine = loop.build_engine(model, config.fill_scheduler_length(ds_config, steps))
         distributed.print0(f"mode: {world.reason}; ZeRO stage {engine.zero_optimization_stage()}, "
                            f"global batch {engine.train_batch_size()}, {steps} steps -> {output_dir}")
-        log = metrics.RunLog(output_dir, steps)
-        result = loop.fit(engine, train_loader, eval_loader, settings, log, steps)
+        record = {"model": settings.model, "dataset": settings.dataset, "world_size": world.world_size,
+                  "zero_stage": engine.zero_optimization_stage(), "settings": config.settings_dict(settings),
+                  "deepspeed_config": ds_config}
+        start = resume(engine, settings, output_dir, record)
+        log = metrics.RunLog(output_dir, steps, resumed_step=engine.global_steps)
+        save = lambda position: checkpoint.save(engine, output_dir, position, record, settings.keep_last)  # noqa: E731
+        result = loop.fit(engine, train_loader, eval_loader, settings, log, steps, start, save)
         peak = distributed.all_reduce_max(torch.tensor([metrics.peak_memory_bytes(world.device)]))
         summary = {**result, "world_size": world.world_size, "zero_stage": engine.zero_optimization_stage(),
                    "precision": str(loop.input_dtype(engine)).replace("torch.", ""), "model": settings.model,

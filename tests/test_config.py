@@ -44,9 +44,11 @@ def _differences(a: dict, b: dict, prefix=""):
     ("zero2", "dp", {"zero_optimization.stage", "zero_optimization.overlap_comm",
                      "zero_optimization.contiguous_gradients"}),
     ("zero3", "zero2", {"zero_optimization.stage"}),
-    ("zero2_offload", "zero2", {"zero_optimization.offload_optimizer", "zero_optimization.overlap_comm"}),
+    # offload runs the step in DeepSpeed's CPU Adam, so those files cannot ask for torch's AdamW
+    ("zero2_offload", "zero2", {"zero_optimization.offload_optimizer", "zero_optimization.overlap_comm",
+                                "optimizer.params.torch_adam"}),
     ("zero3_offload", "zero3", {"zero_optimization.offload_optimizer", "zero_optimization.offload_param",
-                                "zero_optimization.overlap_comm"}),
+                                "zero_optimization.overlap_comm", "optimizer.params.torch_adam"}),
     ("bf16", "dp", {"bf16"}),
 ])
 def test_configs_differ_only_in_what_their_names_promise(name, base, allowed):
