@@ -4,6 +4,9 @@ import json
 import os
 import random
 import shutil
+import signal
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -14,7 +17,8 @@ from app.errors import UserError
 
 MANIFEST = "manifest.json"
 STATE = "trainer_state.json"
-LATEST = "latest_complete"
+LATEST = "latest"
+UNIVERSAL = "universal"  # world-size-independent copies made when a run resumes on another world size
 
 
 def checkpoint_root(output_dir: Path) -> Path:
@@ -65,22 +69,37 @@ def _set_rng_state(saved: dict):
         torch.cuda.set_rng_state_all([torch.tensor(s, dtype=torch.uint8) for s in saved["cuda"]])
 
 
+def _fault_point(name: str, step: int):
+    """Kill this rank here when APP_KILL_AT=<name>:<step>[:<rank>] says so (the crash-safety tests use it)."""
+    wanted = os.environ.get("APP_KILL_AT", "").split(":")
+    if len(wanted) >= 2 and wanted[0] == name and int(wanted[1]) == step and \
+            (len(wanted) < 3 or int(wanted[2]) == distributed.rank()):
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
 def save(engine, output_dir: Path, position: dict, record: dict, keep_last: int):
     """Every rank saves its shards and RNG state; rank 0 then seals the checkpoint with a manifest."""
     root = checkpoint_root(output_dir)
     tag = f"step{position['step']:08d}"
-    engine.save_checkpoint(str(root), tag=tag, save_latest=False)
     folder = root / tag
+    if distributed.is_main() and folder.exists():  # what a killed save of this step left behind
+        shutil.rmtree(folder)
+    distributed.barrier()
+    engine.save_checkpoint(str(root), tag=tag, save_latest=False)
+    _fault_point("shards", position["step"])
     (folder / f"rng_rank{distributed.rank():05d}.json").write_text(json.dumps(_rng_state()))
     distributed.barrier()  # every rank's files are on disk before the manifest vouches for them
     if distributed.is_main():
         (folder / STATE).write_text(json.dumps({**position, **record}, indent=2))
         files = sorted(p for p in folder.rglob("*") if p.is_file() and p.name != MANIFEST)
         manifest = {str(p.relative_to(folder)): {"size": p.stat().st_size, "sha256": _sha256(p)} for p in files}
+        _fault_point("manifest", position["step"])
         _atomic_write(folder / MANIFEST, json.dumps(manifest, indent=1))
-        _atomic_write(root / LATEST, tag)
+        _fault_point("pointer", position["step"])
+        _atomic_write(root / LATEST, tag)  # DeepSpeed's own tools read this; it only ever names a whole checkpoint
         for old in complete_checkpoints(root)[:-keep_last] if keep_last else []:
             shutil.rmtree(old)
+            shutil.rmtree(root / UNIVERSAL / old.name, ignore_errors=True)
     distributed.barrier()
 
 
@@ -107,34 +126,83 @@ def verify(folder: Path) -> dict:
 
 
 def find(output_dir: Path, resume: str):
-    """The checkpoint folder to resume from, or None to start fresh ('auto' with nothing saved yet)."""
+    """(folder, saved state) to resume from after checking every file, or (None, None) to start fresh."""
+    if not resume:
+        return None, None
     if resume == "auto":
         found = complete_checkpoints(checkpoint_root(output_dir))
-        return found[-1] if found else None
-    folder = Path(resume)
-    if not folder.is_dir():
-        raise UserError(f"--resume {resume}: no such checkpoint folder; pass a folder under "
-                        f"<output_dir>/checkpoints or --resume auto")
-    return folder
+        if not found:
+            return None, None
+        folder = found[-1]
+    else:
+        folder = Path(resume)
+        if not folder.is_dir():
+            raise UserError(f"--resume {resume}: no such checkpoint folder; pass a folder under "
+                            f"<output_dir>/checkpoints or --resume auto")
+    return folder, verify(folder)
 
 
 def check_compatible(saved: dict, record: dict, folder: Path):
     """Refuse a checkpoint made for another model, dataset or ZeRO stage."""
-    for key in ("model", "dataset", "zero_stage", "world_size"):
+    for key in ("model", "dataset", "zero_stage"):
         if saved.get(key) != record.get(key):
             raise UserError(f"checkpoint {folder} was made with {key}={saved.get(key)!r} but this run has "
                             f"{key}={record.get(key)!r}; use the same settings or start a new --output_dir")
 
 
-def load(engine, folder: Path, saved: dict) -> dict:
-    """Restore engine, optimizer, scheduler and this rank's RNG; return the saved position."""
+def needs_universal(saved: dict, world_size: int) -> bool:
+    """ZeRO partitions optimizer state by world size: another world size needs a universal checkpoint."""
+    return saved["zero_stage"] > 0 and saved["world_size"] != world_size
+
+
+def make_universal(folder: Path) -> Path:
+    """Convert a ZeRO checkpoint with DeepSpeed's ds_to_universal (once, on the main rank); return its folder."""
+    target = folder.parent / UNIVERSAL / folder.name
+    if distributed.is_main() and not (target / MANIFEST).is_file():
+        shutil.rmtree(target, ignore_errors=True)
+        command = [sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder", str(folder),
+                   "--output_folder", str(target), "--inject_missing_state", "--num_extract_workers", "1",
+                   "--num_merge_workers", "1"]
+        done = subprocess.run(command, capture_output=True, text=True)
+        if done.returncode != 0:
+            last = (done.stderr.strip().splitlines() or ["no output"])[-1]
+            raise UserError(f"cannot convert {folder} for world size change ({last}); resume it with "
+                            f"{json.loads((folder / STATE).read_text())['world_size']} rank(s)")
+        for name in (STATE, *(p.name for p in folder.glob("rng_rank*.json"))):
+            shutil.copy(folder / name, target / name)
+        _atomic_write(target / MANIFEST, "{}")  # marks the conversion as finished
+    problem = distributed.broadcast_object("" if target.is_dir() else f"conversion of {folder} failed")
+    if problem:
+        raise UserError(problem)
+    return target
+
+
+def load(engine, folder: Path, saved: dict, world_size: int) -> int:
+    """Restore engine, optimizer, scheduler and RNG; return how many samples of the epoch to skip."""
     path, _ = engine.load_checkpoint(str(folder.parent), tag=folder.name, load_optimizer_states=True,
                                      load_lr_scheduler_states=True)
     if path is None:
         raise UserError(f"DeepSpeed could not load {folder}; it may come from another world size or config")
+    _replay_cpu_adam_steps(engine)
     rng_file = folder / f"rng_rank{distributed.rank():05d}.json"
-    if not rng_file.is_file():
-        raise UserError(f"checkpoint {folder} was saved by {saved.get('world_size')} rank(s); resume it with the "
-                        f"same number of ranks")
-    _set_rng_state(json.loads(rng_file.read_text()))
-    return saved
+    if rng_file.is_file():  # absent for ranks that did not exist when it was saved: they keep the seed
+        _set_rng_state(json.loads(rng_file.read_text()))
+    return saved["batch"] * saved["deepspeed_config"]["train_micro_batch_size_per_gpu"] * saved["world_size"]
+
+
+def _replay_cpu_adam_steps(engine):
+    """Make DeepSpeed's CPU Adam (offload) continue bit-identically after a load.
+
+    Its C++ side keeps beta**step as a running product; a fresh optimizer recomputes it with pow(),
+    which rounds differently. Replaying the step count on empty tensors rebuilds the same product.
+    """
+    from deepspeed.ops.adam import DeepSpeedCPUAdam
+    inner = getattr(engine.optimizer, "optimizer", None)
+    if not isinstance(inner, DeepSpeedCPUAdam):
+        return
+    steps = max((int(state["step"]) for state in inner.state.values() if "step" in state), default=0)
+    group, empty = inner.param_groups[0], torch.empty(0)
+    beta1, beta2 = group["betas"]
+    for step in range(1, steps + 1):
+        inner.ds_opt_adam.adam_update(inner.opt_id, step, group["lr"], beta1, beta2, group["eps"],
+                                      group["weight_decay"], group["bias_correction"], empty, empty, empty, empty)

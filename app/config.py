@@ -52,13 +52,15 @@ class Settings:
     """Pin host memory in the DataLoader (useful on CUDA only)."""
     single_process: bool = False
     """Without a launcher, stay in one process even when several GPUs are present."""
+    grace_period: int = 60
+    """Seconds a SIGTERM/SIGINT'd run may take to finish its step and save before it is ended."""
     dist_timeout: int = 600
     """Seconds a collective may wait before the run fails instead of hanging."""
     deepspeed_config: str = str(DEFAULT_DS_CONFIG)
     """Path of the DeepSpeed JSON file."""
 
     def __post_init__(self):
-        for name in ("epochs", "log_interval", "dist_timeout", "image_size"):
+        for name in ("epochs", "log_interval", "dist_timeout", "image_size", "grace_period"):
             if getattr(self, name) < 1:
                 raise UserError(f"--{name} must be at least 1, got {getattr(self, name)}")
         for name in ("max_steps", "eval_interval", "num_workers", "save_interval", "keep_last"):
@@ -265,6 +267,11 @@ def resolve_batch_sizes(ds: dict, world_size: int, where: str) -> dict:
     ds["train_micro_batch_size_per_gpu"], ds["gradient_accumulation_steps"] = micro, accum
     ds["train_batch_size"] = micro * accum * world_size
     return ds
+
+
+def zero_stage(ds: dict) -> int:
+    """The ZeRO stage a DeepSpeed dict asks for (0 when it names none)."""
+    return int((ds.get("zero_optimization") or {}).get("stage", 0))
 
 
 def fill_scheduler_length(ds: dict, total_steps: int) -> dict:

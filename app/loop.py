@@ -71,16 +71,17 @@ def total_steps(max_steps: int, epochs: int, batches_per_epoch: int, accumulatio
     return steps
 
 
-def fit(engine, train_loader, eval_loader, settings, log, steps: int, start=(0, 0), save=None) -> dict:
-    """Train until `steps` optimizer steps, from (epoch, batch) `start`, logging, evaluating and saving."""
+def fit(engine, train_loader, eval_loader, settings, log, steps: int, start=(0, 0), save=None, stop=None) -> dict:
+    """Train until `steps` optimizer steps (or an agreed stop), from (epoch, batch) `start`, logging,
+    evaluating and saving."""
     dtype = input_dtype(engine)
     meter = Meter(["loss"], engine.device)
     sampler = train_loader.batch_sampler
-    samples, train_s, last_eval = 0.0, 0.0, {}
+    samples, train_s, last_eval, stopped = 0.0, 0.0, {}, False
     epoch, skip = start
     window = time.perf_counter()
     engine.train()
-    while engine.global_steps < steps:
+    while engine.global_steps < steps and not stopped:
         sampler.set_epoch(epoch, skip)
         for batch_index, batch in enumerate(train_loader, start=skip + 1):
             before = engine.global_steps
@@ -89,7 +90,8 @@ def fit(engine, train_loader, eval_loader, settings, log, steps: int, start=(0, 
             if step == before:
                 continue  # inside a gradient accumulation window
             log.advance(1)
-            if step % settings.log_interval == 0 or step == steps:
+            stopped = stop is not None and stop.agreed()
+            if step % settings.log_interval == 0 or step == steps or stopped:
                 result = meter.reduce()
                 elapsed = time.perf_counter() - window
                 samples, train_s = samples + result["count"], train_s + elapsed
@@ -99,20 +101,22 @@ def fit(engine, train_loader, eval_loader, settings, log, steps: int, start=(0, 
             if step == steps or (settings.eval_interval and step % settings.eval_interval == 0):
                 last_eval, spent = _eval_row(engine, eval_loader, dtype, log, step, epoch)
                 window += spent  # evaluation time does not count against training throughput
-            if save and (step == steps or (settings.save_interval and step % settings.save_interval == 0)):
+            if save and (step == steps or stopped or (settings.save_interval and step % settings.save_interval == 0)):
                 started = time.perf_counter()
                 done = batch_index == len(train_loader)
                 save({"step": step, "epoch": epoch + done, "batch": 0 if done else batch_index})
                 window += time.perf_counter() - started
-            if step >= steps:
+            if step >= steps or stopped:
                 break
         else:
             if not settings.eval_interval and engine.global_steps < steps:
                 last_eval, spent = _eval_row(engine, eval_loader, dtype, log, engine.global_steps, epoch)
                 window += spent
         epoch, skip = epoch + 1, 0
+    if stop is not None:
+        stop.finish()
     return {"steps": engine.global_steps, "epochs": epoch, "samples": samples, "train_s": train_s,
-            "samples_per_s": samples / train_s if train_s else 0.0, **last_eval}
+            "samples_per_s": samples / train_s if train_s else 0.0, "stopped_early": stopped, **last_eval}
 
 
 def _eval_row(engine, loader, dtype, log, step, epoch):

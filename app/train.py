@@ -1,5 +1,5 @@
 """Train a model through DeepSpeed: parse, set up, build, fit, tear down."""
-import os
+import dataclasses
 import random
 import sys
 import time
@@ -11,7 +11,7 @@ if __package__ in (None, ""):  # run as `python app/train.py` or by a launcher: 
 import numpy as np
 import torch
 
-from app import checkpoint, config, data, distributed, loop, metrics, models
+from app import checkpoint, config, data, distributed, loop, metrics, models, preemption
 from app.errors import UserError
 
 
@@ -37,24 +37,40 @@ def output_dir_for(settings) -> Path:
     return path
 
 
-def resume(engine, settings, output_dir, record) -> tuple:
-    """Restore the checkpoint --resume names (if any) and return the (epoch, batch) to continue from."""
-    if not settings.resume:
-        return 0, 0
-    folder = checkpoint.find(output_dir, settings.resume)
+def plan_resume(settings, output_dir, ds_config, world):
+    """The checkpoint to resume from (or None) and the DeepSpeed dict that can load it, checked before any build."""
+    folder, saved = checkpoint.find(output_dir, settings.resume)
     if folder is None:
-        distributed.print0(f"resume: no complete checkpoint in {checkpoint.checkpoint_root(output_dir)}, starting fresh")
+        if settings.resume:
+            distributed.print0(f"resume: no complete checkpoint in {checkpoint.checkpoint_root(output_dir)}, "
+                               f"starting fresh")
+        return None, None, ds_config
+    checkpoint.check_compatible(saved, {"model": settings.model, "dataset": settings.dataset,
+                                        "zero_stage": config.zero_stage(ds_config)}, folder)
+    if checkpoint.needs_universal(saved, world.world_size):
+        distributed.print0(f"resume: {folder} was saved by {saved['world_size']} rank(s), this run has "
+                           f"{world.world_size}: converting it to a universal checkpoint")
+        folder = checkpoint.make_universal(folder)
+        ds_config = {**ds_config, "checkpoint": {**ds_config.get("checkpoint", {}), "load_universal": True}}
+    return folder, saved, ds_config
+
+
+def resume(engine, folder, saved, world) -> tuple:
+    """Restore the planned checkpoint (if any) and return the (epoch, batch) to continue from."""
+    if folder is None:
         return 0, 0
-    saved = checkpoint.verify(folder)
-    checkpoint.check_compatible(saved, record, folder)
-    checkpoint.load(engine, folder, saved)
+    samples = checkpoint.load(engine, folder, saved, world.world_size)
+    span = engine.train_micro_batch_size_per_gpu() * world.world_size
+    if samples % span:
+        distributed.print0(f"resume: {samples} samples into the epoch is not a whole number of global micro "
+                           f"batches of {span}; repeating the last {samples % span}")
     distributed.print0(f"resume: {folder} at step {saved['step']}, epoch {saved['epoch']}, batch {saved['batch']}")
-    return saved["epoch"], saved["batch"]
+    return saved["epoch"], samples // span
 
 
 def main(argv=None) -> int:
     """Run one training job; returns the process exit code."""
-    started = time.perf_counter()
+    started, stop = time.perf_counter(), None
     distributed.prepare_environment()
     try:
         settings, ds_config = config.parse(argv)
@@ -71,16 +87,23 @@ def main(argv=None) -> int:
         train_loader = data.build_loader(train_set, micro, shuffle=True, **loader_args)
         eval_loader = data.build_loader(eval_set, micro, shuffle=False, **loader_args)
         steps = loop.total_steps(settings.max_steps, settings.epochs, len(train_loader), accum)
+        folder, saved, ds_config = plan_resume(settings, output_dir, ds_config, world)
         engine = loop.build_engine(model, config.fill_scheduler_length(ds_config, steps))
         distributed.print0(f"mode: {world.reason}; ZeRO stage {engine.zero_optimization_stage()}, "
                            f"global batch {engine.train_batch_size()}, {steps} steps -> {output_dir}")
         record = {"model": settings.model, "dataset": settings.dataset, "world_size": world.world_size,
                   "zero_stage": engine.zero_optimization_stage(), "settings": config.settings_dict(settings),
+                  "data_info": dataclasses.asdict(info),
                   "deepspeed_config": ds_config}
-        start = resume(engine, settings, output_dir, record)
+        start = resume(engine, folder, saved, world)
+        if engine.global_steps >= steps:
+            distributed.print0(f"nothing to do: the checkpoint is at step {engine.global_steps} and this run ends at "
+                               f"step {steps}; raise --max_steps or --epochs to train further")
+            return 0
+        stop = preemption.StopRequest(settings.grace_period, world.device, world.launcher != "none")
         log = metrics.RunLog(output_dir, steps, resumed_step=engine.global_steps)
         save = lambda position: checkpoint.save(engine, output_dir, position, record, settings.keep_last)  # noqa: E731
-        result = loop.fit(engine, train_loader, eval_loader, settings, log, steps, start, save)
+        result = loop.fit(engine, train_loader, eval_loader, settings, log, steps, start, save, stop)
         peak = distributed.all_reduce_max(torch.tensor([metrics.peak_memory_bytes(world.device)]))
         summary = {**result, "world_size": world.world_size, "zero_stage": engine.zero_optimization_stage(),
                    "precision": str(loop.input_dtype(engine)).replace("torch.", ""), "model": settings.model,
@@ -88,6 +111,10 @@ def main(argv=None) -> int:
                    "launcher": world.launcher, "peak_memory_bytes": int(peak.item()),
                    "wall_s": time.perf_counter() - started}
         log.finish(summary)
+        if result["stopped_early"]:
+            distributed.print0(f"stopped at step {summary['steps']} on request ({stop.reason or 'another rank'}); "
+                               f"checkpoint saved; continue with --resume auto --output_dir {output_dir}")
+            return 0
         distributed.print0(f"done: eval_loss {summary.get('eval_loss', float('nan')):.4f} eval_accuracy "
                            f"{summary.get('eval_accuracy', float('nan')):.4f} {summary['samples_per_s']:.0f} "
                            f"samples/s in {summary['wall_s']:.1f} s; files in {output_dir}")
@@ -96,6 +123,8 @@ def main(argv=None) -> int:
         report(e)
         return 2
     finally:
+        if stop is not None:
+            stop.close()
         distributed.teardown()
 
 

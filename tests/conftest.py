@@ -67,6 +67,27 @@ def config_variant(tmp_path: Path, name: str, **changes) -> Path:
     return path
 
 
+# The standard 2-rank run of a ds_config: 2 epochs of 23 steps (1,437 digits / (32 x 2 ranks)), a
+# metrics row every step and a checkpoint every 5. The end-to-end and the resume tests share it.
+TWO_RANK_ARGS = ["--epochs", 2, "--log_interval", 1, "--save_interval", 5, "--keep_last", 3]
+TWO_RANK_STEPS = 46
+
+
+@pytest.fixture(scope="session")
+def two_rank_run(tmp_path_factory):
+    """name -> (output_dir, stdout) of the standard 2-rank run of ds_configs/<name>.json, made once."""
+    done = {}
+
+    def get(name):
+        if name not in done:
+            out = tmp_path_factory.mktemp(f"two-rank-{name}") / "run"
+            result = train("deepspeed", 2, "--deepspeed_config", REPO / "ds_configs" / f"{name}.json",
+                           *TWO_RANK_ARGS, "--output_dir", out)
+            done[name] = out, result.stdout
+        return done[name]
+    return get
+
+
 @pytest.fixture
 def repo():
     return REPO

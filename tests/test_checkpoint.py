@@ -1,57 +1,53 @@
-"""Checkpoints: a run killed with -9 and resumed computes exactly what an uninterrupted run does."""
+"""Checkpoints: crash-safe saves, exact resume after kills, world size changes, refusal of bad checkpoints."""
 import json
-import os
-import signal
 import subprocess
-import time
 
 import pytest
 import torch
 
-from conftest import REPO, read_metrics, run, train, train_command
-
-STEPS = ["--max_steps", 150, "--log_interval", 1, "--save_interval", 10, "--keep_last", 2]
-
-
-def _kill_after_checkpoint(cmd, root, at_least):
-    """Start cmd, wait until a checkpoint of step >= at_least is complete, then kill -9 every process."""
-    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)
-    pointer = root / "checkpoints" / "latest_complete"
-    deadline = time.time() + 300
-    while time.time() < deadline and proc.poll() is None:
-        if pointer.exists() and int(pointer.read_text()[4:]) >= at_least:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-            return int(pointer.read_text()[4:])
-        time.sleep(0.02)
-    raise AssertionError(f"no checkpoint of step {at_least} appeared; exit {proc.poll()}: {proc.stderr.read()[-3000:]}")
+from app.export import fp32_state_dict
+from conftest import REPO, TWO_RANK_ARGS, TWO_RANK_STEPS, read_metrics, run, train, train_command
 
 
-def _weights(folder):
-    state = torch.load(folder / "mp_rank_00_model_states.pt", map_location="cpu", weights_only=False)["module"]
-    return state
+def assert_same_run(expected, got, steps=TWO_RANK_STEPS):
+    """Per-step losses identical (==) and the final weights identical."""
+    want, have = read_metrics(expected)[0], read_metrics(got)[0]
+    assert [r["step"] for r in have] == list(range(1, steps + 1)), "metrics.csv holds each step once"
+    assert [r["loss"] for r in have] == [r["loss"] for r in want], "per-step losses identical"
+    final = f"checkpoints/step{steps:08d}"
+    a, b = fp32_state_dict(expected / final), fp32_state_dict(got / final)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), "final weights identical"
 
 
-@pytest.mark.parametrize("name", ["dp", "zero2"])
-def test_kill_and_resume_is_exact(name, tmp_path):
-    config = REPO / "ds_configs" / f"{name}.json"
-    whole, broken = tmp_path / "whole", tmp_path / "broken"
-    train("deepspeed", 2, "--deepspeed_config", config, *STEPS, "--output_dir", whole)
-    saved_at = _kill_after_checkpoint(
-        train_command("deepspeed", 2, "--deepspeed_config", config, *STEPS, "--output_dir", broken), broken, 40)
-    assert saved_at < 150, "the kill landed before the run finished"
-    result = train("deepspeed", 2, "--deepspeed_config", config, *STEPS, "--output_dir", broken, "--resume", "auto")
-    assert f"resume: {broken / 'checkpoints' / f'step{saved_at:08d}'}" in result.stdout
-    expected, got = read_metrics(whole)[0], read_metrics(broken)[0]
-    assert [r["step"] for r in got] == list(range(1, 151)), "metrics.csv holds each step once"
-    assert [r["loss"] for r in got] == [r["loss"] for r in expected], "per-step losses identical"
-    final = "checkpoints/step00000150"
-    if name == "dp":
-        a, b = _weights(whole / final), _weights(broken / final)
-        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
-    kept = sorted(p.name for p in (broken / "checkpoints").glob("step*"))
-    assert kept[-2:] == ["step00000140", "step00000150"] and len(kept) <= 3, kept
+# Where each config's run is killed with SIGKILL (APP_KILL_AT=<moment>:<step>:<rank>) and which
+# checkpoint the resumed run must then start from: a save is only used once it is whole.
+KILLS = {
+    "dp": ("shards:20:1", 15),          # rank 1 dies right after writing its shards
+    "zero1": ("manifest:20:0", 15),     # every shard written, rank 0 dies before the manifest
+    "zero2": ("pointer:20:0", 20),      # manifest written, rank 0 dies before the pointer: still whole
+    "zero3": ("shards:20:0", 15),       # rank 0 dies with its shards written, rank 1 waiting
+    "zero2_offload": ("shards:20:1", 15),
+}
+
+
+@pytest.mark.parametrize("name", sorted(KILLS))
+def test_killed_during_save_then_resumed_is_exact(name, tmp_path, two_rank_run):
+    """Resumed mid-epoch (step 15 or 20 of 23), the run crosses the epoch boundary exactly as the whole run did."""
+    config, (moment, resume_step) = REPO / "ds_configs" / f"{name}.json", KILLS[name]
+    out = tmp_path / "run"
+    killed = run(train_command("deepspeed", 2, "--deepspeed_config", config, *TWO_RANK_ARGS, "--output_dir", out),
+                 APP_KILL_AT=moment)
+    assert killed.returncode != 0, "the run was killed"
+    complete = sorted(p.parent.name for p in (out / "checkpoints").glob("step*/manifest.json"))
+    assert complete[-1] == f"step{resume_step:08d}", complete
+    pointer = (out / "checkpoints" / "latest").read_text()
+    assert pointer == ("step00000015" if moment.startswith("pointer") else complete[-1]), "latest names a whole one"
+    result = train("deepspeed", 2, "--deepspeed_config", config, *TWO_RANK_ARGS, "--output_dir", out,
+                   "--resume", "auto")
+    assert f"resume: {out / 'checkpoints' / f'step{resume_step:08d}'} at step {resume_step}" in result.stdout
+    assert_same_run(two_rank_run(name)[0], out)
+    kept = sorted(p.name for p in (out / "checkpoints").glob("step*"))
+    assert kept == ["step00000040", "step00000045", "step00000046"], "--keep_last 3"
 
 
 @pytest.fixture(scope="module")
@@ -67,15 +63,28 @@ def _fails(result, text):
     assert len(errors) == 1 and text in errors[0], result.stderr
 
 
-def test_damaged_checkpoint_is_refused(saved_run, tmp_path):
-    damaged = tmp_path / "run"
-    subprocess.run(["cp", "-r", str(saved_run), str(damaged)], check=True)
+def _copy(saved_run, tmp_path):
+    copy = tmp_path / "run"
+    subprocess.run(["cp", "-r", str(saved_run), str(copy)], check=True)
+    return copy, {p: p.read_bytes() for p in copy.rglob("*") if p.is_file()}
+
+
+def _untouched(before):
+    assert all(p.read_bytes() == data for p, data in before.items()), "nothing of the run was overwritten"
+
+
+@pytest.mark.parametrize("damage, text", [
+    ("truncate", "mp_rank_00_model_states.pt does not match its manifest"),
+    ("delete", "mp_rank_00_model_states.pt is missing"),
+])
+def test_damaged_checkpoint_is_refused(damage, text, saved_run, tmp_path):
+    damaged, _ = _copy(saved_run, tmp_path)
     shard = damaged / "checkpoints" / "step00000004" / "mp_rank_00_model_states.pt"
-    shard.write_bytes(shard.read_bytes()[:100])
-    before = (damaged / "metrics.csv").read_bytes()
+    shard.write_bytes(shard.read_bytes()[:100]) if damage == "truncate" else shard.unlink()
+    before = {p: p.read_bytes() for p in damaged.rglob("*") if p.is_file()}
     result = run(train_command("python", 1, "--max_steps", 6, "--output_dir", damaged, "--resume", "auto"))
-    _fails(result, "does not match its manifest")
-    assert (damaged / "metrics.csv").read_bytes() == before
+    _fails(result, text)
+    _untouched(before)
 
 
 def test_resume_path_that_is_not_a_checkpoint(saved_run, tmp_path):
@@ -83,10 +92,15 @@ def test_resume_path_that_is_not_a_checkpoint(saved_run, tmp_path):
     _fails(result, "is not a complete checkpoint")
 
 
-def test_checkpoint_of_another_model_is_refused(saved_run, tmp_path):
-    result = run(train_command("python", 1, "--model", "mlp", "--max_steps", 6, "--output_dir", saved_run,
-                               "--resume", "auto"))
-    _fails(result, "was made with model='cnn' but this run has model='mlp'")
+@pytest.mark.parametrize("args, text", [
+    (["--model", "mlp"], "was made with model='cnn' but this run has model='mlp'"),
+    (["--deepspeed_config", REPO / "ds_configs" / "zero2.json"], "zero_stage=0 but this run has zero_stage=2"),
+])
+def test_checkpoint_of_another_setup_is_refused(args, text, saved_run, tmp_path):
+    copy, before = _copy(saved_run, tmp_path)
+    result = run(train_command("python", 1, *args, "--max_steps", 6, "--output_dir", copy, "--resume", "auto"))
+    _fails(result, text)
+    _untouched(before)
 
 
 def test_resume_auto_without_checkpoints_starts_fresh(tmp_path):
@@ -94,3 +108,21 @@ def test_resume_auto_without_checkpoints_starts_fresh(tmp_path):
     assert "no complete checkpoint" in result.stdout and "starting fresh" in result.stdout
     manifest = json.loads((tmp_path / "new" / "checkpoints" / "step00000002" / "manifest.json").read_text())
     assert {"mp_rank_00_model_states.pt", "trainer_state.json", "rng_rank00000.json"} <= set(manifest)
+    assert (tmp_path / "new" / "checkpoints" / "latest").read_text() == "step00000002"
+
+
+@pytest.mark.parametrize("name, before, after", [("zero2", 2, 1), ("zero3", 1, 2)])
+def test_resume_at_another_world_size(name, before, after, tmp_path):
+    """ZeRO state saved by N ranks continues on M ranks through a universal checkpoint."""
+    config, out = REPO / "ds_configs" / f"{name}.json", tmp_path / "run"
+    launcher = {1: "python", 2: "deepspeed"}
+    train(launcher[before], before, "--deepspeed_config", config, "--max_steps", 10, "--log_interval", 1,
+          "--output_dir", out)
+    result = train(launcher[after], after, "--deepspeed_config", config, "--max_steps", 20, "--log_interval", 1,
+                   "--output_dir", out, "--resume", "auto")
+    assert f"saved by {before} rank(s), this run has {after}: converting it to a universal checkpoint" in result.stdout
+    assert "at step 10" in result.stdout
+    rows = read_metrics(out)[0]
+    assert [r["step"] for r in rows] == list(range(1, 21))
+    assert rows[-1]["loss"] < rows[9]["loss"] < rows[0]["loss"], "training goes on from where it was"
+    assert json.loads((out / "summary.json").read_text())["world_size"] == after

@@ -3,7 +3,7 @@ import json
 
 import pytest
 
-from conftest import REPO, config_variant, read_metrics, read_summary, train
+from conftest import REPO, TWO_RANK_STEPS, config_variant, read_metrics, read_summary, train
 
 CONFIGS = sorted(p.stem for p in (REPO / "ds_configs").glob("*.json"))
 STAGE = {"dp": 0, "bf16": 0, "zero1": 1, "zero2": 2, "zero3": 3, "zero2_offload": 2, "zero3_offload": 3}
@@ -14,17 +14,16 @@ def test_every_config_is_covered():
 
 
 @pytest.mark.parametrize("name", CONFIGS)
-def test_config_trains_with_two_ranks(name, tmp_path):
+def test_config_trains_with_two_ranks(name, two_rank_run):
     """Every ds_config trains the digits CNN with 2 gloo ranks through the deepspeed launcher."""
-    out = tmp_path / "run"
-    result = train("deepspeed", 2, "--deepspeed_config", REPO / "ds_configs" / f"{name}.json",
-                   "--epochs", 2, "--log_interval", 5, "--output_dir", out)
+    out, stdout = two_rank_run(name)
     train_rows, eval_rows = read_metrics(out)
     summary = read_summary(out)
     assert summary["world_size"] == 2 and summary["zero_stage"] == STAGE[name]
     assert summary["precision"] == ("bfloat16" if "bf16" in name else "float32")
-    assert summary["steps"] == 2 * 23  # 1437 samples / (32 x 2 ranks) = 23 steps per epoch
+    assert summary["steps"] == TWO_RANK_STEPS == 2 * 23  # 1437 samples / (32 x 2 ranks) = 23 steps per epoch
     assert len(eval_rows) == 2, "one evaluation per epoch"
+    assert [r["step"] for r in train_rows] == list(range(1, TWO_RANK_STEPS + 1))
     assert train_rows[-1]["loss"] < 0.6 * train_rows[0]["loss"], "the loss falls"
     assert summary["eval_accuracy"] > 0.8, summary
     assert summary["samples_per_s"] > 0 and summary["peak_memory_bytes"] > 0 and summary["wall_s"] > 0
@@ -32,8 +31,8 @@ def test_config_trains_with_two_ranks(name, tmp_path):
     assert (out / "loss.png").stat().st_size > 1000
     assert list((out / "tensorboard").glob("events.out.tfevents.*"))
     # only rank 0 prints: the mode line and every metrics line appear once
-    assert result.stdout.count("mode: started by deepspeed") == 1
-    assert result.stdout.count("step 5 epoch 0 loss") == 1
+    assert stdout.count("mode: started by deepspeed") == 1
+    assert stdout.count("step 5 epoch 0 loss") == 1
 
 
 def test_python_without_launcher_uses_one_cpu_process(tmp_path):

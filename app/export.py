@@ -1,0 +1,61 @@
+"""Export a checkpoint as a plain fp32 state dict in safetensors: python -m app.export <checkpoint> <out>."""
+import argparse
+import json
+import sys
+from pathlib import Path
+
+if __package__ in (None, ""):
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import torch
+
+from app import checkpoint
+from app.errors import UserError
+
+MODEL_STATES = "mp_rank_00_model_states.pt"
+
+
+def fp32_state_dict(folder: Path) -> dict:
+    """The model's full fp32 weights from a checkpoint folder of any ZeRO stage."""
+    if any(folder.glob("*optim_states.pt")):
+        # ZeRO 1-3 (and bf16, whose fp32 master copies live in partitioned optimizer files)
+        from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+        return get_fp32_state_dict_from_zero_checkpoint(str(folder.parent), tag=folder.name)
+    # ZeRO stage 0 keeps the whole module in one file, which DeepSpeed's own converter refuses.
+    states = torch.load(folder / MODEL_STATES, map_location="cpu", weights_only=True)
+    return {name: tensor.float() for name, tensor in states["module"].items()}
+
+
+def export(folder: Path, out: Path) -> dict:
+    """Verify the checkpoint, then write its fp32 weights to out with the run's record as metadata."""
+    from safetensors.torch import save_file
+    saved = checkpoint.verify(folder)
+    if out.exists():
+        raise UserError(f"{out} already exists; pick a new output path")
+    state = {name: tensor.detach().to(torch.float32).contiguous().clone() for name, tensor in
+             fp32_state_dict(folder).items()}
+    meta = {key: json.dumps(saved[key]) for key in ("model", "dataset", "step", "zero_stage", "world_size")}
+    meta["data_info"] = json.dumps(saved.get("data_info"))
+    out.parent.mkdir(parents=True, exist_ok=True)
+    save_file(state, str(out), metadata=meta)
+    return state
+
+
+def main(argv=None) -> int:
+    """Command-line entry point; returns the exit code."""
+    parser = argparse.ArgumentParser(prog="python -m app.export", description=__doc__)
+    parser.add_argument("checkpoint", type=Path, help="a checkpoint folder, e.g. <output_dir>/checkpoints/step00000100")
+    parser.add_argument("out", type=Path, help="the .safetensors file to write")
+    args = parser.parse_args(argv)
+    try:
+        state = export(args.checkpoint, args.out)
+    except UserError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    count = sum(t.numel() for t in state.values())
+    print(f"wrote {len(state)} tensors ({count:,} fp32 parameters) to {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,97 @@
+"""Export: the fp32 weights of any ZeRO stage's checkpoint, equal to the live model's, loadable without DeepSpeed."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+from conftest import REPO, free_port, run
+
+CONFIGS = ["dp", "zero1", "zero2", "zero3", "zero3_offload", "bf16"]
+
+
+def _save_and_record(rank, world, port, out):
+    """On each rank: train each config 3 steps, save a checkpoint, and keep rank 0's view of the live weights."""
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_SIZE=str(world),
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    from app import checkpoint, config, distributed, loop, models
+    from app.data import DataInfo
+    distributed.prepare_environment()
+    # loaded before the group exists, as the app does: DeepSpeed's own check then counts one rank
+    configs = {name: config.load_ds_config(REPO / "ds_configs" / f"{name}.json") for name in CONFIGS}
+    distributed.setup(timeout_s=120)
+    import deepspeed
+    info = DataInfo(10, 1, 8)
+    for name in CONFIGS:
+        torch.manual_seed(0)
+        ds = config.resolve_batch_sizes(configs[name], world, name)
+        engine = loop.build_engine(models.build_model("cnn", info), config.fill_scheduler_length(ds, 10))
+        for step in range(3):
+            gen = torch.Generator().manual_seed(step * world + rank)
+            x = torch.randn(8, 1, 8, 8, generator=gen).to(loop.input_dtype(engine))
+            y = torch.randint(0, 10, (8,), generator=gen)
+            engine.backward(models.per_sample_loss(engine(x), y).mean())
+            engine.step()
+        record = {"model": "cnn", "dataset": "digits", "world_size": world, "zero_stage": config.zero_stage(ds),
+                  "data_info": {"num_classes": 10, "in_channels": 1, "image_size": 8}, "deepspeed_config": ds}
+        checkpoint.save(engine, out / name, {"step": 3, "epoch": 0, "batch": 3}, record, keep_last=0)
+        params = list(engine.module.parameters())
+        with deepspeed.zero.GatheredParameters(params, enabled=config.zero_stage(ds) == 3):
+            live = {n: p.detach().clone() for n, p in engine.module.named_parameters()}
+        if rank == 0:
+            torch.save(live, out / name / "live.pt")
+    distributed.teardown()
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    out = tmp_path_factory.mktemp("export")
+    mp.start_processes(_save_and_record, args=(2, free_port(), out), nprocs=2, join=True, start_method="spawn")
+    return out
+
+
+@pytest.mark.parametrize("name", CONFIGS)
+def test_exported_weights_equal_the_live_weights(name, saved, tmp_path):
+    folder, target = saved / name / "checkpoints" / "step00000003", tmp_path / f"{name}.safetensors"
+    result = run([sys.executable, "-m", "app.export", folder, target])
+    assert result.returncode == 0, result.stderr
+    from safetensors.torch import load_file
+    exported, live = load_file(target), torch.load(saved / name / "live.pt")
+    assert exported.keys() == live.keys()
+    for key, tensor in exported.items():
+        assert tensor.dtype == torch.float32
+        if name == "bf16":  # the engine computes with bf16 copies of the exported fp32 master weights
+            assert torch.equal(tensor.to(torch.bfloat16), live[key]), key
+        else:
+            assert torch.equal(tensor, live[key]), key
+
+
+def test_export_loads_without_deepspeed(saved, tmp_path):
+    target = tmp_path / "cnn.safetensors"
+    assert run([sys.executable, "-m", "app.export", saved / "zero3" / "checkpoints" / "step00000003", target]
+               ).returncode == 0
+    script = (
+        "import sys, json; sys.modules['deepspeed'] = None\n"  # any import of deepspeed now fails
+        "from safetensors import safe_open\n"
+        "from safetensors.torch import load_file\n"
+        "from app.data import DataInfo\n"
+        "from app.models import build_model\n"
+        f"meta = safe_open({str(target)!r}, 'pt').metadata()\n"
+        "model = build_model(json.loads(meta['model']), DataInfo(**json.loads(meta['data_info'])))\n"
+        f"model.load_state_dict(load_file({str(target)!r}), strict=True)\n"
+        "print('loaded', sum(p.numel() for p in model.parameters()))\n")
+    result = subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True)
+    assert result.returncode == 0 and result.stdout.startswith("loaded "), result.stderr
+
+
+def test_export_refuses_to_overwrite_and_non_checkpoints(saved, tmp_path):
+    target = tmp_path / "keep.safetensors"
+    target.write_text("mine")
+    result = run([sys.executable, "-m", "app.export", saved / "dp" / "checkpoints" / "step00000003", target])
+    assert result.returncode != 0 and "already exists" in result.stderr and target.read_text() == "mine"
+    result = run([sys.executable, "-m", "app.export", tmp_path, tmp_path / "x.safetensors"])
+    assert result.returncode != 0 and "is not a complete checkpoint" in result.stderr
+    assert "Traceback" not in result.stderr
