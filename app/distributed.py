@@ -106,8 +106,25 @@ def setup(single_process: bool = False, timeout_s: int = 600) -> World:
     deepspeed.utils.logger.setLevel(logging.WARNING if rank == 0 else logging.ERROR)
     deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False, verbose=False,
                                timeout=datetime.timedelta(seconds=timeout_s))
+    _drop_deepspeed_shm_names(rank, local_world_size == world_size)
     reason += f"; {world_size} rank(s), {backend} on {device.type}"
     return World(rank, local_rank, world_size, local_world_size, device, backend, launcher, reason)
+
+
+def _drop_deepspeed_shm_names(rank: int, all_local: bool):
+    """Remove the name of this rank's /dev/shm segment once every rank has mapped them all.
+
+    On CPU, DeepSpeed's comm backend gives each rank of an all-local group a 69 MB shared-memory
+    segment (for its inference all-reduce) and never removes it: every run would leave them behind
+    until /dev/shm fills the machine's memory. The mappings stay valid after the name is gone.
+    """
+    path = f"/dev/shm/deepspeed_allreduce_buffer_{os.getuid()}_{os.environ.get('MASTER_ADDR')}_" \
+           f"{os.environ.get('MASTER_PORT')}_{rank}"
+    if torch.cuda.is_available() or not all_local:
+        return
+    barrier()
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(path)
 
 
 def rank() -> int:

@@ -1,0 +1,152 @@
+"""Check the process group: every collective verified, then latency and bus bandwidth by message size.
+
+Launched exactly like training, e.g. `deepspeed --num_gpus 2 app/commcheck.py` or `torchrun ... app/commcheck.py`.
+"""
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+if __package__ in (None, ""):
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import torch
+import torch.distributed as dist
+
+from app import distributed
+
+
+def _filled(value, device, n=4):
+    return torch.full((n,), float(value), device=device)
+
+
+def _check(name, got, want):
+    if not torch.equal(got.cpu(), torch.as_tensor(want, dtype=got.dtype).expand_as(got.cpu())):
+        raise AssertionError(f"{name}: rank {dist.get_rank()} got {got.tolist()}, expected {want}")
+
+
+def verify_primitives(device) -> list:
+    """Run each primitive once with values whose right answer is known; return the names checked."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    ranks = list(range(world))
+    dist.barrier()
+    checked = ["rank and world size", "barrier"]
+    if world > 1:  # a ring: send to the next rank, receive from the previous one
+        nxt, prev = (rank + 1) % world, (rank - 1) % world
+        out, into = _filled(rank, device), _filled(-1, device)
+        if rank % 2 == 0:
+            dist.send(out, nxt)
+            dist.recv(into, prev)
+        else:
+            dist.recv(into, prev)
+            dist.send(out, nxt)
+        _check("send/recv", into, prev)
+        into = _filled(-1, device)
+        for work in (dist.isend(_filled(rank * 10, device), nxt), dist.irecv(into, prev)):
+            work.wait()
+        _check("isend/irecv", into, prev * 10)
+        checked += ["send/recv", "isend/irecv"]
+    value = _filled(rank + 7, device)
+    dist.broadcast(value, src=0)
+    _check("broadcast", value, 7)
+    for op, want in ((dist.ReduceOp.SUM, sum(r + 1 for r in ranks)), (dist.ReduceOp.MAX, world),
+                     (dist.ReduceOp.MIN, 1), (dist.ReduceOp.PRODUCT, float(torch.arange(1, world + 1).prod()))):
+        value = _filled(rank + 1, device)
+        dist.all_reduce(value, op=op)
+        _check(f"all_reduce {op}", value, want)
+    value = _filled(rank + 1, device)
+    dist.reduce(value, dst=0, op=dist.ReduceOp.SUM)
+    if rank == 0:
+        _check("reduce", value, sum(r + 1 for r in ranks))
+    parts = [_filled(-1, device) for _ in ranks]
+    dist.all_gather(parts, _filled(rank, device))
+    for r, part in enumerate(parts):
+        _check("all_gather", part, r)
+    parts = [_filled(-1, device) for _ in ranks] if rank == 0 else None
+    dist.gather(_filled(rank * 3, device), parts, dst=0)
+    if rank == 0:
+        for r, part in enumerate(parts):
+            _check("gather", part, r * 3)
+    into = _filled(-1, device)
+    dist.scatter(into, [_filled(r * 5, device) for r in ranks] if rank == 0 else None, src=0)
+    _check("scatter", into, rank * 5)
+    evens = [r for r in ranks if r % 2 == 0]
+    group = dist.new_group(evens)  # every rank takes part in creating it, members only in using it
+    if rank in evens:
+        value = _filled(1, device)
+        dist.all_reduce(value, group=group)
+        _check("all_reduce in new_group", value, len(evens))
+    dist.barrier()
+    checked += ["broadcast", "all_reduce sum/max/min/product", "reduce", "all_gather", "gather", "scatter",
+                "new_group subgroup"]
+    return checked
+
+
+# Bus bandwidth factor per collective, as the NCCL tests define it: the bytes each link carries.
+BUS_FACTOR = {"all_reduce": lambda n: 2 * (n - 1) / n, "all_gather": lambda n: (n - 1) / n,
+              "broadcast": lambda n: 1.0}
+
+
+def _timed(op, tensor, world, device, iters):
+    parts = [torch.empty_like(tensor) for _ in range(world)]
+    run = {"all_reduce": lambda: dist.all_reduce(tensor), "broadcast": lambda: dist.broadcast(tensor, src=0),
+           "all_gather": lambda: dist.all_gather(parts, tensor)}[op]
+    for _ in range(2):
+        run()
+    times = []
+    for _ in range(iters):
+        _sync(device)
+        start = time.perf_counter()
+        run()
+        _sync(device)
+        times.append(time.perf_counter() - start)
+    # the slowest rank's median is what the collective cost
+    return distributed.all_reduce_max(torch.tensor([statistics.median(times)], dtype=torch.float64)).item()
+
+
+def _sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def measure(device, sizes, iters) -> list:
+    """(op, bytes, seconds, algorithm GB/s, bus GB/s) rows for each collective and message size."""
+    world, rows = dist.get_world_size(), []
+    for op in BUS_FACTOR:
+        for size in sizes:
+            tensor = torch.ones(max(1, size // 4), dtype=torch.float32, device=device)
+            seconds = _timed(op, tensor, world, device, iters)
+            nbytes = tensor.numel() * 4
+            algbw = nbytes / seconds / 1e9
+            rows.append((op, nbytes, seconds, algbw, algbw * BUS_FACTOR[op](world)))
+    return rows
+
+
+def main(argv=None) -> int:
+    """Verify the primitives, then print the bandwidth table on rank 0; returns the exit code."""
+    parser = argparse.ArgumentParser(prog="commcheck.py", description=__doc__)
+    parser.add_argument("--sizes", default="8,1024,65536,1048576,8388608",
+                        help="message sizes in bytes, comma separated (default: %(default)s)")
+    parser.add_argument("--iters", type=int, default=20, help="timed repetitions per size (default: %(default)s)")
+    parser.add_argument("--local_rank", type=int, default=-1, help="set by the deepspeed launcher; unused")
+    args = parser.parse_args(argv)
+    distributed.prepare_environment()
+    try:
+        world = distributed.setup()
+        checked = verify_primitives(world.device)
+        distributed.print0(f"{world.reason}\nverified on {world.world_size} rank(s): {', '.join(checked)}")
+        rows = measure(world.device, [int(s) for s in args.sizes.split(",")], args.iters)
+        distributed.print0(f"{'collective':<12}{'bytes':>12}{'time (us)':>12}{'algbw GB/s':>12}{'busbw GB/s':>12}")
+        for op, nbytes, seconds, algbw, busbw in rows:
+            distributed.print0(f"{op:<12}{nbytes:>12}{seconds * 1e6:>12.1f}{algbw:>12.3f}{busbw:>12.3f}")
+        return 0
+    except AssertionError as e:
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        return 1
+    finally:
+        distributed.teardown()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
