@@ -158,26 +158,29 @@ def needs_universal(saved: dict, world_size: int) -> bool:
 def make_universal(folder: Path) -> Path:
     """Convert a ZeRO checkpoint with DeepSpeed's ds_to_universal (once, on the main rank); return its folder."""
     target = folder.parent / UNIVERSAL / folder.name
+    problem = ""
     if distributed.is_main() and not (target / MANIFEST).is_file():
         shutil.rmtree(target, ignore_errors=True)
         command = [sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder", str(folder),
                    "--output_folder", str(target), "--inject_missing_state", "--num_extract_workers", "1",
                    "--num_merge_workers", "1"]
         done = subprocess.run(command, capture_output=True, text=True)
-        if done.returncode != 0:
+        if done.returncode == 0:
+            for name in (STATE, *(p.name for p in folder.glob("rng_rank*.json"))):
+                shutil.copy(folder / name, target / name)
+            _atomic_write(target / MANIFEST, "{}")  # marks the conversion as finished
+        else:
             last = (done.stderr.strip().splitlines() or ["no output"])[-1]
-            raise UserError(f"cannot convert {folder} for world size change ({last}); resume it with "
-                            f"{json.loads((folder / STATE).read_text())['world_size']} rank(s)")
-        for name in (STATE, *(p.name for p in folder.glob("rng_rank*.json"))):
-            shutil.copy(folder / name, target / name)
-        _atomic_write(target / MANIFEST, "{}")  # marks the conversion as finished
-    problem = distributed.broadcast_object("" if target.is_dir() else f"conversion of {folder} failed")
+            saved_world = json.loads((folder / STATE).read_text())["world_size"]
+            problem = (f"DeepSpeed cannot convert {folder} to another world size ({last}); "
+                       f"resume it with {saved_world} rank(s)")
+    problem = distributed.broadcast_object(problem)
     if problem:
         raise UserError(problem)
     return target
 
 
-def load(engine, folder: Path, saved: dict, world_size: int) -> int:
+def load(engine, folder: Path, saved: dict) -> int:
     """Restore engine, optimizer, scheduler and RNG; return how many samples of the epoch to skip."""
     path, _ = engine.load_checkpoint(str(folder.parent), tag=folder.name, load_optimizer_states=True,
                                      load_lr_scheduler_states=True)

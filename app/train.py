@@ -59,7 +59,7 @@ def resume(engine, folder, saved, world) -> tuple:
     """Restore the planned checkpoint (if any) and return the (epoch, batch) to continue from."""
     if folder is None:
         return 0, 0
-    samples = checkpoint.load(engine, folder, saved, world.world_size)
+    samples = checkpoint.load(engine, folder, saved)
     span = engine.train_micro_batch_size_per_gpu() * world.world_size
     if samples % span:
         distributed.print0(f"resume: {samples} samples into the epoch is not a whole number of global micro "

@@ -10,10 +10,11 @@ import pytest
 from conftest import REPO, TWO_RANK_ARGS, TWO_RANK_STEPS, read_metrics, train, train_command
 
 STEPS = 200  # long enough that the signal lands mid-run on this machine
+LONG_RUN = ["--max_steps", STEPS, "--log_interval", 1]
 
 
 def _start(out, *args):
-    cmd = train_command("deepspeed", 2, *(args or ("--max_steps", STEPS, "--log_interval", 1)), "--output_dir", out)
+    cmd = train_command("deepspeed", 2, *args, "--output_dir", out)
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     return subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True, env=env)
@@ -76,7 +77,7 @@ def test_sigterm_to_one_rank_saves_and_resumes_exactly(tmp_path, two_rank_run):
 @pytest.mark.parametrize("how", ["SIGTERM to the launcher", "SIGINT to the process group"])
 def test_signal_to_the_launcher_saves_within_the_grace_period(how, tmp_path):
     out = tmp_path / "run"
-    launcher = _start(out, "--grace_period", 20)
+    launcher = _start(out, *LONG_RUN, "--grace_period", 20)
     ranks = _ranks(launcher)
     _wait_for_step(out, 20, launcher)
     sent = time.time()
@@ -96,7 +97,7 @@ def test_signal_to_the_launcher_saves_within_the_grace_period(how, tmp_path):
 
 def test_kill_9_of_one_rank_ends_the_run_fast(tmp_path):
     out = tmp_path / "run"
-    launcher = _start(out)
+    launcher = _start(out, *LONG_RUN)
     ranks = _ranks(launcher)
     _wait_for_step(out, 20, launcher)
     killed = time.time()
