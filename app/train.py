@@ -1,5 +1,6 @@
 """Train a model through DeepSpeed: parse, set up, build, fit, tear down."""
 import dataclasses
+import os
 import random
 import sys
 import time
@@ -137,5 +138,16 @@ def report(error: UserError):
         print(f"error: {error}", file=sys.stderr, flush=True)
 
 
+def exit_now(code: int):
+    """End the process once main() has closed everything, skipping interpreter finalization.
+
+    Static destructors of the communication libraries have aborted a finished rank here
+    ("terminate called without an active exception"), turning a clean exit 0 into -6.
+    """
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_now(main())
