@@ -100,6 +100,9 @@ def save(engine, output_dir: Path, position: dict, record: dict, keep_last: int)
         for old in complete_checkpoints(root)[:-keep_last] if keep_last else []:
             shutil.rmtree(old)
             shutil.rmtree(root / UNIVERSAL / old.name, ignore_errors=True)
+        for partial in root.glob("step*"):  # saves killed half-way at steps this run will not redo
+            if not (partial / MANIFEST).is_file():
+                shutil.rmtree(partial)
     distributed.barrier()
 
 

@@ -50,6 +50,17 @@ def test_killed_during_save_then_resumed_is_exact(name, tmp_path, two_rank_run):
     assert kept == ["step00000040", "step00000045", "step00000046"], "--keep_last 3"
 
 
+def test_half_written_checkpoints_are_cleared(tmp_path):
+    """A folder left by a killed save is removed by the next whole save, not kept forever."""
+    out = tmp_path / "run"
+    run(train_command("python", 1, "--max_steps", 6, "--save_interval", 2, "--output_dir", out),
+        APP_KILL_AT="manifest:4")
+    assert (out / "checkpoints" / "step00000004").is_dir(), "the killed save left a folder"
+    assert not (out / "checkpoints" / "step00000004" / "manifest.json").exists()
+    train("python", 1, "--max_steps", 3, "--output_dir", out, "--resume", "auto")
+    assert sorted(p.name for p in (out / "checkpoints").glob("step*")) == ["step00000002", "step00000003"]
+
+
 @pytest.fixture(scope="module")
 def saved_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("ckpt") / "run"
