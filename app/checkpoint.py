@@ -18,6 +18,7 @@ from app.errors import UserError
 MANIFEST = "manifest.json"
 STATE = "trainer_state.json"
 LATEST = "latest"
+HF_FILES = "hf"  # config and tokenizer of a transformers model, for export in save_pretrained form
 UNIVERSAL = "universal"  # world-size-independent copies made when a run resumes on another world size
 
 
@@ -77,8 +78,8 @@ def _fault_point(name: str, step: int):
         os.kill(os.getpid(), signal.SIGKILL)
 
 
-def save(engine, output_dir: Path, position: dict, record: dict, keep_last: int):
-    """Every rank saves its shards and RNG state; rank 0 then seals the checkpoint with a manifest."""
+def save(engine, output_dir: Path, position: dict, record: dict, keep_last: int, extra=None):
+    """Every rank saves its shards and RNG state; rank 0 writes extra(folder) files, then seals it with a manifest."""
     root = checkpoint_root(output_dir)
     tag = f"step{position['step']:08d}"
     folder = root / tag
@@ -91,6 +92,8 @@ def save(engine, output_dir: Path, position: dict, record: dict, keep_last: int)
     distributed.barrier()  # every rank's files are on disk before the manifest vouches for them
     if distributed.is_main():
         (folder / STATE).write_text(json.dumps({**position, **record}, indent=2))
+        if extra is not None:
+            extra(folder)
         files = sorted(p for p in folder.rglob("*") if p.is_file() and p.name != MANIFEST)
         manifest = {str(p.relative_to(folder)): {"size": p.stat().st_size, "sha256": _sha256(p)} for p in files}
         _fault_point("manifest", position["step"])

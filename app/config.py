@@ -19,9 +19,32 @@ SCHEDULERS_WITH_TOTAL = ("WarmupDecayLR", "WarmupCosineLR")
 class Settings:
     """What the app itself owns; everything about optimisation lives in the DeepSpeed JSON."""
     model: str = "cnn"
-    """Model name: cnn, mlp, or a torchvision classification model (resnet18, ...)."""
+    """cnn, mlp, a torchvision classifier (resnet18, ...), a transformers preset (gpt2-tiny, gpt2-124m, bert-tiny),
+    a save_pretrained folder, or a hub model name."""
     dataset: str = "digits"
-    """Dataset name: digits, synthetic, mnist, fashion_mnist, cifar10, imagefolder."""
+    """Images: digits, synthetic, mnist, fashion_mnist, cifar10, imagefolder. Text (transformers models): a
+    .txt/.json/.jsonl/.csv/.parquet file or a folder of them, or a hub dataset name."""
+    task: str = "auto"
+    """Text: causal_lm or sequence_classification; auto takes the model's own (presets: gpt2-* causal_lm,
+    bert-tiny sequence_classification; folders and hub models: the architecture in their config)."""
+    tokenizer: str = ""
+    """Text: '' uses the model folder's tokenizer, else a byte-level one built locally; 'bytes'; 'bpe' (trained on
+    the data up to the model's vocabulary); or a tokenizer folder or hub name. Saved in output_dir/tokenizer."""
+    block_size: int = 0
+    """Text: tokens per language-model block, or the length rows are cut to for classification (0: the model's
+    positions, at most 1024)."""
+    text_column: str = ""
+    """Text: the column holding the text (default: 'text', or the only string column)."""
+    label_column: str = ""
+    """Text classification: the column holding the label (default: 'label' or 'labels')."""
+    dataset_config: str = ""
+    """Text: the configuration name of a hub dataset (e.g. wikitext-2-raw-v1)."""
+    eval_file: str = ""
+    """Text: a file of held-out rows; otherwise the dataset's validation/test split, else --eval_fraction."""
+    eval_fraction: float = 0.1
+    """Text: share of the training rows held out when there is no --eval_file or validation split."""
+    peak_flops: float = 0.0
+    """FLOP/s one rank can reach, for model FLOP utilisation; 0 measures a matmul at start-up."""
     data_dir: str = "data"
     """Where torchvision datasets live (downloaded there when online) and ImageFolder reads."""
     image_size: int = 224
@@ -63,9 +86,12 @@ class Settings:
         for name in ("epochs", "log_interval", "dist_timeout", "image_size", "grace_period"):
             if getattr(self, name) < 1:
                 raise UserError(f"--{name} must be at least 1, got {getattr(self, name)}")
-        for name in ("max_steps", "eval_interval", "num_workers", "save_interval", "keep_last"):
+        for name in ("max_steps", "eval_interval", "num_workers", "save_interval", "keep_last", "block_size",
+                     "peak_flops"):
             if getattr(self, name) < 0:
                 raise UserError(f"--{name} must be 0 or more, got {getattr(self, name)}")
+        if not 0 < self.eval_fraction < 1:
+            raise UserError(f"--eval_fraction must be between 0 and 1, got {self.eval_fraction}")
 
 
 def _field_help():
@@ -96,7 +122,7 @@ def build_parser() -> argparse.ArgumentParser:
         if f.type is bool or isinstance(f.default, bool):
             parser.add_argument(flag, action="store_true", help=helps[f.name])
         else:
-            kind = int if isinstance(f.default, int) else str
+            kind = type(f.default)
             parser.add_argument(flag, type=kind, default=f.default, help=f"{helps[f.name]} (default: {f.default!r})")
     parser.add_argument("--local_rank", type=int, default=-1,
                         help="Set by the deepspeed launcher; the app reads LOCAL_RANK itself.")

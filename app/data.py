@@ -14,8 +14,14 @@ from app.errors import UserError
 class DataInfo:
     """What a model needs to know about the data."""
     num_classes: int
-    in_channels: int
-    image_size: int
+    in_channels: int = 0
+    image_size: int = 0
+    task: str = "image_classification"
+    """image_classification, causal_lm or sequence_classification."""
+    vocab_size: int = 0
+    """Tokens in the tokenizer (text only)."""
+    seq_len: int = 0
+    """Tokens per sample (text only): the block length, or the padded row length."""
 
 
 def _digits(data_dir, image_size):
@@ -110,7 +116,8 @@ BUILDERS = {
 def build_datasets(name: str, data_dir: str, image_size: int = 224):
     """(train, eval, DataInfo) for a dataset name."""
     if name not in BUILDERS:
-        raise UserError(f"unknown dataset {name!r}; choose one of {', '.join(sorted(BUILDERS))}")
+        hint = " (text needs a transformers model, e.g. --model gpt2-tiny)" if Path(name).exists() else ""
+        raise UserError(f"unknown image dataset {name!r}; choose one of {', '.join(sorted(BUILDERS))}{hint}")
     return BUILDERS[name](data_dir, image_size)
 
 

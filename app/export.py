@@ -1,4 +1,7 @@
-"""Export a checkpoint as a plain fp32 state dict in safetensors: python -m app.export <checkpoint> <out>."""
+"""Export a checkpoint's fp32 weights: python -m app.export <checkpoint> <out.safetensors | folder>.
+
+A .safetensors file holds the plain state dict; a folder (transformers models) gets save_pretrained form.
+"""
 import argparse
 import json
 import sys
@@ -26,14 +29,35 @@ def fp32_state_dict(folder: Path) -> dict:
     return {name: tensor.float() for name, tensor in states["module"].items()}
 
 
+def save_pretrained(folder: Path, state: dict, task: str, out: Path):
+    """Write a transformers model folder (config, safetensors weights, tokenizer) that from_pretrained loads."""
+    from transformers import AutoConfig, AutoTokenizer
+    from app.models import hf_class
+    files = folder / checkpoint.HF_FILES
+    hf = hf_class(task).from_config(AutoConfig.from_pretrained(files))
+    missing, unexpected = hf.load_state_dict({k.removeprefix("hf."): v for k, v in state.items()}, strict=False)
+    tied = {name for name, p in hf.named_parameters(remove_duplicate=False)} - dict(hf.named_parameters()).keys()
+    if unexpected or set(missing) - tied:
+        raise UserError(f"{folder} does not match its saved config (missing {sorted(set(missing) - tied)[:3]}, "
+                        f"unexpected {sorted(unexpected)[:3]})")
+    hf.save_pretrained(out)
+    AutoTokenizer.from_pretrained(files).save_pretrained(out)
+
+
 def export(folder: Path, out: Path) -> dict:
     """Verify the checkpoint, then write its fp32 weights to out with the run's record as metadata."""
     from safetensors.torch import save_file
     saved = checkpoint.verify(folder)
     if out.exists():
         raise UserError(f"{out} already exists; pick a new output path")
+    task = (saved.get("data_info") or {}).get("task", "image_classification")
+    if out.suffix != ".safetensors" and task == "image_classification":
+        raise UserError(f"{folder} holds a {saved['model']} image model; export it to a file ending in .safetensors")
     state = {name: tensor.detach().to(torch.float32).contiguous().clone() for name, tensor in
              fp32_state_dict(folder).items()}
+    if out.suffix != ".safetensors":
+        save_pretrained(folder, state, task, out)
+        return state
     meta = {key: json.dumps(saved[key]) for key in ("model", "dataset", "step", "zero_stage", "world_size")}
     meta["data_info"] = json.dumps(saved.get("data_info"))
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -45,7 +69,8 @@ def main(argv=None) -> int:
     """Command-line entry point; returns the exit code."""
     parser = argparse.ArgumentParser(prog="python -m app.export", description=__doc__)
     parser.add_argument("checkpoint", type=Path, help="a checkpoint folder, e.g. <output_dir>/checkpoints/step00000100")
-    parser.add_argument("out", type=Path, help="the .safetensors file to write")
+    parser.add_argument("out", type=Path, help="the .safetensors file to write, or (transformers models) a folder "
+                                               "to write in save_pretrained form")
     args = parser.parse_args(argv)
     try:
         state = export(args.checkpoint, args.out)

@@ -1,10 +1,11 @@
 """The engine, the training step, evaluation, and the fit loop."""
+import math
 import time
 
 import torch
 
 from app.errors import UserError
-from app.metrics import Meter
+from app.metrics import Meter, Throughput
 from app.models import correct, per_sample_loss
 
 
@@ -29,17 +30,17 @@ def input_dtype(engine) -> torch.dtype:
 
 
 def _to_device(batch, device, dtype):
+    """(model inputs as a list, labels, weights) on the device; floating inputs in the engine's dtype."""
     x, y, w = batch
-    x = x.to(device, non_blocking=True)
-    if x.is_floating_point():
-        x = x.to(dtype)
-    return x, y.to(device, non_blocking=True), w.to(device, non_blocking=True)
+    inputs = [t.to(device, non_blocking=True) for t in (x if isinstance(x, (list, tuple)) else [x])]
+    inputs = [t.to(dtype) if t.is_floating_point() else t for t in inputs]
+    return inputs, y.to(device, non_blocking=True), w.to(device, non_blocking=True)
 
 
 def train_step(engine, batch, dtype, meter: Meter):
     """Forward, engine.backward(loss), engine.step(); the loss is weighted so ranks average exactly."""
     x, y, w = _to_device(batch, engine.device, dtype)
-    losses = per_sample_loss(engine(x), y)
+    losses = per_sample_loss(engine(*x), y)
     engine.backward((losses * w).sum())
     engine.step()
     real = (w > 0).to(losses.dtype)
@@ -47,19 +48,22 @@ def train_step(engine, batch, dtype, meter: Meter):
 
 
 def evaluate(engine, loader, dtype) -> dict:
-    """Held-out loss and accuracy over every rank's shard (padding excluded)."""
+    """Held-out loss and accuracy (and perplexity for language models) over every rank's shard, padding excluded."""
     meter = Meter(["loss", "accuracy"], engine.device)
     engine.eval()
+    tokens = False
     with torch.no_grad():
         for batch in loader:
             x, y, w = _to_device(batch, engine.device, dtype)
-            logits = engine(x)
+            logits = engine(*x)
+            tokens = logits.dim() == 3
             real = (w > 0).float()
             meter.add(real.sum(), loss=(per_sample_loss(logits, y) * real).sum(),
                       accuracy=(correct(logits, y) * real).sum())
     engine.train()
     result = meter.reduce()
-    return {"eval_loss": result["loss"], "eval_accuracy": result["accuracy"]}
+    perplexity = {"eval_perplexity": math.exp(min(result["loss"], 700))} if tokens else {}
+    return {"eval_loss": result["loss"], "eval_accuracy": result["accuracy"], **perplexity}
 
 
 def total_steps(max_steps: int, epochs: int, batches_per_epoch: int, accumulation: int) -> int:
@@ -71,7 +75,8 @@ def total_steps(max_steps: int, epochs: int, batches_per_epoch: int, accumulatio
     return steps
 
 
-def fit(engine, train_loader, eval_loader, settings, log, steps: int, start=(0, 0), save=None, stop=None) -> dict:
+def fit(engine, train_loader, eval_loader, settings, log, steps: int, start=(0, 0), save=None, stop=None,
+        throughput: Throughput = Throughput()) -> dict:
     """Train until `steps` optimizer steps (or an agreed stop), from (epoch, batch) `start`, logging,
     evaluating and saving."""
     dtype = input_dtype(engine)
@@ -96,7 +101,7 @@ def fit(engine, train_loader, eval_loader, settings, log, steps: int, start=(0, 
                 elapsed = time.perf_counter() - window
                 samples, train_s = samples + result["count"], train_s + elapsed
                 log.write_row({"step": step, "epoch": epoch, "loss": result["loss"], "lr": engine.get_lr()[0],
-                               "samples_per_s": result["count"] / elapsed})
+                               **throughput.rates(result["count"], elapsed)})
                 window = time.perf_counter()
             if step == steps or (settings.eval_interval and step % settings.eval_interval == 0):
                 last_eval, spent = _eval_row(engine, eval_loader, dtype, log, step, epoch)
@@ -116,7 +121,7 @@ def fit(engine, train_loader, eval_loader, settings, log, steps: int, start=(0, 
     if stop is not None:
         stop.finish()
     return {"steps": engine.global_steps, "epochs": epoch, "samples": samples, "train_s": train_s,
-            "samples_per_s": samples / train_s if train_s else 0.0, "stopped_early": stopped, **last_eval}
+            **throughput.rates(samples, train_s), "stopped_early": stopped, **last_eval}
 
 
 def _eval_row(engine, loader, dtype, log, step, epoch):

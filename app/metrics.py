@@ -3,13 +3,18 @@ import csv
 import json
 import resource
 import sys
+import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 
 from app import distributed
 
-CSV_FIELDS = ["step", "epoch", "loss", "lr", "samples_per_s", "eval_loss", "eval_accuracy"]
+CSV_FIELDS = ["step", "epoch", "loss", "lr", "samples_per_s", "tokens_per_s", "mfu", "eval_loss", "eval_accuracy",
+              "eval_perplexity"]
+SHOWN = ("loss", "lr", "samples_per_s", "tokens_per_s", "mfu", "eval_loss", "eval_accuracy", "eval_perplexity")
 
 
 class Meter:
@@ -33,6 +38,45 @@ class Meter:
         result = {name: totals[i] / count if count else float("nan") for i, name in enumerate(self.names)}
         result["count"] = count
         return result
+
+
+@dataclass
+class Throughput:
+    """Turns samples per second into tokens per second and model FLOP utilisation where they apply."""
+    tokens_per_sample: int = 0
+    flops_per_sample: float = 0.0
+    peak_flops: float = 0.0
+    """FLOP/s of all ranks together."""
+
+    def rates(self, samples: float, seconds: float) -> dict:
+        """samples_per_s, and tokens_per_s and mfu when known."""
+        per_s = samples / seconds if seconds else 0.0
+        rates = {"samples_per_s": per_s}
+        if self.tokens_per_sample:
+            rates["tokens_per_s"] = per_s * self.tokens_per_sample
+        if self.flops_per_sample and self.peak_flops:
+            rates["mfu"] = per_s * self.flops_per_sample / self.peak_flops
+        return rates
+
+
+def matmul_flops(device: torch.device, dtype: torch.dtype, seconds: float = 0.5) -> float:
+    """FLOP/s of square matmuls in dtype on device with this process's threads, measured for about `seconds`.
+
+    It times F.linear, the kernel nn.Linear layers run: on CPU, bf16 torch.matmul takes a path ten
+    times slower than the one linear layers get, which would make utilisation look above 1.
+    """
+    n = 4096 if device.type == "cuda" else 1024
+    a, b = (torch.randn(n, n, device=device).to(dtype) for _ in range(2))
+    F.linear(a, b)  # warm-up: kernels chosen, memory allocated
+    count, start = 0, time.perf_counter()
+    while True:
+        F.linear(a, b)
+        count += 1
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        if time.perf_counter() - start >= seconds:
+            break
+    return 2.0 * n ** 3 * count / (time.perf_counter() - start)
 
 
 def peak_memory_bytes(device: torch.device) -> int:
@@ -81,8 +125,7 @@ class RunLog:
         for key, value in row.items():
             if key not in ("step", "epoch") and value is not None:
                 self.tb.add_scalar(key, value, row["step"])
-        shown = {k: f"{row[k]:.4g}" for k in ("loss", "lr", "samples_per_s", "eval_loss", "eval_accuracy")
-                 if row.get(k) is not None}
+        shown = {k: f"{row[k]:.4g}" for k in SHOWN if row.get(k) is not None}
         if self.plain:
             print(f"step {row['step']} epoch {row['epoch']} " + " ".join(f"{k} {v}" for k, v in shown.items()),
                   flush=True)

@@ -1,4 +1,7 @@
-"""build_model() for each family, and the loss and accuracy that go with classification."""
+"""build_model() for each family (built-ins, torchvision, transformers), and the loss and accuracy they share."""
+import copy
+from dataclasses import dataclass
+
 import torch
 from torch import nn
 import torch.nn.functional as F
@@ -45,16 +48,146 @@ def _replace_first_conv(model: nn.Module, in_channels: int):
 
 
 BUILTIN = {"cnn": _cnn, "mlp": _mlp}
+TASKS = ("causal_lm", "sequence_classification")
+# Randomly initialised transformers built from a config, no download. No dropout, as in from-scratch pretraining.
+PRESETS = {
+    "gpt2-tiny": ("gpt2", dict(n_layer=4, n_embd=256, n_head=4, n_positions=128, vocab_size=8192)),
+    "gpt2-124m": ("gpt2", dict(n_layer=12, n_embd=768, n_head=12, n_positions=1024, vocab_size=50257)),
+    "bert-tiny": ("bert", dict(num_hidden_layers=2, hidden_size=128, num_attention_heads=2, intermediate_size=512,
+                               max_position_embeddings=512, vocab_size=8192)),
+}
+NO_DROPOUT = {"gpt2": dict(resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=None, eos_token_id=None),
+              "bert": dict(hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)}
+PRESET_ARCHITECTURES = {"gpt2": "GPT2LMHeadModel", "bert": "BertForSequenceClassification"}
+
+
+@dataclass
+class HFSpec:
+    """A transformers model before it is built: its config, where weights come from, what it is for."""
+    config: object
+    pretrained: str
+    """A save_pretrained folder or hub name to load weights (and a tokenizer) from; '' builds from the config."""
+    task: str
+    max_positions: int
+
+
+def _task_of(config) -> str:
+    """The task a config's architecture was saved for; if it names none, causal LM for decoder-only families."""
+    from transformers import MODEL_FOR_CAUSAL_LM_MAPPING, MODEL_FOR_MASKED_LM_MAPPING
+    arch = (config.architectures or [""])[0]
+    if arch.endswith("ForSequenceClassification"):
+        return "sequence_classification"
+    if arch.endswith(("LMHeadModel", "ForCausalLM")):
+        return "causal_lm"
+    decoder_only = type(config) in MODEL_FOR_CAUSAL_LM_MAPPING and type(config) not in MODEL_FOR_MASKED_LM_MAPPING
+    return "causal_lm" if decoder_only else "sequence_classification"
+
+
+def hf_spec(name: str):
+    """The HFSpec for a preset, a save_pretrained folder or a hub name; None for image models."""
+    import torchvision
+    from pathlib import Path
+    if name in BUILTIN or name in torchvision.models.list_models(module=torchvision.models):
+        return None
+    from transformers import AutoConfig
+    if name in PRESETS:
+        family, shape = PRESETS[name]
+        config, source = AutoConfig.for_model(family, **shape, **NO_DROPOUT[family]), ""
+        config.architectures = [PRESET_ARCHITECTURES[family]]
+    elif Path(name).is_dir():
+        if not (Path(name) / "config.json").is_file():
+            raise UserError(f"model folder {name} has no config.json; pass a folder written by save_pretrained")
+        config, source = AutoConfig.from_pretrained(name), name
+    else:
+        try:
+            config, source = AutoConfig.from_pretrained(name), name
+        except Exception:
+            raise UserError(f"unknown model {name!r}: not cnn, mlp, a torchvision classifier (resnet18, ...), a preset "
+                            f"({', '.join(PRESETS)}), a save_pretrained folder, nor a hub model that can be "
+                            f"reached now") from None
+    positions = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", 0)
+    return HFSpec(config, source, _task_of(config), positions)
+
+
+def resolve_task(spec, task: str) -> str:
+    """--task, or the model's own when 'auto'."""
+    if task == "auto":
+        return spec.task if spec is not None else "image_classification"
+    if spec is None or task not in TASKS:
+        kinds = "transformers models" if spec is not None else "image models (leave --task auto)"
+        raise UserError(f"--task {task!r} is not one of auto, {', '.join(TASKS)} for {kinds}")
+    return task
+
+
+class HFLogits(nn.Module):
+    """A transformers model that returns its logits alone, so the loop treats it like any classifier."""
+
+    def __init__(self, hf):
+        super().__init__()
+        self.hf = hf
+
+    def forward(self, input_ids, attention_mask=None):
+        return self.hf(input_ids=input_ids, attention_mask=attention_mask).logits
+
+
+def hf_class(task: str):
+    """The transformers Auto class for a task."""
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
+    return AutoModelForCausalLM if task == "causal_lm" else AutoModelForSequenceClassification
+
+
+def _build_hf(spec: HFSpec, info: DataInfo, tokenizer, ds_config: dict) -> nn.Module:
+    """The transformers model, its parameters partitioned as they are made when ds_config is ZeRO-3."""
+    config = copy.deepcopy(spec.config)
+    config.update({"bos_token_id": tokenizer.bos_token_id, "eos_token_id": tokenizer.eos_token_id,
+                   "pad_token_id": tokenizer.pad_token_id, "use_cache": False})
+    if info.task == "sequence_classification" and config.num_labels != info.num_classes:
+        config.id2label = {i: str(i) for i in range(info.num_classes)}
+        config.label2id = {str(i): i for i in range(info.num_classes)}
+    zero3 = ds_config.get("zero_optimization", {}).get("stage", 0) == 3
+    if zero3:  # from_config / from_pretrained then build under deepspeed.zero.Init
+        from transformers.integrations import HfDeepSpeedConfig
+        alive = HfDeepSpeedConfig(ds_config)  # noqa: F841 (transformers holds only a weak reference)
+    cls = hf_class(info.task)
+    if spec.pretrained:
+        hf = cls.from_pretrained(spec.pretrained, config=config,  # a new classifier head may differ in size
+                                 ignore_mismatched_sizes=info.task == "sequence_classification")
+    else:
+        hf = cls.from_config(config)
+    hf.config.architectures = [type(hf).__name__]
+    return HFLogits(hf)
+
+
+def save_hf_files(model: nn.Module, tokenizer, folder):
+    """The config and tokenizer that make a checkpoint exportable in save_pretrained form."""
+    model.hf.config.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+
+
+def train_flops_per_token(model: nn.Module, seq_len: int) -> float:
+    """6 x parameters in matmuls + 12 x layers x width x sequence (forward and backward; PaLM, appendix B).
+
+    Embedding lookups are not matmuls; an output layer tied to the input embedding is.
+    """
+    hf = model.hf
+    out, tied = hf.get_output_embeddings(), set()
+    if out is not None:
+        tied.add(id(out.weight))
+    lookups = {id(m.weight) for m in hf.modules() if isinstance(m, nn.Embedding)} - tied
+    params = sum(getattr(p, "ds_numel", p.numel()) for p in hf.parameters() if id(p) not in lookups)
+    return 6.0 * params + 12.0 * hf.config.num_hidden_layers * hf.config.hidden_size * seq_len
 
 
 def model_names() -> list:
-    """Every name --model accepts."""
+    """Every name --model accepts besides folders and hub names."""
     import torchvision
-    return sorted(BUILTIN) + torchvision.models.list_models(module=torchvision.models)
+    return sorted(BUILTIN) + sorted(PRESETS) + torchvision.models.list_models(module=torchvision.models)
 
 
-def build_model(name: str, info: DataInfo) -> nn.Module:
-    """The model called name, shaped for the data described by info."""
+def build_model(name: str, info: DataInfo, spec=None, tokenizer=None, ds_config=None) -> nn.Module:
+    """The model called name, shaped for the data described by info (spec: its HFSpec for transformers)."""
+    if spec is not None:
+        return _build_hf(spec, info, tokenizer, ds_config or {})
     if name in BUILTIN:
         return BUILTIN[name](info)
     import torchvision
@@ -64,11 +197,22 @@ def build_model(name: str, info: DataInfo) -> nn.Module:
                     f"(python -c 'import torchvision; print(torchvision.models.list_models())')")
 
 
+def _next_token(logits: torch.Tensor, labels: torch.Tensor):
+    """Language-model logits (batch, tokens, vocab) paired with the token each position predicts."""
+    return logits[:, :-1].transpose(1, 2), labels[:, 1:]
+
+
 def per_sample_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """Cross entropy for each sample, in fp32 whatever the model's precision."""
+    """Cross entropy for each sample (mean over its predicted tokens for a language model), in fp32."""
+    if logits.dim() == 3:
+        logits, labels = _next_token(logits, labels)
+        return F.cross_entropy(logits.float(), labels, reduction="none").mean(1)
     return F.cross_entropy(logits.float(), labels, reduction="none")
 
 
 def correct(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """1.0 where the top class is the label, else 0.0."""
+    """1.0 where the top class is the label, else 0.0 (a language model: the share of next tokens right)."""
+    if logits.dim() == 3:
+        logits, labels = _next_token(logits, labels)
+        return (logits.argmax(1) == labels).float().mean(1)
     return (logits.argmax(-1) == labels).float()

@@ -12,7 +12,7 @@ if __package__ in (None, ""):  # run as `python app/train.py` or by a launcher: 
 import numpy as np
 import torch
 
-from app import checkpoint, config, data, distributed, loop, metrics, models, preemption
+from app import checkpoint, config, data, distributed, loop, metrics, models, preemption, text
 from app.errors import UserError
 
 
@@ -69,19 +69,57 @@ def resume(engine, folder, saved, world) -> tuple:
     return saved["epoch"], samples // span
 
 
+def build_data(settings, spec, task: str, output_dir: Path):
+    """(train set, held-out set, DataInfo, tokenizer or None): images, or text for a transformers model."""
+    if spec is not None:
+        if settings.dataset in data.BUILDERS:
+            raise UserError(f"{settings.model} is a transformers model and trains on text, not {settings.dataset}; "
+                            f"pass --dataset <.txt/.json/.jsonl/.csv/.parquet file or folder, or a hub dataset>")
+        return text.build_datasets(settings, spec, task, output_dir)
+    with distributed.main_process_first():
+        return (*data.build_datasets(settings.dataset, settings.data_dir, settings.image_size), None)
+
+
+def throughput_for(model, info, engine, settings) -> metrics.Throughput:
+    """Tokens/s and model FLOP utilisation for text models; the peak is --peak_flops or a matmul measured now."""
+    if not info.seq_len:
+        return metrics.Throughput()
+    distributed.barrier()  # every rank measures at once, as they will share the machine while training
+    per_rank = settings.peak_flops or distributed.all_reduce_sum(torch.tensor(
+        [metrics.matmul_flops(engine.device, loop.input_dtype(engine))], dtype=torch.float64)).item() / \
+        distributed.world_size()
+    flops = models.train_flops_per_token(model, info.seq_len) * info.seq_len
+    distributed.print0(f"throughput: {flops / info.seq_len / 1e6:.1f} MFLOP per token trained, peak "
+                       f"{per_rank / 1e9:.1f} GFLOP/s per rank ({'--peak_flops' if settings.peak_flops else 'measured'})")
+    return metrics.Throughput(info.seq_len, flops, per_rank * distributed.world_size())
+
+
 def main(argv=None) -> int:
     """Run one training job; returns the process exit code."""
-    started, stop = time.perf_counter(), None
+    started = time.perf_counter()
     distributed.prepare_environment()
     try:
         settings, ds_config = config.parse(argv)
         world = distributed.setup(settings.single_process, settings.dist_timeout)
+        return run(settings, ds_config, world, started)
+    except UserError as e:
+        report(e)
+        return 2
+    finally:
+        distributed.teardown()
+
+
+def run(settings, ds_config: dict, world, started: float) -> int:
+    """One training job inside an existing process group: build, resume, fit, summarise."""
+    stop = None
+    try:
         ds_config = config.resolve_batch_sizes(ds_config, world.world_size, settings.deepspeed_config)
         output_dir = output_dir_for(settings)
         seed_everything(settings.seed)
-        with distributed.main_process_first():
-            train_set, eval_set, info = data.build_datasets(settings.dataset, settings.data_dir, settings.image_size)
-        model = models.build_model(settings.model, info)
+        spec = models.hf_spec(settings.model)
+        task = models.resolve_task(spec, settings.task)
+        train_set, eval_set, info, tokenizer = build_data(settings, spec, task, output_dir)
+        model = models.build_model(settings.model, info, spec, tokenizer, ds_config)
         micro, accum = ds_config["train_micro_batch_size_per_gpu"], ds_config["gradient_accumulation_steps"]
         loader_args = dict(rank=world.rank, world_size=world.world_size, seed=settings.seed,
                            num_workers=settings.num_workers, pin_memory=settings.pin_memory)
@@ -92,6 +130,7 @@ def main(argv=None) -> int:
         engine = loop.build_engine(model, config.fill_scheduler_length(ds_config, steps))
         distributed.print0(f"mode: {world.reason}; ZeRO stage {engine.zero_optimization_stage()}, "
                            f"global batch {engine.train_batch_size()}, {steps} steps -> {output_dir}")
+        throughput = throughput_for(model, info, engine, settings)
         record = {"model": settings.model, "dataset": settings.dataset, "world_size": world.world_size,
                   "zero_stage": engine.zero_optimization_stage(), "settings": config.settings_dict(settings),
                   "data_info": dataclasses.asdict(info),
@@ -103,12 +142,15 @@ def main(argv=None) -> int:
             return 0
         stop = preemption.StopRequest(settings.grace_period, world.device, world.launcher != "none")
         log = metrics.RunLog(output_dir, steps, resumed_step=engine.global_steps)
-        save = lambda position: checkpoint.save(engine, output_dir, position, record, settings.keep_last)  # noqa: E731
-        result = loop.fit(engine, train_loader, eval_loader, settings, log, steps, start, save, stop)
+        extra = (lambda folder: models.save_hf_files(model, tokenizer, folder / checkpoint.HF_FILES)) \
+            if spec is not None else None
+        save = lambda position: checkpoint.save(engine, output_dir, position, record, settings.keep_last,  # noqa
+                                                extra)
+        result = loop.fit(engine, train_loader, eval_loader, settings, log, steps, start, save, stop, throughput)
         peak = distributed.all_reduce_max(torch.tensor([metrics.peak_memory_bytes(world.device)]))
         summary = {**result, "world_size": world.world_size, "zero_stage": engine.zero_optimization_stage(),
                    "precision": str(loop.input_dtype(engine)).replace("torch.", ""), "model": settings.model,
-                   "dataset": settings.dataset, "deepspeed_config": settings.deepspeed_config,
+                   "dataset": settings.dataset, "task": task, "deepspeed_config": settings.deepspeed_config,
                    "launcher": world.launcher, "peak_memory_bytes": int(peak.item()),
                    "wall_s": time.perf_counter() - started}
         log.finish(summary)
@@ -116,17 +158,13 @@ def main(argv=None) -> int:
             distributed.print0(f"stopped at step {summary['steps']} on request ({stop.reason or 'another rank'}); "
                                f"checkpoint saved; continue with --resume auto --output_dir {output_dir}")
             return 0
-        distributed.print0(f"done: eval_loss {summary.get('eval_loss', float('nan')):.4f} eval_accuracy "
-                           f"{summary.get('eval_accuracy', float('nan')):.4f} {summary['samples_per_s']:.0f} "
-                           f"samples/s in {summary['wall_s']:.1f} s; files in {output_dir}")
+        shown = " ".join(f"{k} {summary[k]:.4g}" for k in ("eval_loss", "eval_accuracy", "eval_perplexity",
+                                                            "samples_per_s", "tokens_per_s", "mfu") if k in summary)
+        distributed.print0(f"done: {shown} in {summary['wall_s']:.1f} s; files in {output_dir}")
         return 0
-    except UserError as e:
-        report(e)
-        return 2
     finally:
         if stop is not None:
             stop.close()
-        distributed.teardown()
 
 
 def report(error: UserError):

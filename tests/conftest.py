@@ -2,14 +2,18 @@
 import csv
 import json
 import os
+import random
 import socket
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
 
 os.environ["HF_HUB_OFFLINE"] = "1"  # tests never reach a model hub or dataset host
+# datasets' cache of loaded and tokenized files, fresh for each session (read when datasets is imported)
+os.environ["HF_DATASETS_CACHE"] = tempfile.mkdtemp(prefix="hf-datasets-")
 REPO = Path(__file__).resolve().parent.parent
 BIN = Path(sys.executable).parent
 
@@ -91,3 +95,47 @@ def two_rank_run(tmp_path_factory):
 @pytest.fixture
 def repo():
     return REPO
+
+
+ANIMALS = ["cat", "dog", "bird", "fish", "horse", "cow", "goat", "owl"]
+VERBS = ["sees", "likes", "chases", "finds", "follows"]
+ADJECTIVES = ["red", "big", "small", "happy", "old", "quick"]
+MAMMALS = {"cat", "dog", "horse", "cow", "goat"}
+
+
+def sentences(n: int, seed: int = 0):
+    """(sentence, label) pairs from a small grammar; label 1 when the subject is a mammal."""
+    gen = random.Random(seed)
+    for _ in range(n):
+        subject = gen.choice(ANIMALS)
+        text = f"the {gen.choice(ADJECTIVES)} {subject} {gen.choice(VERBS)} the {gen.choice(ANIMALS)} ."
+        yield text, int(subject in MAMMALS)
+
+
+def write_text_rows(path: Path, n: int, seed: int = 0, labelled: bool = False) -> Path:
+    """Generated sentences (with labels when asked) in the format path's suffix names."""
+    rows = [{"text": t, **({"label": y} if labelled else {})} for t, y in sentences(n, seed)]
+    if path.suffix == ".txt":
+        path.write_text("".join(r["text"] + "\n" for r in rows))
+    elif path.suffix == ".jsonl":
+        path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    elif path.suffix == ".json":
+        path.write_text(json.dumps(rows))
+    else:
+        import pandas
+        frame = pandas.DataFrame(rows)
+        frame.to_csv(path, index=False) if path.suffix == ".csv" else frame.to_parquet(path)
+    return path
+
+
+def _rank_main(rank, world, port, fn, args):
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_SIZE=str(world),
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    fn(rank, world, *args)
+
+
+def spawn_ranks(world: int, fn, *args):
+    """Run fn(rank, world, *args) in `world` fresh processes that see launcher variables; raise if one fails."""
+    import torch.multiprocessing as mp
+    mp.start_processes(_rank_main, args=(world, free_port(), fn, args), nprocs=world, join=True,
+                       start_method="spawn")

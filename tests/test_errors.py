@@ -65,7 +65,7 @@ def test_bad_config(case, tmp_path, finished_run):
 @pytest.mark.parametrize("args, expected", [
     (["--deepspeed_config", "ds_configs/nope.json"], ["ds_configs/nope.json not found", "dp.json"]),
     (["--model", "resnet9000"], ["unknown model 'resnet9000'"]),
-    (["--dataset", "imagenet22k"], ["unknown dataset 'imagenet22k'", "digits"]),
+    (["--dataset", "imagenet22k"], ["unknown image dataset 'imagenet22k'", "digits"]),
     (["--dataset", "imagefolder", "--data_dir", "/nonexistent/images"], ["missing or empty", "/nonexistent/images"]),
     (["--dataset", "mnist", "--data_dir", "/nonexistent/mnist"], ["MNIST is not in", "HF_HUB_OFFLINE"]),
     (["--epochs", "0"], ["--epochs must be at least 1"]),

@@ -1,22 +1,18 @@
 """Export: the fp32 weights of any ZeRO stage's checkpoint, equal to the live model's, loadable without DeepSpeed."""
 import json
-import os
 import subprocess
 import sys
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
-from conftest import REPO, free_port, run
+from conftest import REPO, run, spawn_ranks
 
 CONFIGS = ["dp", "zero1", "zero2", "zero3", "zero3_offload", "bf16"]
 
 
-def _save_and_record(rank, world, port, out):
+def _save_and_record(rank, world, out):
     """On each rank: train each config 3 steps, save a checkpoint, and keep rank 0's view of the live weights."""
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_SIZE=str(world),
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     from app import checkpoint, config, distributed, loop, models
     from app.data import DataInfo
     distributed.prepare_environment()
@@ -49,7 +45,7 @@ def _save_and_record(rank, world, port, out):
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory):
     out = tmp_path_factory.mktemp("export")
-    mp.start_processes(_save_and_record, args=(2, free_port(), out), nprocs=2, join=True, start_method="spawn")
+    spawn_ranks(2, _save_and_record, out)
     return out
 
 

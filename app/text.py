@@ -1,0 +1,273 @@
+"""Text data through HF datasets: local files or hub names -> a tokenizer -> fixed-length blocks or labelled rows."""
+import hashlib
+import os
+from pathlib import Path
+
+import torch
+from torch.utils.data import Dataset
+
+from app import distributed
+from app.errors import UserError
+
+# datasets.load_dataset builder for each file suffix it can read
+FILE_BUILDERS = {".txt": "text", ".text": "text", ".json": "json", ".jsonl": "json", ".csv": "csv",
+                 ".parquet": "parquet"}
+BOS = "<|endoftext|>"  # the locally built tokenizers' one separator: document end, and first token of a row
+PAD = "<pad>"
+TOKENIZER_DIR = "tokenizer"
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "vocab.txt", "tokenizer.model",
+                   "spiece.model")
+
+
+def _first_line(error: Exception) -> str:
+    """The first line of the innermost cause, where libraries wrap the real complaint."""
+    while error.__cause__ is not None or error.__context__ is not None:
+        error = error.__cause__ or error.__context__
+    return (str(error).strip().splitlines() or [type(error).__name__])[0]
+
+
+def load_splits(source: str, config_name: str, eval_file: str, eval_fraction: float, seed: int):
+    """(train, held-out) HF datasets from a local file or folder, or a hub dataset name."""
+    import datasets
+    datasets.disable_progress_bars()
+    path = Path(source)
+    if path.exists():
+        files = sorted(p for p in path.rglob("*") if p.suffix in FILE_BUILDERS) if path.is_dir() else [path]
+        if eval_file:
+            files.append(Path(eval_file))
+        kinds = {FILE_BUILDERS.get(p.suffix) for p in files}
+        if not files or None in kinds or len(kinds) > 1:
+            raise UserError(f"--dataset {source}: need files of one kind among {', '.join(FILE_BUILDERS)}; "
+                            f"found {', '.join(sorted({p.suffix or p.name for p in files})) or 'none'}")
+        data_files = {"train": [str(p) for p in files if not eval_file or p != Path(eval_file)]}
+        if all(os.path.getsize(p) == 0 for p in data_files["train"]):
+            raise UserError(f"--dataset {source} has no training rows: its files are empty")
+        if eval_file:
+            data_files["validation"] = [eval_file]
+        try:
+            splits = datasets.load_dataset(kinds.pop(), data_files=data_files)
+        except Exception as e:  # malformed files surface as many exception types inside datasets
+            raise UserError(f"cannot read --dataset {source}: {_first_line(e)}") from None
+    else:
+        if eval_file:
+            raise UserError("--eval_file goes with a local --dataset file or folder, not a hub dataset")
+        try:
+            splits = datasets.load_dataset(source, config_name or None)
+        except Exception as e:
+            offline = " (HF_HUB_OFFLINE=1 forbids downloads)" if os.environ.get("HF_HUB_OFFLINE") == "1" else ""
+            raise UserError(f"--dataset {source!r} is not a local file or folder, nor a hub dataset that loads"
+                            f"{offline}: {_first_line(e)}") from None
+    if "train" not in splits or len(splits["train"]) == 0:
+        raise UserError(f"--dataset {source} has no training rows; check the file or the split names")
+    held = next((splits[s] for s in ("validation", "test") if s in splits), None)
+    if held is not None:
+        return splits["train"], held
+    if len(splits["train"]) < 2:
+        raise UserError(f"--dataset {source} has one row: not enough to hold some out; add rows or pass --eval_file")
+    parts = splits["train"].train_test_split(test_size=eval_fraction, seed=seed)
+    return parts["train"], parts["test"]
+
+
+def pick_column(dataset, wanted: str, role: str, defaults: tuple) -> str:
+    """The column named wanted, else the first default present, else (text) the only string column."""
+    columns = dataset.column_names
+    if wanted:
+        if wanted not in columns:
+            raise UserError(f"--{role}_column {wanted!r} is not in the dataset; its columns are: {', '.join(columns)}")
+        return wanted
+    found = [c for c in defaults if c in columns]
+    if not found and role == "text":
+        found = [c for c, f in dataset.features.items() if getattr(f, "dtype", "") in ("string", "large_string")]
+    if len(found) == 1 or (found and found[0] in defaults):
+        return found[0]
+    raise UserError(f"cannot tell which column holds the {role}; pass --{role}_column, one of: {', '.join(columns)}")
+
+
+def _byte_backend():
+    """A tokenizers.Tokenizer over the 256 bytes plus a separator and padding, with no merges."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
+    vocab = {char: i for i, char in enumerate(sorted(pre_tokenizers.ByteLevel.alphabet()))}
+    vocab.update({BOS: len(vocab), PAD: len(vocab) + 1})
+    backend = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    backend.decoder = decoders.ByteLevel()
+    backend.add_special_tokens([BOS, PAD])
+    backend.post_processor = processors.TemplateProcessing(single=f"{BOS} $A", special_tokens=[(BOS, vocab[BOS])])
+    return backend
+
+
+def _wrap(backend):
+    from transformers import PreTrainedTokenizerFast
+    return PreTrainedTokenizerFast(tokenizer_object=backend, bos_token=BOS, eos_token=BOS, pad_token=PAD)
+
+
+def byte_tokenizer():
+    """A byte-level tokenizer needing no files or training: 256 bytes, a separator and padding."""
+    return _wrap(_byte_backend())
+
+
+def bpe_tokenizer(texts, vocab_size: int):
+    """A byte-level BPE tokenizer trained on texts (an iterator of lists of strings) up to vocab_size tokens."""
+    from tokenizers import pre_tokenizers, trainers
+    backend = _byte_backend()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[BOS, PAD], show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    backend.train_from_iterator(texts, trainer=trainer)
+    return _wrap(backend)
+
+
+def _has_tokenizer(source: str) -> bool:
+    """False for a local folder with no tokenizer files (transformers would make an empty tokenizer for it)."""
+    folder = Path(source)
+    return not folder.is_dir() or any((folder / name).is_file() for name in TOKENIZER_FILES)
+
+
+def build_tokenizer(choice: str, model_source: str, vocab_size: int, texts):
+    """The tokenizer --tokenizer asks for: '' (the model's own, else bytes), 'bytes', 'bpe', or a path/hub name."""
+    from transformers import AutoTokenizer
+    if choice == "bytes" or (not choice and not model_source):
+        return byte_tokenizer()
+    if choice == "bpe":
+        return bpe_tokenizer(texts, vocab_size)
+    if not choice and not _has_tokenizer(model_source):
+        distributed.print0(f"tokenizer: none in {model_source}; using a byte-level one built locally")
+        return byte_tokenizer()
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(choice or model_source)
+    except Exception as e:
+        raise UserError(f"cannot load the tokenizer of {choice or model_source} ({_first_line(e)}); pass "
+                        f"--tokenizer with a folder saved by save_pretrained, 'bytes' or 'bpe'") from None
+    if len(tokenizer) < 2 or not _has_tokenizer(choice or model_source):
+        raise UserError(f"{choice or model_source} holds no usable tokenizer; pass a folder saved by "
+                        f"save_pretrained, or --tokenizer bytes or bpe")
+    if tokenizer.pad_token is None:  # GPT-2 style tokenizers have none; padding is masked out anyway
+        tokenizer.pad_token = tokenizer.eos_token or tokenizer.sep_token
+    return tokenizer
+
+
+def _cache_key(dataset, tokenizer, *settings) -> str:
+    """A datasets fingerprint for tokenizing this dataset with this tokenizer and these settings."""
+    vocab = tokenizer.backend_tokenizer.to_str() if tokenizer.is_fast else repr(sorted(tokenizer.get_vocab().items()))
+    return hashlib.sha256(repr((dataset._fingerprint, vocab, settings)).encode()).hexdigest()[:32]
+
+
+def _mapped(dataset, encode, key: str, what: str, unit: str):
+    """dataset.map(encode) under a fingerprint of our own, so ranks and later runs reuse the cached result."""
+    cache = [f["filename"] for f in dataset.cache_files]
+    reused = bool(cache) and os.path.exists(os.path.join(os.path.dirname(cache[0]), f"cache-{key}.arrow"))
+    result = dataset.map(encode, batched=True, remove_columns=dataset.column_names, new_fingerprint=key)
+    distributed.print0(f"{what}: {len(result)} {unit} ({'reused the tokenized cache' if reused else 'tokenized'})")
+    return result
+
+
+def lm_blocks(dataset, tokenizer, column: str, block_size: int, what: str):
+    """Every text, each followed by the separator, concatenated and cut into blocks of block_size tokens."""
+    sep = tokenizer.eos_token_id if tokenizer.eos_token_id is not None else tokenizer.sep_token_id
+
+    def encode(batch):
+        ids = tokenizer([t or "" for t in batch[column]], add_special_tokens=False)["input_ids"]
+        flat = [token for doc in ids for token in (doc + [sep] if sep is not None else doc)]
+        usable = len(flat) // block_size * block_size
+        return {"input_ids": [flat[i:i + block_size] for i in range(0, usable, block_size)]}
+    return _mapped(dataset, encode, _cache_key(dataset, tokenizer, "lm", column, block_size), what,
+                   f"blocks of {block_size} tokens")
+
+
+def labelled_rows(dataset, tokenizer, column: str, label_column: str, labels: list, block_size: int, what: str):
+    """Each text tokenized (truncated to block_size) with its label's index in labels."""
+    index = {label: i for i, label in enumerate(labels)}
+
+    def encode(batch):
+        ids = tokenizer([t or "" for t in batch[column]], truncation=True, max_length=block_size)["input_ids"]
+        unknown = [y for y in batch[label_column] if y not in index]
+        if unknown:
+            raise UserError(f"held-out label {unknown[0]!r} never occurs in the training data")
+        return {"input_ids": ids, "target": [index[y] for y in batch[label_column]]}
+    return _mapped(dataset, encode, _cache_key(dataset, tokenizer, "cls", column, label_column, labels, block_size),
+                   what, "labelled rows")
+
+
+def label_names(dataset, column: str) -> list:
+    """The classes in order: a ClassLabel's names, 0..max for integers, sorted values otherwise."""
+    feature = dataset.features[column]
+    if hasattr(feature, "names"):
+        return list(range(len(feature.names)))
+    values = set(dataset[column])
+    if None in values:
+        raise UserError(f"--label_column {column!r} has empty values; every row needs a label")
+    if all(isinstance(v, int) for v in values):
+        return list(range(max(values) + 1))
+    return sorted(values, key=str)
+
+
+class Rows(Dataset):
+    """(input, target) from a tokenized dataset: (ids, ids) for language modelling, ((ids, mask), label) else."""
+
+    def __init__(self, dataset, pad_id: int, length: int = 0):
+        self.dataset = dataset.with_format("torch")
+        self.pad_id, self.length = pad_id, length  # length: pad every row to it (classification)
+
+    def __len__(self):
+        return len(self.dataset)
+
+    def __getitem__(self, i):
+        row = self.dataset[i]
+        ids = row["input_ids"]
+        if not self.length:
+            return ids, ids
+        mask = torch.zeros(self.length, dtype=torch.long)
+        mask[:len(ids)] = 1
+        padded = torch.full((self.length,), self.pad_id, dtype=torch.long)
+        padded[:len(ids)] = ids
+        return (padded, mask), row["target"]
+
+
+def _run_tokenizer(settings, spec, train, column: str, output_dir: Path):
+    """The main rank builds the run's tokenizer and saves it in output_dir; the other ranks load that copy."""
+    from transformers import AutoTokenizer
+    saved = Path(output_dir) / TOKENIZER_DIR
+    if distributed.is_main() and not (settings.resume and saved.is_dir()):
+        texts = (batch[column] for batch in train.iter(batch_size=1000))
+        tokenizer = build_tokenizer(settings.tokenizer, spec.pretrained, spec.config.vocab_size, texts)
+        tokenizer.save_pretrained(saved)
+        return tokenizer
+    return AutoTokenizer.from_pretrained(saved)
+
+
+def _longest(dataset) -> int:
+    import pyarrow.compute as pc
+    return pc.max(pc.list_value_length(dataset.data.column("input_ids"))).as_py() or 0
+
+
+def build_datasets(settings, spec, task: str, output_dir: Path):
+    """(train, held-out, DataInfo, tokenizer) for a transformers model, tokenized on the main rank first."""
+    from app.data import DataInfo
+    with distributed.main_process_first():
+        train, held = load_splits(settings.dataset, settings.dataset_config, settings.eval_file,
+                                  settings.eval_fraction, settings.seed)
+        column = pick_column(train, settings.text_column, "text", ("text",))
+        tokenizer = _run_tokenizer(settings, spec, train, column, output_dir)
+        if len(tokenizer) > spec.config.vocab_size:
+            raise UserError(f"the tokenizer has {len(tokenizer)} tokens but {settings.model} embeds only "
+                            f"{spec.config.vocab_size}; use the model's own tokenizer, or --tokenizer bytes")
+        block = settings.block_size or min(spec.max_positions, 1024)
+        if block > spec.max_positions:
+            raise UserError(f"--block_size {block} is longer than {settings.model}'s {spec.max_positions} positions; "
+                            f"pass --block_size {spec.max_positions} or less")
+        if task == "causal_lm":
+            train = lm_blocks(train, tokenizer, column, block, "train")
+            held = lm_blocks(held, tokenizer, column, block, "held-out")
+            if not len(train) or not len(held):
+                raise UserError(f"the {'training' if not len(train) else 'held-out'} text is shorter than one block of "
+                                f"{block} tokens; lower --block_size or add text")
+            length, classes = 0, 0
+        else:
+            label = pick_column(train, settings.label_column, "label", ("label", "labels"))
+            names = label_names(train, label)
+            train = labelled_rows(train, tokenizer, column, label, names, block, "train")
+            held = labelled_rows(held, tokenizer, column, label, names, block, "held-out")
+            length, classes = max(_longest(train), _longest(held), 1), len(names)
+            if classes < 2:
+                raise UserError(f"--label_column {label!r} has a single class; classification needs two or more")
+    info = DataInfo(classes, task=task, vocab_size=len(tokenizer), seq_len=length or block)
+    return Rows(train, tokenizer.pad_token_id, length), Rows(held, tokenizer.pad_token_id, length), info, tokenizer

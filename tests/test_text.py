@@ -1,0 +1,97 @@
+"""Text data: every file format, column choice, tokenizers, blocks that cover the text once, a reused cache."""
+import json
+
+import pytest
+
+from app import text
+from app.errors import UserError
+from conftest import sentences, write_text_rows
+
+FORMATS = [".txt", ".json", ".jsonl", ".csv", ".parquet"]
+
+
+@pytest.mark.parametrize("suffix", FORMATS)
+def test_every_file_format_loads_with_a_held_out_share(suffix, tmp_path):
+    path = write_text_rows(tmp_path / f"data{suffix}", 50, labelled=suffix != ".txt")
+    train, held = text.load_splits(str(path), "", "", 0.2, seed=0)
+    assert (len(train), len(held)) == (40, 10)
+    assert sorted(list(train["text"]) + list(held["text"])) == sorted(t for t, _ in sentences(50))
+    if suffix != ".txt":
+        assert sorted(list(train["label"]) + list(held["label"])) == sorted(y for _, y in sentences(50))
+
+
+def test_a_folder_of_files_and_an_eval_file(tmp_path):
+    folder = tmp_path / "corpus"
+    folder.mkdir()
+    write_text_rows(folder / "a.jsonl", 30, seed=1)
+    write_text_rows(folder / "b.jsonl", 20, seed=2)
+    held_file = write_text_rows(tmp_path / "held.jsonl", 7, seed=3)
+    train, held = text.load_splits(str(folder), "", str(held_file), 0.5, seed=0)
+    assert (len(train), len(held)) == (50, 7)
+    with pytest.raises(UserError, match="need files of one kind"):
+        text.load_splits(str(folder), "", str(write_text_rows(tmp_path / "held.csv", 5)), 0.1, seed=0)
+
+
+def test_columns_default_sensibly_and_a_wrong_name_lists_the_real_ones(tmp_path):
+    path = tmp_path / "rows.jsonl"
+    path.write_text("".join(json.dumps({"sentence": t, "label": y, "id": i}) + "\n"
+                            for i, (t, y) in enumerate(sentences(20))))
+    train, _ = text.load_splits(str(path), "", "", 0.1, seed=0)
+    assert text.pick_column(train, "", "text", ("text",)) == "sentence"  # the only string column
+    assert text.pick_column(train, "", "label", ("label", "labels")) == "label"
+    with pytest.raises(UserError, match=r"--text_column 'body' is not in the dataset; its columns are: sentence, label, id"):
+        text.pick_column(train, "body", "text", ("text",))
+    two = train.add_column("title", ["x"] * len(train))
+    with pytest.raises(UserError, match="cannot tell which column holds the text; pass --text_column"):
+        text.pick_column(two, "", "text", ("text",))
+
+
+def test_an_empty_file_is_refused(tmp_path):
+    (tmp_path / "empty.txt").write_text("")
+    with pytest.raises(UserError, match="no training rows"):
+        text.load_splits(str(tmp_path / "empty.txt"), "", "", 0.1, seed=0)
+
+
+def test_byte_tokenizer_round_trips_any_text():
+    tokenizer = text.byte_tokenizer()
+    sample = "héllo wörld ✓\n\ttabs and  spaces"
+    ids = tokenizer(sample)["input_ids"]
+    assert ids[0] == tokenizer.bos_token_id and len(ids) == len(sample.encode()) + 1
+    assert tokenizer.decode(ids, skip_special_tokens=True) == sample
+    assert len(tokenizer) == 258 and tokenizer.pad_token_id not in ids
+
+
+def test_bpe_tokenizer_learns_merges_up_to_the_vocabulary():
+    tokenizer = text.bpe_tokenizer(iter([[t for t, _ in sentences(300)]]), 300)
+    assert 258 < len(tokenizer) <= 300
+    sample = "the happy dog chases the owl ."
+    ids = tokenizer(sample, add_special_tokens=False)["input_ids"]
+    assert len(ids) < len(sample) / 2 and tokenizer.decode(ids) == sample
+
+
+def test_blocks_are_the_concatenated_text_cut_once_and_the_cache_is_reused(tmp_path, capsys):
+    train, _ = text.load_splits(str(write_text_rows(tmp_path / "c.txt", 200)), "", "", 0.1, seed=0)
+    tokenizer = text.byte_tokenizer()
+    blocks = text.lm_blocks(train, tokenizer, "text", 16, "train")
+    assert "train: " in capsys.readouterr().out
+    flat = [t for s in list(train["text"]) for t in tokenizer(s, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]]
+    assert [t for block in list(blocks["input_ids"]) for t in block] == flat[:len(flat) // 16 * 16]
+    assert all(len(block) == 16 for block in list(blocks["input_ids"]))
+    again = text.lm_blocks(train, tokenizer, "text", 16, "train")
+    assert "reused the tokenized cache" in capsys.readouterr().out and list(again["input_ids"]) == list(blocks["input_ids"])
+    text.lm_blocks(train, tokenizer, "text", 8, "train")  # another block size is another cache entry
+    assert "(tokenized)" in capsys.readouterr().out
+
+
+def test_labels_of_any_kind_map_to_class_indices(tmp_path):
+    path = tmp_path / "rows.csv"
+    path.write_text("text,label\nfine day,good\nawful day,bad\nnice one,good\n")
+    train, _ = text.load_splits(str(path), "", "", 0.1, seed=0)
+    names = text.label_names(train, "label")
+    assert names == sorted(set(list(train["label"])))
+    rows = text.labelled_rows(train, text.byte_tokenizer(), "text", "label", names, 4, "train")
+    assert list(rows["target"]) == [names.index(y) for y in list(train["label"])]
+    assert all(len(ids) == 4 for ids in list(rows["input_ids"]))  # truncated to the block size
+    with pytest.raises(UserError, match="held-out label 'meh' never occurs"):
+        held = train.map(lambda row: {"label": "meh"})
+        text.labelled_rows(held, text.byte_tokenizer(), "text", "label", names, 4, "held-out")
