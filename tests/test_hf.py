@@ -18,12 +18,23 @@ LM_ARGS = ["--model", "gpt2-tiny", "--block_size", 32, "--max_steps", 6, "--log_
 CLASSIFIER_ARGS = ["--model", "bert-tiny", "--max_steps", 30, "--eval_interval", 30, "--log_interval", 10]
 
 
-def _train_each(rank, world, jobs):
-    """On every rank: train.run each job in one process group (no launcher start-up per job)."""
-    from app import config, distributed, train
+def _train_each(rank, world, jobs, report):
+    """On every rank: train.run each job in one process group (no launcher start-up per job).
+
+    First, rank 0 reports how much of gpt2-tiny each rank holds when it is built under ZeRO-3.
+    """
+    from app import config, distributed, models, text, train
+    from app.data import DataInfo
     distributed.prepare_environment()
     parsed = [config.parse([str(a) for a in argv]) for argv in jobs]
+    zero3 = config.load_ds_config(REPO / "ds_configs" / "zero3.json")  # before the group, as the app does
     group = distributed.setup(timeout_s=300)
+    zero3 = config.resolve_batch_sizes(zero3, world, "zero3")
+    model = models.build_model("gpt2-tiny", DataInfo(0, task="causal_lm"), models.hf_spec("gpt2-tiny"),
+                               text.byte_tokenizer(), zero3)
+    held = [p.numel() for p in model.parameters()]
+    if rank == 0:
+        report.write_text(json.dumps({"held": sum(held), "full": sum(p.ds_numel for p in model.parameters())}))
     for settings, ds_config in parsed:
         assert train.run(settings, ds_config, group, time.perf_counter()) == 0
     distributed.teardown()
@@ -41,8 +52,15 @@ def runs(tmp_path_factory):
     labelled = write_text_rows(root / "labelled.csv", 600, seed=2, labelled=True)
     jobs.append(["--deepspeed_config", config_variant(root, "zero2", train_micro_batch_size_per_gpu=16),
                  "--dataset", labelled, *CLASSIFIER_ARGS, "--output_dir", root / "classifier"])
-    spawn_ranks(2, _train_each, jobs)
+    spawn_ranks(2, _train_each, jobs, root / "zero3-build.json")
     return root
+
+
+def test_zero3_partitions_the_model_as_it_is_built(runs):
+    """Under ZeRO-3 no rank ever holds the whole model: each parameter is split as it is created."""
+    built = json.loads((runs / "zero3-build.json").read_text())
+    assert built["full"] == 5_289_472  # gpt2-tiny
+    assert built["held"] == 0  # outside a forward pass a rank keeps only its partition (in ds_tensor)
 
 
 @pytest.mark.parametrize("name", LM_CONFIGS)
