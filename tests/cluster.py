@@ -12,9 +12,10 @@ from pathlib import Path
 
 import pytest
 
-from conftest import free_port
+from conftest import REPO, free_port
 
 HOSTS = ("127.0.0.1", "127.0.0.2")
+TWO_HOSTS = REPO / "hostfiles" / "two-loopback-hosts"  # the documented example holds HOSTS, one slot each
 DOWN_HOST = "127.0.0.3"
 # binary -> the Debian package that has it
 PACKAGES = {"/usr/bin/pdsh": "pdsh", "/usr/sbin/sshd": "openssh-server", "/usr/bin/ssh": "openssh-client",

@@ -5,7 +5,7 @@ import socket
 import pytest
 
 from app import doctor
-from cluster import DOWN_HOST, HOSTS, cluster  # noqa: F401 (a fixture)
+from cluster import DOWN_HOST, HOSTS, TWO_HOSTS, cluster  # noqa: F401 (a fixture)
 from conftest import BIN, REPO, free_port, run
 
 
@@ -32,7 +32,7 @@ def doctor_in_process(cluster, monkeypatch, capsys, *args):
 def test_good_set_up_passes(cluster, tmp_path):
     """Every host answers over ssh with the same Python and packages, and reaches the master port."""
     port = free_port()
-    result = run([str(BIN / "python"), "-m", "app.doctor", "--hostfile", cluster.hostfile(*HOSTS), "--master_port",
+    result = run([str(BIN / "python"), "-m", "app.doctor", "--hostfile", TWO_HOSTS, "--master_port",
                   str(port), "--output_dir", tmp_path / "run"], timeout=120, **cluster.env())
     assert result.returncode == 0, result.stdout + result.stderr
     rows = rows_of(result.stdout)
@@ -59,7 +59,7 @@ def test_a_busy_master_port_fails(cluster, monkeypatch, capsys):
         busy.bind((HOSTS[0], 0))
         busy.listen()
         port = busy.getsockname()[1]
-        code, out = doctor_in_process(cluster, monkeypatch, capsys, "--hostfile", cluster.hostfile(*HOSTS),
+        code, out = doctor_in_process(cluster, monkeypatch, capsys, "--hostfile", TWO_HOSTS,
                                       "--master_port", port)
     assert code == 1
     assert rows_of(out)[("master port", f"{HOSTS[0]}:{port}")] == "FAIL"
@@ -76,7 +76,7 @@ def test_a_bad_config_fails(text, expected, cluster, monkeypatch, capsys, tmp_pa
     config = tmp_path / "bad.json"
     config.write_text(text)
     code, out = doctor_in_process(cluster, monkeypatch, capsys, "--deepspeed_config", config, "--hostfile",
-                                  cluster.hostfile(*HOSTS), "--master_port", free_port())
+                                  TWO_HOSTS, "--master_port", free_port())
     assert code == 1
     assert rows_of(out)[("config", str(config))] == "FAIL" and expected in out
     assert out.splitlines()[-1] == f"1 check(s) failed: config {config}"
@@ -86,3 +86,12 @@ def test_a_missing_hostfile_fails(tmp_path, capsys):
     code = doctor.main(["--hostfile", str(tmp_path / "nope"), "--master_port", str(free_port())])
     out = capsys.readouterr().out
     assert code == 1 and "not found" in out and rows_of(out)[("hostfile", str(tmp_path / "nope"))] == "FAIL"
+
+
+@pytest.mark.parametrize("name", sorted(p.name for p in (REPO / "hostfiles").iterdir()))
+def test_example_hostfiles_parse(name):
+    args = doctor.build_parser().parse_args(["--hostfile", str(REPO / "hostfiles" / name)])
+    hosts = doctor.read_hosts(args)
+    assert hosts and all(slots >= 1 for slots in hosts.values())
+    if name == "two-loopback-hosts":
+        assert tuple(hosts) == HOSTS and set(hosts.values()) == {1}

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from cluster import DOWN_HOST, HOSTS, cluster  # noqa: F401 (a fixture)
+from cluster import DOWN_HOST, HOSTS, TWO_HOSTS, cluster  # noqa: F401 (a fixture)
 from conftest import BIN, REPO, free_port, read_metrics, read_summary, run, train
 
 ARGS = ["--max_steps", "4", "--log_interval", "1"]
@@ -73,7 +73,7 @@ def deepspeed_cmd(hostfile, port, *launcher_args):
 def test_deepspeed_through_pdsh_and_ssh(cluster, reference, tmp_path):
     """`deepspeed --hostfile`: pdsh starts launch.py on each host over a real ssh connection."""
     before, out = shm_segments(), tmp_path / "run"
-    output = launch(deepspeed_cmd(cluster.hostfile(*HOSTS), free_port()) + ["--output_dir", str(out)],
+    output = launch(deepspeed_cmd(TWO_HOSTS, free_port()) + ["--output_dir", str(out)],
                     cluster.env())
     check_run(out, output, reference, "deepspeed", f"2 node(s): {HOSTS[0]} (rank 0), {HOSTS[1]} (rank 1)", before)
     # pdsh prefixes each line with the host it came from: node 1 ran its own launch.py
@@ -83,7 +83,7 @@ def test_deepspeed_through_pdsh_and_ssh(cluster, reference, tmp_path):
 def test_deepspeed_no_ssh_one_launcher_per_node(cluster, reference, tmp_path):
     """`deepspeed --hostfile --no_ssh --node_rank K` typed on each node, no ssh at all."""
     before, out, port = shm_segments(), tmp_path / "run", free_port()
-    hostfile = cluster.hostfile(*HOSTS)
+    hostfile = TWO_HOSTS
     output = launch_per_node([deepspeed_cmd(hostfile, port, "--no_ssh", "--node_rank", str(k)) +
                               ["--output_dir", str(out)] for k in range(2)], {"HF_HUB_OFFLINE": "1"})
     check_run(out, output, reference, "deepspeed", f"2 node(s): {HOSTS[0]} (rank 0), {HOSTS[1]} (rank 1)", before)
@@ -95,7 +95,7 @@ def test_deepspeed_openmpi(cluster, reference, tmp_path):
     # DeepSpeed's OpenMPI runner passes neither --master_addr nor --master_port on: .deepspeed_env does
     env = cluster.env(deepspeed_env={"MASTER_ADDR": HOSTS[0], "MASTER_PORT": port})
     loopback_only = "--mca btl_tcp_if_include lo --mca oob_tcp_if_include lo"
-    output = launch(deepspeed_cmd(cluster.hostfile(*HOSTS), port, "--launcher", "openmpi", "--launcher_args",
+    output = launch(deepspeed_cmd(TWO_HOSTS, port, "--launcher", "openmpi", "--launcher_args",
                                   loopback_only) + ["--output_dir", str(out)], env)
     host = socket.gethostname()  # both "nodes" are this machine: mpirun's node order tells them apart
     check_run(out, output, reference, "mpirun", f"2 node(s): {host}#0 (rank 0), {host}#1 (rank 1)", before)
