@@ -83,7 +83,28 @@ def peak_memory_bytes(device: torch.device) -> int:
     """Largest memory this rank has held: CUDA allocator peak on GPU, max resident set on CPU."""
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device)
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    try:  # VmHWM, unlike ru_maxrss, follows reset_peak_memory and excludes the pre-exec parent of a spawned rank
+        with open("/proc/self/status") as f:
+            return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:"))
+    except (OSError, StopIteration):
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def reset_peak_memory(device: torch.device):
+    """Start peak_memory_bytes afresh from what this rank holds now (Linux on CPU: clear_refs 5)."""
+    import gc
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+        return
+    try:
+        import ctypes
+        ctypes.CDLL("libc.so.6").malloc_trim(0)  # hand freed heap back, so the new peak starts from live memory
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        pass
 
 
 class RunLog:

@@ -1,0 +1,43 @@
+"""The benchmark entry point: one quick invocation measures every mode and writes complete JSON and a chart."""
+import json
+
+from conftest import BIN, run
+
+from app.bench import FIELDS
+
+ZERO_FIELDS = ("config", "stage", "parameters", "params_bytes", "grads_bytes", "optimizer_bytes",
+               "master_copy_bytes", "measured_bytes", "formula_bytes", "measured_over_formula",
+               "without_master_over_formula")
+
+
+def test_quick_benchmark_reports_every_field_for_every_mode(tmp_path):
+    result = run([str(BIN / "python"), "-m", "app.bench", "--quick", "--configs", "dp,zero3",
+                  "--output_dir", tmp_path], timeout=300)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    report = json.loads((tmp_path / "bench.json").read_text())
+    modes = {(m["mode"], m["ranks"]): m for m in report["modes"]}
+    assert set(modes) == {("raw", 1), ("raw-1thread", 1), ("dp", 1), ("zero3", 1), ("ddp", 2), ("dp", 2),
+                          ("zero3", 2)}
+    assert [s["mode"] for s in report["skipped"]] == ["dataparallel"], "no GPUs here"
+    for key, mode in modes.items():
+        assert tuple(mode) == FIELDS, key
+        assert mode["step_time_s"] > 0 and mode["samples_per_s"] > 0 and 0 < mode["mfu"], key
+        assert 0 <= mode["data_wait_share"] < 1 and mode["time_to_first_step_s"] > 0, key
+        assert len(mode["peak_memory_bytes"]) == mode["ranks"] and min(mode["peak_memory_bytes"]) > 0, key
+        assert (mode["scaling_efficiency"] is not None) == (mode["ranks"] == 2), key
+        assert (mode["zero_state"] is not None) == (key[0] in ("dp", "zero3")), key
+    assert modes[("raw", 1)]["ratio_to_raw"] == 1.0 and modes[("ddp", 2)]["ratio_to_torch"] == 1.0
+    for key in (("dp", 1), ("zero3", 1), ("dp", 2), ("zero3", 2)):
+        zero = modes[key]["zero_state"]
+        assert tuple(zero) == ZERO_FIELDS and zero["parameters"] == report["parameters"], key
+    # ZeRO-3 splits parameters across the two ranks; plain data parallel keeps all of them on each
+    assert modes[("zero3", 2)]["zero_state"]["params_bytes"] < 0.6 * modes[("dp", 2)]["zero_state"]["params_bytes"]
+    assert (tmp_path / "bench.png").stat().st_size > 1000
+    assert "ddp" in result.stdout and "zero3" in result.stdout, "the table is printed"
+
+
+def test_a_bad_flag_is_one_line():
+    result = run([str(BIN / "python"), "-m", "app.bench", "--modes", "raw,fast"], timeout=120)
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines() == [
+        "error: --modes: unknown mode 'fast'; choose from raw, raw-1thread, ddp, dataparallel, app"]
