@@ -1,5 +1,7 @@
 """Shared helpers: run the app for real (subprocess, real launchers) and read what it wrote."""
+import contextlib
 import csv
+import io
 import json
 import os
 import random
@@ -139,3 +141,22 @@ def spawn_ranks(world: int, fn, *args):
     import torch.multiprocessing as mp
     mp.start_processes(_rank_main, args=(world, free_port(), fn, args), nprocs=world, join=True,
                        start_method="spawn")
+
+
+def _main_each(rank, world, cases, report):
+    from app import train as app_train
+    results = []
+    for argv in cases:
+        err = io.StringIO()
+        with contextlib.redirect_stderr(err):
+            code = app_train.main([str(a) for a in argv])
+        results.append((code, err.getvalue()))
+    report.write_text(json.dumps(results))
+
+
+def main_each(cases: list) -> list:
+    """(exit code, stderr) of train.main for each argv, all in one fresh process (one start-up for all)."""
+    with tempfile.TemporaryDirectory() as folder:
+        report = Path(folder) / "report.json"
+        spawn_ranks(1, _main_each, cases, report)
+        return [tuple(r) for r in json.loads(report.read_text())]

@@ -3,21 +3,24 @@ import json
 
 import pytest
 
-from conftest import REPO, run, train, train_command
+from conftest import REPO, main_each, run, train, train_command
 
 
 def _fails_cleanly(result, *expected):
-    assert result.returncode != 0, result.stdout
-    assert "Traceback" not in result.stderr + result.stdout, result.stderr
-    errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
-    assert len(errors) == 1, result.stderr
+    """result: a CompletedProcess, or (exit code, stderr) from main_each."""
+    code, stderr, stdout = (result.returncode, result.stderr, result.stdout) if hasattr(result, "stderr") else \
+        (*result, "")
+    assert code != 0, stdout
+    assert "Traceback" not in stderr + stdout, stderr
+    errors = [line for line in stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1, stderr
     for text in expected:
         assert text in errors[0], errors[0]
     return errors[0]
 
 
-def _config(tmp_path, text):
-    path = tmp_path / "bad.json"
+def _config(tmp_path, text, name="bad"):
+    path = tmp_path / f"{name.replace(' ', '-')}.json"
     path.write_text(text if isinstance(text, str) else json.dumps(text))
     return path
 
@@ -52,28 +55,33 @@ CASES = {
 }
 
 
-@pytest.mark.parametrize("case", sorted(CASES))
-def test_bad_config(case, tmp_path, finished_run):
-    out, before = finished_run
-    text, expected = CASES[case]
-    result = run(train_command("python", 1, "--deepspeed_config", _config(tmp_path, text), "--output_dir", out,
-                               "--max_steps", 2, "--overwrite"))
-    _fails_cleanly(result, *expected)
-    assert {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()} == before
+FLAG_CASES = {
+    "missing config": (["--deepspeed_config", REPO / "ds_configs/nope.json"], ["ds_configs/nope.json not found",
+                                                                              "dp.json"]),
+    "unknown model": (["--model", "resnet9000"], ["unknown model 'resnet9000'"]),
+    "unknown dataset": (["--dataset", "imagenet22k"], ["unknown image dataset 'imagenet22k'", "digits"]),
+    "empty imagefolder": (["--dataset", "imagefolder", "--data_dir", "/nonexistent/images"],
+                          ["missing or empty", "/nonexistent/images"]),
+    "absent mnist": (["--dataset", "mnist", "--data_dir", "/nonexistent/mnist"], ["MNIST is not in", "HF_HUB_OFFLINE"]),
+    "zero epochs": (["--epochs", "0"], ["--epochs must be at least 1"]),
+}
 
 
-@pytest.mark.parametrize("args, expected", [
-    (["--deepspeed_config", "ds_configs/nope.json"], ["ds_configs/nope.json not found", "dp.json"]),
-    (["--model", "resnet9000"], ["unknown model 'resnet9000'"]),
-    (["--dataset", "imagenet22k"], ["unknown image dataset 'imagenet22k'", "digits"]),
-    (["--dataset", "imagefolder", "--data_dir", "/nonexistent/images"], ["missing or empty", "/nonexistent/images"]),
-    (["--dataset", "mnist", "--data_dir", "/nonexistent/mnist"], ["MNIST is not in", "HF_HUB_OFFLINE"]),
-    (["--epochs", "0"], ["--epochs must be at least 1"]),
-])
-def test_bad_flags(args, expected, tmp_path, finished_run):
+@pytest.fixture(scope="module")
+def outcomes(tmp_path_factory, finished_run):
+    """(exit code, stderr) of the command line for every bad config and bad flag, run in one process."""
+    out, _ = finished_run
+    folder = tmp_path_factory.mktemp("bad-configs")
+    argvs = {name: ["--deepspeed_config", _config(folder, text, name)] for name, (text, _) in CASES.items()}
+    argvs.update({name: args for name, (args, _) in FLAG_CASES.items()})
+    results = main_each([[*argv, "--output_dir", out, "--max_steps", 2, "--overwrite"] for argv in argvs.values()])
+    return dict(zip(argvs, results))
+
+
+@pytest.mark.parametrize("case", sorted(CASES) + sorted(FLAG_CASES))
+def test_bad_config_or_flag(case, outcomes, finished_run):
     out, before = finished_run
-    result = run(train_command("python", 1, *args, "--output_dir", out, "--overwrite", "--max_steps", 2))
-    _fails_cleanly(result, *expected)
+    _fails_cleanly(outcomes[case], *(CASES.get(case) or FLAG_CASES[case])[1])
     assert {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()} == before
 
 

@@ -1,6 +1,4 @@
 """Transformers models end to end: a tiny GPT-2 under every ds_config on two ranks, a classifier, export, reload."""
-import contextlib
-import io
 import json
 import math
 import sys
@@ -9,7 +7,8 @@ import time
 import pytest
 import torch
 
-from conftest import REPO, config_variant, read_metrics, read_summary, run, spawn_ranks, train, write_text_rows
+from conftest import (REPO, config_variant, main_each, read_metrics, read_summary, run, spawn_ranks, train,
+                      write_text_rows)
 
 # each config trains on the corpus written in another format, so every format is trained on too
 LM_CONFIGS = {"dp": ".txt", "zero1": ".json", "zero2": ".jsonl", "zero3": ".csv", "zero2_offload": ".parquet",
@@ -136,18 +135,6 @@ def test_save_pretrained_folder_round_trips_through_model_flag(runs, exported, t
     assert (out / "tokenizer" / "tokenizer.json").read_text() == (exported / "gpt2" / "tokenizer.json").read_text()
 
 
-def _main_each(rank, world, cases, report):
-    """One process: train.main for each argv, keeping its exit code and what it wrote to stderr."""
-    from app import train
-    results = []
-    for argv in cases:
-        err = io.StringIO()
-        with contextlib.redirect_stderr(err):
-            code = train.main([str(a) for a in argv])
-        results.append((code, err.getvalue()))
-    report.write_text(json.dumps(results))
-
-
 def test_bad_text_inputs_get_one_line_and_exit_2(tmp_path):
     from transformers import GPT2Config, GPT2LMHeadModel
     corpus = write_text_rows(tmp_path / "corpus.txt", 100)
@@ -164,10 +151,8 @@ def test_bad_text_inputs_get_one_line_and_exit_2(tmp_path):
         "image data": (["--model", "gpt2-tiny"], "trains on text, not digits"),
         "image model on text": (["--dataset", corpus], "text needs a transformers model"),
     }
-    report = tmp_path / "report.json"
-    spawn_ranks(1, _main_each, [[*argv, "--output_dir", tmp_path / name.replace(" ", "-")]
-                                for name, (argv, _) in cases.items()], report)
-    for (name, (_, expected)), (code, err) in zip(cases.items(), json.loads(report.read_text())):
+    results = main_each([[*argv, "--output_dir", tmp_path / name.replace(" ", "-")] for name, (argv, _) in cases.items()])
+    for (name, (_, expected)), (code, err) in zip(cases.items(), results):
         assert code == 2, name
         assert expected in err and "Traceback" not in err, (name, err)
         assert [line for line in err.splitlines() if line.startswith("error:")] == [err.strip().splitlines()[-1]]
