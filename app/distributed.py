@@ -174,7 +174,7 @@ def prepare_environment():
 
 
 def setup(single_process: bool = False, timeout_s: int = 600) -> World:
-    """Join (or create) the process group through deepspeed.init_distributed and pick the device."""
+    """Pick the device, meet the other ranks and start the process group, which DeepSpeed then adopts."""
     import deepspeed
     launcher = detect_launcher()
     if launcher == "none":
@@ -251,7 +251,8 @@ def _join(rank: int, world_size: int, node: tuple, backend: str, device, join_s:
     nodes = [tuple(json.loads(store.get(key))) for key in keys]
     dist.init_process_group(backend, store=store, rank=rank,
                             world_size=world_size, timeout=datetime.timedelta(seconds=timeout_s),
-                            **({"device_id": device} if device.type == "cuda" else {}))
+                            # as DeepSpeed does: bind the GPU, except alone (later new_group()s would need a peer)
+                            **({"device_id": device} if device.type == "cuda" and world_size > 1 else {}))
     return nodes
 
 

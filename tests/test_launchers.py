@@ -124,7 +124,7 @@ def test_a_host_that_is_down_fails_the_launch_soon_naming_it(cluster, tmp_path):
     """No sshd answers on DOWN_HOST: rank 0 stops waiting for it after --dist_timeout and says which host."""
     started = time.monotonic()
     result = run(deepspeed_cmd(cluster.hostfile(HOSTS[0], DOWN_HOST), free_port()) +
-                 ["--dist_timeout", "15", "--output_dir", str(tmp_path / "run")], timeout=300, **cluster.env())
+                 ["--dist_timeout", "10", "--output_dir", str(tmp_path / "run")], timeout=300, **cluster.env())
     elapsed = time.monotonic() - started
     output = result.stdout + result.stderr
     assert result.returncode != 0
@@ -132,5 +132,5 @@ def test_a_host_that_is_down_fails_the_launch_soon_naming_it(cluster, tmp_path):
     assert "Traceback" not in output, output[-3000:]
     errors = [line for line in output.splitlines() if "error:" in line and "[ERROR]" not in line]
     assert len(errors) == 1, output[-3000:]
-    assert DOWN_HOST in errors[0] and "did not start within 15 s" in errors[0] and "app.doctor" in errors[0]
+    assert DOWN_HOST in errors[0] and "did not start within 10 s" in errors[0] and "app.doctor" in errors[0]
     assert not (tmp_path / "run" / "metrics.csv").exists()
