@@ -198,21 +198,21 @@ def build_model(name: str, info: DataInfo, spec=None, tokenizer=None, ds_config=
 
 
 def _next_token(logits: torch.Tensor, labels: torch.Tensor):
-    """Language-model logits (batch, tokens, vocab) paired with the token each position predicts."""
-    return logits[:, :-1].transpose(1, 2), labels[:, 1:]
+    """Language-model logits as rows (batch x positions, vocab), each paired with the token it predicts."""
+    return logits[:, :-1].reshape(-1, logits.size(-1)), labels[:, 1:].reshape(-1)
 
 
 def per_sample_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     """Cross entropy for each sample (mean over its predicted tokens for a language model), in fp32."""
     if logits.dim() == 3:
-        logits, labels = _next_token(logits, labels)
-        return F.cross_entropy(logits.float(), labels, reduction="none").mean(1)
+        rows, targets = _next_token(logits, labels)
+        return F.cross_entropy(rows.float(), targets, reduction="none").view(len(logits), -1).mean(1)
     return F.cross_entropy(logits.float(), labels, reduction="none")
 
 
 def correct(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     """1.0 where the top class is the label, else 0.0 (a language model: the share of next tokens right)."""
     if logits.dim() == 3:
-        logits, labels = _next_token(logits, labels)
-        return (logits.argmax(1) == labels).float().mean(1)
+        rows, targets = _next_token(logits, labels)
+        return (rows.argmax(-1) == targets).float().view(len(logits), -1).mean(1)
     return (logits.argmax(-1) == labels).float()

@@ -34,3 +34,13 @@ def test_loss_and_accuracy():
     losses = models.per_sample_loss(logits, labels)
     assert losses.dtype == torch.float32 and losses.shape == (3,) and losses[2] > losses[0]
     assert models.correct(logits, labels).tolist() == [1.0, 1.0, 0.0]
+
+
+def test_language_model_loss_is_the_mean_next_token_cross_entropy_of_each_sample():
+    from app.models import correct, per_sample_loss
+    gen = torch.Generator().manual_seed(0)
+    logits, tokens = torch.randn(3, 6, 11, generator=gen), torch.randint(0, 11, (3, 6), generator=gen)
+    for i in range(3):
+        expected = torch.nn.functional.cross_entropy(logits[i, :-1], tokens[i, 1:])
+        assert torch.allclose(per_sample_loss(logits, tokens)[i], expected, atol=1e-6)
+        assert correct(logits, tokens)[i] == (logits[i, :-1].argmax(-1) == tokens[i, 1:]).float().mean()
