@@ -79,6 +79,11 @@ class Settings:
     """Seconds a SIGTERM/SIGINT'd run may take to finish its step and save before it is ended."""
     dist_timeout: int = 600
     """Seconds a collective may wait before the run fails instead of hanging."""
+    compile: str = "auto"
+    """torch.compile the model and its loss through engine.compile: on, off, or auto (on with a CUDA device,
+    off on CPU, where the compile time is not won back; README "Compile")."""
+    tf32: str = "on"
+    """fp32 runs on CUDA: 'on' lets matmuls and convolutions use TF32 tensor cores, 'off' keeps full fp32."""
     deepspeed_config: str = str(DEFAULT_DS_CONFIG)
     """Path of the DeepSpeed JSON file."""
 
@@ -90,6 +95,9 @@ class Settings:
                      "peak_flops"):
             if getattr(self, name) < 0:
                 raise UserError(f"--{name} must be 0 or more, got {getattr(self, name)}")
+        for name, allowed in (("compile", ("auto", "on", "off")), ("tf32", ("on", "off"))):
+            if getattr(self, name) not in allowed:
+                raise UserError(f"--{name} must be one of {', '.join(allowed)}, got {getattr(self, name)!r}")
         if not 0 < self.eval_fraction < 1:
             raise UserError(f"--eval_fraction must be between 0 and 1, got {self.eval_fraction}")
 
@@ -139,8 +147,9 @@ def parse(argv=None):
     return settings, load_ds_config(settings.deepspeed_config)
 
 
-def load_ds_config(path) -> dict:
-    """Read a DeepSpeed JSON file and refuse anything DeepSpeed would silently ignore."""
+def load_ds_config(path, cuda=None) -> dict:
+    """Read a DeepSpeed JSON file, resolve "auto" precision for this machine (cuda: whether it trains on a
+    CUDA device; default: whether one is visible), and refuse anything DeepSpeed would silently ignore."""
     path = Path(path)
     if not path.is_file():
         raise UserError(f"DeepSpeed config {path} not found; pass --deepspeed_config with one of "
@@ -153,8 +162,45 @@ def load_ds_config(path) -> dict:
         raise UserError(f"{path}: {e}") from None
     if not isinstance(ds, dict):
         raise UserError(f"{path} must hold a JSON object at the top level")
+    ds, _ = resolve_precision(ds, str(path), cuda)
     check_ds_keys(ds, str(path))
     return ds
+
+
+PRECISIONS = ("bf16", "fp16")
+
+
+def resolve_precision(ds: dict, where: str, cuda=None, bf16_ok=None) -> tuple:
+    """(ds with "enabled": "auto" made true or false, a note on what was picked and why).
+
+    auto picks bf16 on a CUDA device that supports it, fp16 on one that does not (when fp16 is
+    "auto"), and fp32 on CPU, where bf16 matmuls are slower than fp32 and fp16 has no kernels.
+    """
+    import torch
+    autos = [name for name in PRECISIONS if isinstance(ds.get(name), dict) and ds[name].get("enabled") == "auto"]
+    for name in PRECISIONS:
+        enabled = ds.get(name, {}).get("enabled", False) if isinstance(ds.get(name), dict) else False
+        if not isinstance(enabled, bool) and enabled != "auto":
+            raise UserError(f"{where}: {name}.enabled must be true, false or \"auto\", got {enabled!r}")
+    if not autos:
+        return ds, ""
+    cuda = torch.cuda.is_available() if cuda is None else cuda
+    bf16_ok = cuda and (torch.cuda.is_bf16_supported() if bf16_ok is None else bf16_ok)
+    pick = ("bf16" if "bf16" in autos and bf16_ok else "fp16" if "fp16" in autos and cuda else "fp32")
+    if any(ds.get(name, {}).get("enabled") is True for name in PRECISIONS):
+        pick = next(name for name in PRECISIONS if ds.get(name, {}).get("enabled") is True)
+    ds = copy.deepcopy(ds)
+    for name in autos:
+        ds[name]["enabled"] = name == pick
+    why = "no CUDA device" if not cuda else "the CUDA device supports bf16" if bf16_ok else \
+        "the CUDA device has no bf16"
+    return ds, f"{pick} ({'/'.join(autos)} \"auto\": {why})"
+
+
+def precision_note(path) -> str:
+    """What "auto" precision in the JSON at path resolved to on this machine, or '' when it names none."""
+    ds = json.loads(Path(path).read_text())
+    return resolve_precision(ds, str(path))[1]
 
 
 def _no_duplicate_keys(pairs):

@@ -44,12 +44,13 @@ def _differences(a: dict, b: dict, prefix=""):
     ("zero2", "dp", {"zero_optimization.stage", "zero_optimization.overlap_comm",
                      "zero_optimization.contiguous_gradients"}),
     ("zero3", "zero2", {"zero_optimization.stage"}),
-    # offload runs the step in DeepSpeed's CPU Adam, so those files cannot ask for torch's AdamW
+    # offload runs the step in DeepSpeed's CPU Adam, so those files cannot ask for torch's (fused) AdamW
     ("zero2_offload", "zero2", {"zero_optimization.offload_optimizer", "zero_optimization.overlap_comm",
-                                "optimizer.params.torch_adam"}),
+                                "optimizer.params.torch_adam", "optimizer.params.fused"}),
     ("zero3_offload", "zero3", {"zero_optimization.offload_optimizer", "zero_optimization.offload_param",
-                                "zero_optimization.overlap_comm", "optimizer.params.torch_adam"}),
-    ("bf16", "dp", {"bf16"}),
+                                "zero_optimization.overlap_comm", "optimizer.params.torch_adam",
+                                "optimizer.params.fused"}),
+    ("bf16", "dp", {"bf16.enabled"}),  # bf16 always; the others "auto": bf16 on GPUs that have it
 ])
 def test_configs_differ_only_in_what_their_names_promise(name, base, allowed):
     read = lambda n: json.loads((REPO / "ds_configs" / f"{n}.json").read_text())  # noqa: E731
@@ -117,3 +118,43 @@ def test_parse_reads_flags_and_the_default_config():
     settings, ds = config.parse(["--model", "mlp", "--max_steps", "7", "--local_rank=1"])
     assert settings.model == "mlp" and settings.max_steps == 7
     assert settings.deepspeed_config.endswith("ds_configs/dp.json") and ds["zero_optimization"]["stage"] == 0
+
+
+AUTO = {"train_micro_batch_size_per_gpu": 4, "bf16": {"enabled": "auto"}}
+
+
+@pytest.mark.parametrize("ds, cuda, bf16_ok, want, note", [
+    (AUTO, False, False, {"bf16": False}, 'fp32 (bf16 "auto": no CUDA device)'),
+    (AUTO, True, True, {"bf16": True}, 'bf16 (bf16 "auto": the CUDA device supports bf16)'),
+    (AUTO, True, False, {"bf16": False}, 'fp32 (bf16 "auto": the CUDA device has no bf16)'),
+    ({**AUTO, "fp16": {"enabled": "auto"}}, True, False, {"bf16": False, "fp16": True},
+     'fp16 (bf16/fp16 "auto": the CUDA device has no bf16)'),
+    ({**AUTO, "fp16": {"enabled": "auto"}}, True, True, {"bf16": True, "fp16": False},
+     'bf16 (bf16/fp16 "auto": the CUDA device supports bf16)'),
+    ({**AUTO, "fp16": {"enabled": "auto"}}, False, False, {"bf16": False, "fp16": False},
+     'fp32 (bf16/fp16 "auto": no CUDA device)'),
+    ({"bf16": {"enabled": True}, "fp16": {"enabled": "auto"}}, True, True, {"bf16": True, "fp16": False},
+     'bf16 (fp16 "auto": the CUDA device supports bf16)'),
+])
+def test_auto_precision_follows_the_device(ds, cuda, bf16_ok, want, note):
+    resolved, said = config.resolve_precision(ds, "c.json", cuda=cuda, bf16_ok=bf16_ok)
+    assert {name: resolved[name]["enabled"] for name in want} == want and said == note
+    assert ds["bf16"]["enabled"] in ("auto", True), "the caller's dict is left as it was"
+
+
+def test_auto_precision_on_this_cpu_loads_as_fp32(tmp_path):
+    ds = _load(tmp_path, json.loads((REPO / "ds_configs" / "zero2.json").read_text()))
+    assert ds["bf16"] == {"enabled": False}
+    assert config.precision_note(REPO / "ds_configs" / "zero2.json") == 'fp32 (bf16 "auto": no CUDA device)'
+    assert config.precision_note(REPO / "ds_configs" / "bf16.json") == "", "bf16.json asks for bf16 outright"
+
+
+def test_a_precision_that_is_not_a_bool_or_auto_is_one_line(tmp_path):
+    with pytest.raises(UserError, match=r'bf16.enabled must be true, false or "auto", got \'yes\''):
+        _load(tmp_path, {"train_micro_batch_size_per_gpu": 4, "bf16": {"enabled": "yes"}})
+
+
+@pytest.mark.parametrize("flag, value", [("compile", "always"), ("tf32", "auto")])
+def test_compile_and_tf32_flags_are_checked(flag, value):
+    with pytest.raises(UserError, match=f"--{flag} must be one of"):
+        config.parse([f"--{flag}", value])
