@@ -56,6 +56,9 @@ PRESETS = {
     "bert-tiny": ("bert", dict(num_hidden_layers=2, hidden_size=128, num_attention_heads=2, intermediate_size=512,
                                max_position_embeddings=512, vocab_size=8192)),
 }
+# Vocabularies are padded to a multiple of this for the matmul kernels, as nanoGPT and llm.c do (50,257 ->
+# 50,304 for GPT-2); the padded rows' logits are -inf, so they never win nor take probability.
+VOCAB_MULTIPLE = 64
 NO_DROPOUT = {"gpt2": dict(resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=None, eos_token_id=None),
               "bert": dict(hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)}
 PRESET_ARCHITECTURES = {"gpt2": "GPT2LMHeadModel", "bert": "BertForSequenceClassification"}
@@ -94,6 +97,7 @@ def hf_spec(name: str):
         family, shape = PRESETS[name]
         config, source = AutoConfig.for_model(family, **shape, **NO_DROPOUT[family]), ""
         config.architectures = [PRESET_ARCHITECTURES[family]]
+        pad_vocab(config)
     elif Path(name).is_dir():
         if not (Path(name) / "config.json").is_file():
             raise UserError(f"model folder {name} has no config.json; pass a folder written by save_pretrained")
@@ -109,6 +113,19 @@ def hf_spec(name: str):
     return HFSpec(config, source, _task_of(config), positions)
 
 
+def pad_vocab(config):
+    """Round the config's vocabulary up to a multiple of VOCAB_MULTIPLE, keeping the real size beside it."""
+    real = config.vocab_size
+    config.vocab_size = -(-real // VOCAB_MULTIPLE) * VOCAB_MULTIPLE
+    if config.vocab_size != real:
+        config.unpadded_vocab_size = real
+
+
+def vocab_size(config) -> int:
+    """Tokens a config's model really has: its vocabulary without the padding rows."""
+    return getattr(config, "unpadded_vocab_size", None) or config.vocab_size
+
+
 def resolve_task(spec, task: str) -> str:
     """--task, or the model's own when 'auto'."""
     if task == "auto":
@@ -122,12 +139,16 @@ def resolve_task(spec, task: str) -> str:
 class HFLogits(nn.Module):
     """A transformers model that returns its logits alone, so the loop treats it like any classifier."""
 
-    def __init__(self, hf):
+    def __init__(self, hf, real_vocab: int = 0):
         super().__init__()
         self.hf = hf
+        self.real_vocab = real_vocab  # language models with a padded vocabulary: the tokens past it are masked
 
     def forward(self, input_ids, attention_mask=None):
-        return self.hf(input_ids=input_ids, attention_mask=attention_mask).logits
+        logits = self.hf(input_ids=input_ids, attention_mask=attention_mask).logits
+        if self.real_vocab:
+            logits[..., self.real_vocab:] = float("-inf")  # in place: no second copy of the logits
+        return logits
 
 
 def hf_class(task: str):
@@ -155,7 +176,8 @@ def _build_hf(spec: HFSpec, info: DataInfo, tokenizer, ds_config: dict) -> nn.Mo
     else:
         hf = cls.from_config(config)
     hf.config.architectures = [type(hf).__name__]
-    return HFLogits(hf)
+    padded = info.task == "causal_lm" and vocab_size(config) < config.vocab_size
+    return HFLogits(hf, vocab_size(config) if padded else 0)
 
 
 def save_hf_files(model: nn.Module, tokenizer, folder):

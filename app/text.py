@@ -8,6 +8,7 @@ from torch.utils.data import Dataset
 
 from app import distributed
 from app.errors import UserError
+from app.models import vocab_size
 
 # datasets.load_dataset builder for each file suffix it can read
 FILE_BUILDERS = {".txt": "text", ".text": "text", ".json": "json", ".jsonl": "json", ".csv": "csv",
@@ -228,7 +229,7 @@ def _run_tokenizer(settings, spec, train, column: str, output_dir: Path):
     saved = Path(output_dir) / TOKENIZER_DIR
     if distributed.is_main() and not (settings.resume and saved.is_dir()):
         texts = (batch[column] for batch in train.iter(batch_size=1000))
-        tokenizer = build_tokenizer(settings.tokenizer, spec.pretrained, spec.config.vocab_size, texts)
+        tokenizer = build_tokenizer(settings.tokenizer, spec.pretrained, vocab_size(spec.config), texts)
         tokenizer.save_pretrained(saved)
         return tokenizer
     return AutoTokenizer.from_pretrained(saved)
@@ -247,9 +248,9 @@ def build_datasets(settings, spec, task: str, output_dir: Path):
                                   settings.eval_fraction, settings.seed)
         column = pick_column(train, settings.text_column, "text", ("text",))
         tokenizer = _run_tokenizer(settings, spec, train, column, output_dir)
-        if len(tokenizer) > spec.config.vocab_size:
+        if len(tokenizer) > vocab_size(spec.config):
             raise UserError(f"the tokenizer has {len(tokenizer)} tokens but {settings.model} embeds only "
-                            f"{spec.config.vocab_size}; use the model's own tokenizer, or --tokenizer bytes")
+                            f"{vocab_size(spec.config)}; use the model's own tokenizer, or --tokenizer bytes")
         block = settings.block_size or min(spec.max_positions, 1024)
         if block > spec.max_positions:
             raise UserError(f"--block_size {block} is longer than {settings.model}'s {spec.max_positions} positions; "

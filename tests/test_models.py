@@ -44,3 +44,32 @@ def test_language_model_loss_is_the_mean_next_token_cross_entropy_of_each_sample
         expected = torch.nn.functional.cross_entropy(logits[i, :-1], tokens[i, 1:])
         assert torch.allclose(per_sample_loss(logits, tokens)[i], expected, atol=1e-6)
         assert correct(logits, tokens)[i] == (logits[i, :-1].argmax(-1) == tokens[i, 1:]).float().mean()
+
+
+def test_preset_vocabulary_is_padded_to_a_multiple_of_64():
+    config = models.hf_spec("gpt2-124m").config
+    assert (config.vocab_size, models.vocab_size(config)) == (50304, 50257)
+    assert models.vocab_size(models.hf_spec("gpt2-tiny").config) == models.hf_spec("gpt2-tiny").config.vocab_size
+
+
+def test_padded_vocabulary_rows_never_win():
+    """The padded tokens' logits are -inf: never the argmax, no probability, the loss over the real tokens only."""
+    from transformers import AutoConfig, GPT2LMHeadModel
+    config = AutoConfig.for_model("gpt2", n_layer=1, n_embd=32, n_head=2, n_positions=16, vocab_size=100,
+                                  bos_token_id=None, eos_token_id=None)
+    models.pad_vocab(config)
+    assert (config.vocab_size, models.vocab_size(config)) == (128, 100)
+    torch.manual_seed(0)
+    hf = GPT2LMHeadModel(config)
+    with torch.no_grad():
+        hf.lm_head.weight[100:] = 50.0  # padded rows that would win every argmax if they were not masked
+    model = models.HFLogits(hf, 100)
+    tokens = torch.randint(100, (3, 16))
+    logits = model(tokens)
+    assert torch.isneginf(logits[..., 100:]).all() and (logits.argmax(-1) < 100).all()
+    losses = models.per_sample_loss(logits, tokens)
+    expected = models.per_sample_loss(logits[..., :100], tokens)
+    assert torch.isfinite(losses).all() and torch.allclose(losses, expected)
+    assert (models.correct(logits, tokens) == models.correct(logits[..., :100], tokens)).all()
+    losses.sum().backward()
+    assert torch.isfinite(hf.transformer.wte.weight.grad).all()
