@@ -22,10 +22,13 @@ import torch.nn.functional as F
 from app import config, data, distributed, loop, metrics, models
 from app.errors import UserError
 
-TORCH_MODES = ("raw", "raw-1thread", "ddp", "dataparallel")
-FIELDS = ("mode", "ranks", "threads_per_rank", "micro_batch", "global_batch", "step_time_s", "samples_per_s",
-          "tokens_per_s", "ratio_to_raw", "ratio_to_torch", "mfu", "peak_flops", "data_wait_share",
-          "time_to_first_step_s", "peak_memory_bytes", "scaling_efficiency", "zero_state")
+TORCH_MODES = ("raw", "raw-compile", "raw-1thread", "ddp", "dataparallel")
+FIELDS = ("mode", "ranks", "threads_per_rank", "micro_batch", "global_batch", "dtype", "compiled", "step_time_s",
+          "samples_per_s", "tokens_per_s", "ratio_to_raw", "ratio_to_torch", "speed_vs_raw_compile", "mfu",
+          "peak_flops", "mfu_datasheet", "datasheet_flops", "data_wait_share", "time_to_first_step_s",
+          "peak_memory_bytes", "scaling_efficiency", "zero_state")
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+COMPILE_SUFFIX = {"on": "compile", "off": "eager", "auto": "auto"}  # app mode names: zero1+compile, zero1+eager
 
 
 def parse(argv=None):
@@ -38,8 +41,12 @@ def parse(argv=None):
     parser.add_argument("--steps", type=int, default=30, help="measured optimizer steps per mode (median taken)")
     parser.add_argument("--warmup", type=int, default=5, help="steps run before measuring")
     parser.add_argument("--modes", default=",".join(TORCH_MODES + ("app",)),
-                        help="comma list of raw, raw-1thread, ddp, dataparallel, app (default: all)")
+                        help="comma list of raw, raw-compile, raw-1thread, ddp, dataparallel, app (default: all)")
     parser.add_argument("--configs", default="dp,zero1,zero2,zero3", help="ds_configs/ names the app mode runs")
+    parser.add_argument("--compile", default="auto",
+                        help="comma list of auto, on, off: the app modes run once per entry (name+compile when on)")
+    parser.add_argument("--dtype", default="auto", choices=("auto", "fp32", "bf16"),
+                        help="autocast dtype of the torch modes (auto: bf16 on a CUDA device that has it, else fp32)")
     parser.add_argument("--ranks", type=int, default=2, help="ranks of the multi-rank modes")
     parser.add_argument("--output_dir", default="", help="where bench.json and bench.png go")
     parser.add_argument("--quick", action="store_true", help="3 steps after 1 warm-up, short matmul probe (tests)")
@@ -48,6 +55,11 @@ def parse(argv=None):
     unknown = set(args.modes) - set(TORCH_MODES + ("app",))
     if unknown:
         raise UserError(f"--modes: unknown mode {sorted(unknown)[0]!r}; choose from {', '.join(TORCH_MODES)}, app")
+    args.compile = [c for c in args.compile.split(",") if c]
+    if not args.compile or set(args.compile) - {"auto", "on", "off"}:
+        raise UserError(f"--compile takes a comma list of auto, on, off; got {','.join(args.compile)!r}")
+    if args.dtype == "auto":
+        args.dtype = "bf16" if torch.cuda.is_available() and torch.cuda.is_bf16_supported() else "fp32"
     if args.quick:
         args.steps, args.warmup = 3, 1
     if min(args.steps, args.seq_len, args.ranks) < 1 or args.warmup < 0 or args.batch < 0:
@@ -67,9 +79,9 @@ def build_data(args):
     if args.spec is None:
         return data.build_datasets("digits", "data")[::2]
     gen = torch.Generator().manual_seed(0)
-    blocks = torch.randint(args.spec.config.vocab_size, (args.batch * (args.steps + args.warmup + 1), args.seq_len),
+    blocks = torch.randint(models.vocab_size(args.spec.config), (args.batch * (args.steps + args.warmup + 1), args.seq_len),
                            generator=gen)
-    info = data.DataInfo(0, task="causal_lm", vocab_size=args.spec.config.vocab_size, seq_len=args.seq_len)
+    info = data.DataInfo(0, task="causal_lm", vocab_size=models.vocab_size(args.spec.config), seq_len=args.seq_len)
     return torch.utils.data.TensorDataset(blocks, blocks), info
 
 
@@ -147,44 +159,56 @@ class StepLog:
         pass
 
 
+def mean_loss(logits, y):
+    """Mean cross entropy; next-token prediction for language models, as transformers' own loss computes it."""
+    if logits.dim() == 3:
+        return F.cross_entropy(logits[:, :-1].reshape(-1, logits.size(-1)).float(), y[:, 1:].reshape(-1))
+    return F.cross_entropy(logits.float(), y)
+
+
 def run_torch(mode, args, world, train_set, info, loader, clock, total):
-    """A hand-written PyTorch loop: the plain model (DDP / DataParallel wrapped), torch AdamW, clipping."""
+    """A hand-written PyTorch loop: the plain model (DDP / DataParallel wrapped), torch AdamW, clipping, autocast
+    in --dtype; raw-compile adds torch.compile of model and loss and the fused AdamW, PyTorch at its best."""
     model = build_model(args, info).to(world.device)
     if mode == "ddp":
         model = torch.nn.parallel.DistributedDataParallel(model)
     elif mode == "dataparallel":
         model = torch.nn.DataParallel(model)
     reference = next(iter(args.configs.values()), None) or config.load_ds_config(config.DEFAULT_DS_CONFIG)
-    params = {k: v for k, v in reference["optimizer"]["params"].items() if k != "torch_adam"}
-    optimizer = torch.optim.AdamW(model.parameters(), **params)
+    params = {k: v for k, v in reference["optimizer"]["params"].items() if k not in ("torch_adam", "fused")}
+    compiled = mode == "raw-compile"
+    optimizer = torch.optim.AdamW(model.parameters(), **params, **({"fused": True} if compiled else {}))
+    forward, loss_fn = (torch.compile(model, dynamic=False), torch.compile(mean_loss, dynamic=False)) \
+        if compiled else (model, mean_loss)
     clip = reference.get("gradient_clipping", 0.0)
     batches = iter(TimedLoader(loader, clock, endless=True))
+    dtype = DTYPES[args.dtype]
     model.train()
     for _ in range(total):
         x, y, _ = next(batches)
         x, y = x.to(world.device, non_blocking=True), y.to(world.device, non_blocking=True)
-        logits = model(x)
-        if logits.dim() == 3:  # next-token prediction, as transformers' own loss computes it
-            loss = F.cross_entropy(logits[:, :-1].reshape(-1, logits.size(-1)), y[:, 1:].reshape(-1))
-        else:
-            loss = F.cross_entropy(logits, y)
+        with torch.autocast(world.device.type, dtype=dtype, enabled=dtype != torch.float32):
+            loss = loss_fn(forward(x), y)
         loss.backward()
         if clip:
             torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         clock.tick()
-    return None
+    return None, DTYPES[args.dtype], compiled
 
 
-def run_app(name, args, world, train_set, info, loader, clock, total):
-    """The app's own path: build_model, build_engine with the real ds_config, fit(); returns the ZeRO state."""
+def run_app(mode, args, world, train_set, info, loader, clock, total):
+    """The app's own path: build_model, build_engine with the real ds_config, fit(); returns (the ZeRO state,
+    dtype, compiled)."""
+    name, _, suffix = mode.partition("+")
+    choice = {label: choice for choice, label in COMPILE_SUFFIX.items()}.get(suffix, "auto")
     ds = config.resolve_batch_sizes({**args.configs[name], "train_micro_batch_size_per_gpu": loader.batch_sampler.
                                     batch_size, "gradient_accumulation_steps": 1}, world.world_size, name)
     engine = loop.build_engine(build_model(args, info, ds), config.fill_scheduler_length(ds, total))
     eval_loader = data.build_loader(torch.utils.data.Subset(train_set, range(world.world_size)), 1, world.rank,
                                     world.world_size, False, 0)
-    settings = SimpleNamespace(log_interval=10, eval_interval=total, save_interval=0)
+    settings = SimpleNamespace(log_interval=10, eval_interval=total, save_interval=0, compile=choice)
     state = {}
     real_step = engine.optimizer.step
 
@@ -194,7 +218,7 @@ def run_app(name, args, world, train_set, info, loader, clock, total):
         return real_step(*a, **kw)
     engine.optimizer.step = step_and_measure
     loop.fit(engine, TimedLoader(loader, clock), eval_loader, settings, StepLog(clock), total)
-    return state or None
+    return state or None, loop.input_dtype(engine), engine.is_compiled
 
 
 def _storages(tensors) -> dict:
@@ -242,12 +266,13 @@ def measure(mode, args, world, threads, per_rank_batch, train_set, info) -> dict
     loader = data.build_loader(train_set, per_rank_batch, world.rank, world.world_size, True, 0)
     total = args.warmup + args.steps
     runner = run_torch if mode in TORCH_MODES else run_app
-    zero = runner(mode, args, world, train_set, info, loader, clock, total)
+    zero, dtype, compiled = runner(mode, args, world, train_set, info, loader, clock, total)
     ends = [started] + clock.ends
     times = [b - a for a, b in zip(ends, ends[1:])][args.warmup:]
     wait_share = sum(clock.waits[args.warmup:total]) / sum(times)
     distributed.barrier()  # every rank probes the matmul rate at once, as they shared the machine while training
-    peak = metrics.matmul_flops(world.device, torch.float32, 0.1 if args.quick else 0.5)
+    peak = metrics.matmul_flops(world.device, dtype, 0.1 if args.quick else 0.5)  # in the mode's own dtype
+    datasheet = metrics.datasheet_flops(world.device, dtype)
     mine = torch.tensor([statistics.median(times), wait_share, clock.ends[0] - started], dtype=torch.float64)
     step_time, wait_share, first_step = distributed.all_reduce_max(mine).tolist()  # the slowest rank's
     peak = distributed.all_reduce_sum(torch.tensor([peak], dtype=torch.float64)).item()
@@ -256,10 +281,14 @@ def measure(mode, args, world, threads, per_rank_batch, train_set, info) -> dict
     memory = distributed.all_reduce_sum(memory)
     global_batch = per_rank_batch * world.world_size
     samples_per_s = global_batch / step_time
-    return {"mode": mode if mode in TORCH_MODES else f"{mode}", "ranks": world.world_size, "threads_per_rank": threads,
-            "micro_batch": per_rank_batch, "global_batch": global_batch, "step_time_s": step_time,
+    datasheet = datasheet and datasheet * world.world_size
+    return {"mode": mode, "ranks": world.world_size, "threads_per_rank": threads,
+            "micro_batch": per_rank_batch, "global_batch": global_batch, "dtype": str(dtype)[6:],
+            "compiled": bool(compiled), "step_time_s": step_time,
             "samples_per_s": samples_per_s, "tokens_per_s": samples_per_s * info.seq_len if info.seq_len else None,
             "mfu": samples_per_s * args.flops_per_sample / peak, "peak_flops": peak,
+            "mfu_datasheet": datasheet and samples_per_s * args.flops_per_sample / datasheet,
+            "datasheet_flops": datasheet,
             "data_wait_share": wait_share, "time_to_first_step_s": first_step,
             "peak_memory_bytes": [int(m) for m in memory.tolist()], "zero_state": zero}
 
@@ -268,8 +297,9 @@ def plan(args, cores: int, gpus: int) -> tuple:
     """{world size: [(mode, threads, per-rank batch)]} and [(mode, why it is skipped)]."""
     groups, skipped = {1: [], args.ranks: []}, []
     threads = lambda ranks: 1 if gpus else max(1, cores // ranks)  # noqa: E731 (ranks share the node's cores)
-    if "raw" in args.modes:
-        groups[1].append(("raw", threads(1), args.batch))
+    for mode in ("raw", "raw-compile"):
+        if mode in args.modes:
+            groups[1].append((mode, threads(1), args.batch))
     if "raw-1thread" in args.modes:  # the reference for scaling: one rank's share of the batch on one thread
         groups[1].append(("raw-1thread", 1, args.batch // args.ranks))
     if "dataparallel" in args.modes:
@@ -283,9 +313,11 @@ def plan(args, cores: int, gpus: int) -> tuple:
     if "ddp" in args.modes and multi:
         groups[args.ranks].append(("ddp", threads(args.ranks), args.batch // args.ranks))
     for name in args.configs:
-        groups[1].append((name, threads(1), args.batch))
-        if multi:
-            groups[args.ranks].append((name, threads(args.ranks), args.batch // args.ranks))
+        for choice in args.compile:
+            mode = f"{name}+{COMPILE_SUFFIX[choice]}" if len(args.compile) > 1 or choice != "auto" else name
+            groups[1].append((mode, threads(1), args.batch))
+            if multi:
+                groups[args.ranks].append((mode, threads(args.ranks), args.batch // args.ranks))
     return {ranks: jobs for ranks, jobs in groups.items() if jobs}, skipped
 
 
@@ -321,7 +353,9 @@ def add_ratios(rows: list):
     """Step time against the raw loop and against torch at the same world size; weak-scaling efficiency."""
     by_mode = {(r["mode"], r["ranks"]): r for r in rows}
     raw, one_thread = by_mode.get(("raw", 1)), by_mode.get(("raw-1thread", 1))
+    best = by_mode.get(("raw-compile", 1))
     for r in rows:
+        r["speed_vs_raw_compile"] = best["step_time_s"] / r["step_time_s"] if best and r["ranks"] == 1 else None
         torch_ref = raw if r["ranks"] == 1 else by_mode.get(("ddp", r["ranks"]))
         r["ratio_to_raw"] = r["step_time_s"] / raw["step_time_s"] if raw else None
         r["ratio_to_torch"] = r["step_time_s"] / torch_ref["step_time_s"] if torch_ref else None
@@ -336,17 +370,28 @@ def _fmt(value, spec):
 def table(rows: list) -> str:
     """The rows as a fixed-width text table."""
     rate = "tokens/s" if rows[0]["tokens_per_s"] is not None else "samples/s"
-    lines = [f"{'mode':<12}{'ranks':>6}{'thr':>4}{'batch':>6}{'step ms':>9}{rate:>11}{'vs raw':>8}{'vs torch':>9}"
-             f"{'MFU':>6}{'wait':>7}{'first s':>8}{'peak MB':>9}{'scale':>7}{'ZeRO/formula':>13}"]
+    lines = [f"{'mode':<16}{'ranks':>6}{'thr':>4}{'batch':>6}{'dtype':>9}{'step ms':>9}{rate:>11}{'vs raw':>8}"
+             f"{'vs torch':>9}{'speed/rc':>9}{'MFU':>6}{'MFU ds':>7}{'wait':>7}{'first s':>8}{'peak MB':>9}"
+             f"{'scale':>7}{'ZeRO/formula':>13}"]
     for r in rows:
         zero = r["zero_state"]
         lines.append(
-            f"{r['mode']:<12}{r['ranks']:>6}{r['threads_per_rank']:>4}{r['micro_batch']:>6}"
+            f"{r['mode']:<16}{r['ranks']:>6}{r['threads_per_rank']:>4}{r['micro_batch']:>6}{r['dtype']:>9}"
             f"{r['step_time_s'] * 1e3:>9.1f}{r['tokens_per_s'] or r['samples_per_s']:>11.0f}"
-            f"{_fmt(r['ratio_to_raw'], '.3f'):>8}{_fmt(r['ratio_to_torch'], '.3f'):>9}{r['mfu']:>6.2f}"
+            f"{_fmt(r['ratio_to_raw'], '.3f'):>8}{_fmt(r['ratio_to_torch'], '.3f'):>9}"
+            f"{_fmt(r['speed_vs_raw_compile'], '.3f'):>9}{r['mfu']:>6.2f}{_fmt(r['mfu_datasheet'], '.2f'):>7}"
             f"{r['data_wait_share']:>7.1%}{r['time_to_first_step_s']:>8.2f}{max(r['peak_memory_bytes']) / 2**20:>9.0f}"
             f"{_fmt(r['scaling_efficiency'], '.3f'):>7}{_fmt(zero and zero['measured_over_formula'], '.3f'):>13}")
     return "\n".join(lines)
+
+
+def headline(rows: list) -> str:
+    """The app's speed over raw PyTorch + torch.compile + fused AdamW at one rank, mode by mode."""
+    app = [r for r in rows if r["speed_vs_raw_compile"] is not None and r["mode"] not in TORCH_MODES]
+    if not app:
+        return "headline: needs the raw-compile mode and an app mode at 1 rank"
+    return "headline (app speed / raw PyTorch + compile + fused AdamW, 1 rank): " + ", ".join(
+        f"{r['mode']} {r['speed_vs_raw_compile']:.3f}" for r in app)
 
 
 def plot(rows: list, path: Path):
@@ -390,12 +435,13 @@ def main(argv=None) -> int:
     result = {"command": " ".join(["python -m app.bench", *(argv if argv is not None else sys.argv[1:])]),
               "model": args.model, "parameters": sum(p.numel() for p in model.parameters()),
               "seq_len": info.seq_len or None, "global_batch": args.batch, "steps": args.steps,
-              "warmup": args.warmup, "flops_per_sample": args.flops_per_sample, "dtype": "float32",
+              "warmup": args.warmup, "flops_per_sample": args.flops_per_sample, "torch_dtype": args.dtype,
               "device": "cuda" if torch.cuda.is_available() else "cpu", "cpu_count": os.cpu_count(),
               "torch": torch.__version__, "modes": rows, "skipped": [{"mode": m, "why": why} for m, why in skipped]}
     (args.output_dir / "bench.json").write_text(json.dumps(result, indent=2) + "\n")
     plot(rows, args.output_dir / "bench.png")
     print(table(rows))
+    print(headline(rows))
     for mode, why in skipped:
         print(f"skipped {mode}: {why}")
     print(f"wrote {args.output_dir / 'bench.json'} and {args.output_dir / 'bench.png'}", flush=True)

@@ -168,6 +168,9 @@ def prepare_environment():
         os.environ["PATH"] = bin_dir + os.pathsep + os.environ.get("PATH", "")
     logging.getLogger("torch.utils.cpp_extension").setLevel(logging.ERROR)
     warnings.filterwarnings("ignore", category=FutureWarning, module="torch.distributed")
+    # DeepSpeed's throughput timer (time.time) runs in the engine's forward pre-hook: under torch.compile
+    # it is a graph break before the model's graph, harmless, and torch warns about it on every rank
+    warnings.filterwarnings("ignore", message="Dynamo does not know how to trace the builtin `time.time")
     # Name DeepSpeed's accelerator when there is no GPU, sparing every rank its detection warning.
     if "DS_ACCELERATOR" not in os.environ and not torch.cuda.is_available():
         os.environ["DS_ACCELERATOR"] = "cpu"

@@ -4,14 +4,18 @@ import time
 
 import torch
 
+from app.compiler import Step, wanted
 from app.errors import UserError
 from app.metrics import Meter, Throughput
-from app.models import correct, per_sample_loss
+from app.models import correct
 
 
 def build_engine(model, ds_config: dict):
     """deepspeed.initialize, with DeepSpeed's complaints about the config turned into one line."""
     import deepspeed
+    # The app times its own steps. DeepSpeed's throughput timer would synchronise the GPU in every forward and,
+    # read by its forward hook, recompile a compiled model at each of the first steps; off unless the JSON sets it.
+    ds_config = {"timers": {"throughput": {"enabled": False}}, **ds_config}
     try:
         engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=ds_config)
     except (TypeError, ValueError, AssertionError, KeyError) as e:
@@ -54,28 +58,30 @@ def _to_device(batch, device, dtype):
     return inputs, y.to(device, non_blocking=True), w.to(device, non_blocking=True)
 
 
-def train_step(engine, batch, dtype, meter: Meter):
+def train_step(step: Step, batch, dtype, meter: Meter):
     """Forward, engine.backward(loss), engine.step(); the loss is weighted so ranks average exactly."""
+    engine = step.engine
     x, y, w = _to_device(batch, engine.device, dtype)
-    losses = per_sample_loss(engine(*x), y)
+    _, losses = step.logits_and_losses(x, y)
     engine.backward((losses * w).sum())
     engine.step()
     real = (w > 0).to(losses.dtype)
     meter.add(real.sum(), loss=(losses.detach() * real).sum())
 
 
-def evaluate(engine, loader, dtype) -> dict:
+def evaluate(step: Step, loader, dtype) -> dict:
     """Held-out loss and accuracy (and perplexity for language models) over every rank's shard, padding excluded."""
+    engine = step.engine
     meter = Meter(["loss", "accuracy"], engine.device)
     engine.eval()
     tokens = False
     with torch.no_grad():
         for batch in loader:
             x, y, w = _to_device(batch, engine.device, dtype)
-            logits = engine(*x)
+            logits, losses = step.logits_and_losses(x, y)
             tokens = logits.dim() == 3
             real = (w > 0).float()
-            meter.add(real.sum(), loss=(per_sample_loss(logits, y) * real).sum(),
+            meter.add(real.sum(), loss=(losses * real).sum(),
                       accuracy=(correct(logits, y) * real).sum())
     engine.train()
     result = meter.reduce()
@@ -97,6 +103,7 @@ def fit(engine, train_loader, eval_loader, settings, log, steps: int, start=(0, 
     """Train until `steps` optimizer steps (or an agreed stop), from (epoch, batch) `start`, logging,
     evaluating and saving."""
     dtype = input_dtype(engine)
+    step_fn = Step(engine, wanted(settings.compile, engine.device))
     meter = Meter(["loss"], engine.device)
     sampler = train_loader.batch_sampler
     samples, train_s, last_eval, stopped = 0.0, 0.0, {}, False
@@ -107,7 +114,7 @@ def fit(engine, train_loader, eval_loader, settings, log, steps: int, start=(0, 
         sampler.set_epoch(epoch, skip)
         for batch_index, batch in enumerate(train_loader, start=skip + 1):
             before = engine.global_steps
-            train_step(engine, batch, dtype, meter)
+            train_step(step_fn, batch, dtype, meter)
             step = engine.global_steps
             if step == before:
                 continue  # inside a gradient accumulation window
@@ -121,7 +128,7 @@ def fit(engine, train_loader, eval_loader, settings, log, steps: int, start=(0, 
                                **throughput.rates(result["count"], elapsed)})
                 window = time.perf_counter()
             if step == steps or (settings.eval_interval and step % settings.eval_interval == 0):
-                last_eval, spent = _eval_row(engine, eval_loader, dtype, log, step, epoch)
+                last_eval, spent = _eval_row(step_fn, eval_loader, dtype, log, step, epoch)
                 window += spent  # evaluation time does not count against training throughput
             if save and (step == steps or stopped or (settings.save_interval and step % settings.save_interval == 0)):
                 started = time.perf_counter()
@@ -132,7 +139,7 @@ def fit(engine, train_loader, eval_loader, settings, log, steps: int, start=(0, 
                 break
         else:
             if not settings.eval_interval and engine.global_steps < steps:
-                last_eval, spent = _eval_row(engine, eval_loader, dtype, log, engine.global_steps, epoch)
+                last_eval, spent = _eval_row(step_fn, eval_loader, dtype, log, engine.global_steps, epoch)
                 window += spent
         epoch, skip = epoch + 1, 0
     if stop is not None:
@@ -141,8 +148,8 @@ def fit(engine, train_loader, eval_loader, settings, log, steps: int, start=(0, 
             **throughput.rates(samples, train_s), "stopped_early": stopped, **last_eval}
 
 
-def _eval_row(engine, loader, dtype, log, step, epoch):
+def _eval_row(step_fn: Step, loader, dtype, log, step, epoch):
     start = time.perf_counter()
-    result = evaluate(engine, loader, dtype)
+    result = evaluate(step_fn, loader, dtype)
     log.write_row({"step": step, "epoch": epoch, **result})
     return result, time.perf_counter() - start

@@ -79,6 +79,23 @@ def matmul_flops(device: torch.device, dtype: torch.dtype, seconds: float = 0.5)
     return 2.0 * n ** 3 * count / (time.perf_counter() - start)
 
 
+# Dense (no sparsity) tensor-core peaks from the vendors' datasheets, FLOP/s per GPU, SXM parts; fp32
+# means TF32 matmuls. Papers report MFU against these; the app's own MFU uses a measured matmul.
+DATASHEET_FLOPS = {
+    "H200": {torch.bfloat16: 989.4e12, torch.float16: 989.4e12, torch.float32: 494.7e12},
+    "H100": {torch.bfloat16: 989.4e12, torch.float16: 989.4e12, torch.float32: 494.7e12},
+    "A100": {torch.bfloat16: 312e12, torch.float16: 312e12, torch.float32: 156e12},
+}
+
+
+def datasheet_flops(device: torch.device, dtype: torch.dtype):
+    """The datasheet's dense peak of this GPU in dtype, or None for CPUs and GPUs not in the table."""
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    return next((peaks.get(dtype) for model, peaks in DATASHEET_FLOPS.items() if model in name), None)
+
+
 def peak_memory_bytes(device: torch.device) -> int:
     """Largest memory this rank has held: CUDA allocator peak on GPU, max resident set on CPU."""
     if device.type == "cuda":

@@ -12,7 +12,7 @@ if __package__ in (None, ""):  # run as `python app/train.py` or by a launcher: 
 import numpy as np
 import torch
 
-from app import checkpoint, config, data, distributed, loop, metrics, models, preemption, text
+from app import checkpoint, compiler, config, data, distributed, loop, metrics, models, preemption, text
 from app.errors import UserError
 
 
@@ -128,8 +128,11 @@ def run(settings, ds_config: dict, world, started: float) -> int:
         steps = loop.total_steps(settings.max_steps, settings.epochs, len(train_loader), accum)
         folder, saved, ds_config = plan_resume(settings, output_dir, ds_config, world)
         engine = loop.build_engine(model, config.fill_scheduler_length(ds_config, steps))
+        precision = config.precision_note(settings.deepspeed_config) or str(loop.input_dtype(engine))[6:]
+        tf32 = compiler.set_tf32(world.device, loop.input_dtype(engine), settings.tf32)
         distributed.print0(f"mode: {world.reason}; ZeRO stage {engine.zero_optimization_stage()}, "
                            f"global batch {engine.train_batch_size()}, {steps} steps -> {output_dir}")
+        distributed.print0(f"precision: {precision}{'; ' + tf32 if tf32 else ''}")
         throughput = throughput_for(model, info, engine, settings)
         record = {"model": settings.model, "dataset": settings.dataset, "world_size": world.world_size,
                   "zero_stage": engine.zero_optimization_stage(), "settings": config.settings_dict(settings),

@@ -156,7 +156,8 @@ class Cluster:
         # .deepspeed_env: DeepSpeed hands its lines to every node; DS_ENV_FILE points it at ours
         ds_env = self.root / f"deepspeed_env-{len(list(self.root.glob('deepspeed_env-*')))}"
         ds_env.write_text("".join(f"{key}={value}\n" for key, value in
-                                  {"HF_HUB_OFFLINE": "1", **extra.pop("deepspeed_env", {})}.items()))
+                                  {"HF_HUB_OFFLINE": "1", "CUDA_VISIBLE_DEVICES": "", "DS_ACCELERATOR": "cpu",
+                                   **extra.pop("deepspeed_env", {})}.items()))
         env = {"PATH": f"{self.bin}{os.pathsep}{os.environ['PATH']}", "DS_ENV_FILE": str(ds_env),
                # mpirun refuses root unless told; the tests run as root in CI
                "OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1"}

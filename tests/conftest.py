@@ -14,6 +14,10 @@ from pathlib import Path
 import pytest
 
 os.environ["HF_HUB_OFFLINE"] = "1"  # tests never reach a model hub or dataset host
+# The CPU tests pin themselves (and every process they start) to the CPU, so the suite runs the same on a
+# machine with GPUs; tests/test_cuda.py gets the machine's own devices back through cuda_env().
+VISIBLE_DEVICES = os.environ.get("CUDA_VISIBLE_DEVICES")
+os.environ.update(CUDA_VISIBLE_DEVICES="", DS_ACCELERATOR="cpu")
 # datasets' cache of loaded and tokenized files, fresh for each session (read when datasets is imported)
 os.environ["HF_DATASETS_CACHE"] = tempfile.mkdtemp(prefix="hf-datasets-")
 REPO = Path(__file__).resolve().parent.parent
@@ -40,15 +44,21 @@ def train_command(launcher: str, nproc: int, *args) -> list:
     raise ValueError(launcher)
 
 
-def run(cmd, timeout=600, **env) -> subprocess.CompletedProcess:
-    """Run cmd in the repository root with the test environment; output captured as text."""
-    full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **env}
+def cuda_env() -> dict:
+    """The environment as the machine gave it: its GPUs visible, DeepSpeed picking its accelerator."""
+    env = {k: v for k, v in os.environ.items() if k not in ("CUDA_VISIBLE_DEVICES", "DS_ACCELERATOR")}
+    return env if VISIBLE_DEVICES is None else {**env, "CUDA_VISIBLE_DEVICES": VISIBLE_DEVICES}
+
+
+def run(cmd, timeout=600, base_env=None, **env) -> subprocess.CompletedProcess:
+    """Run cmd in the repository root with the test environment (or base_env); output captured as text."""
+    full_env = {**(os.environ if base_env is None else base_env), "PYTHONUNBUFFERED": "1", **env}
     return subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=timeout, env=full_env)
 
 
-def train(launcher="python", nproc=1, *args, timeout=600):
+def train(launcher="python", nproc=1, *args, timeout=600, base_env=None):
     """Run a training job and fail the test with its output if it did not exit 0."""
-    result = run(train_command(launcher, nproc, *args), timeout=timeout)
+    result = run(train_command(launcher, nproc, *args), timeout=timeout, base_env=base_env)
     assert result.returncode == 0, f"exit {result.returncode}\n{result.stdout[-4000:]}\n{result.stderr[-4000:]}"
     return result
 

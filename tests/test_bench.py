@@ -16,8 +16,8 @@ def test_quick_benchmark_reports_every_field_for_every_mode(tmp_path):
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     report = json.loads((tmp_path / "bench.json").read_text())
     modes = {(m["mode"], m["ranks"]): m for m in report["modes"]}
-    assert set(modes) == {("raw", 1), ("raw-1thread", 1), ("dp", 1), ("zero3", 1), ("ddp", 2), ("dp", 2),
-                          ("zero3", 2)}
+    assert set(modes) == {("raw", 1), ("raw-compile", 1), ("raw-1thread", 1), ("dp", 1), ("zero3", 1), ("ddp", 2),
+                          ("dp", 2), ("zero3", 2)}
     assert [s["mode"] for s in report["skipped"]] == ["dataparallel"], "no GPUs here"
     for key, mode in modes.items():
         assert tuple(mode) == FIELDS, key
@@ -26,7 +26,14 @@ def test_quick_benchmark_reports_every_field_for_every_mode(tmp_path):
         assert len(mode["peak_memory_bytes"]) == mode["ranks"] and min(mode["peak_memory_bytes"]) > 0, key
         assert (mode["scaling_efficiency"] is not None) == (mode["ranks"] == 2), key
         assert (mode["zero_state"] is not None) == (key[0] in ("dp", "zero3")), key
+        # MFU against a matmul in the mode's own dtype; no datasheet peak for a CPU
+        assert mode["dtype"] == "float32" and mode["mfu_datasheet"] is None, key
+        assert mode["compiled"] == (key[0] == "raw-compile"), "--compile auto: the app runs eager on CPU"
+        assert (mode["speed_vs_raw_compile"] is not None) == (key[1] == 1), key
     assert modes[("raw", 1)]["ratio_to_raw"] == 1.0 and modes[("ddp", 2)]["ratio_to_torch"] == 1.0
+    assert modes[("raw-compile", 1)]["speed_vs_raw_compile"] == 1.0
+    speed = modes[("raw-compile", 1)]["step_time_s"] / modes[("dp", 1)]["step_time_s"]
+    assert f"headline (app speed / raw PyTorch + compile + fused AdamW, 1 rank): dp {speed:.3f}" in result.stdout
     for key in (("dp", 1), ("zero3", 1), ("dp", 2), ("zero3", 2)):
         zero = modes[key]["zero_state"]
         assert tuple(zero) == ZERO_FIELDS and zero["parameters"] == report["parameters"], key
@@ -40,4 +47,15 @@ def test_a_bad_flag_is_one_line(capsys):
     from app import bench
     assert bench.main(["--modes", "raw,fast"]) == 2
     assert capsys.readouterr().err.strip().splitlines() == [
-        "error: --modes: unknown mode 'fast'; choose from raw, raw-1thread, ddp, dataparallel, app"]
+        "error: --modes: unknown mode 'fast'; choose from raw, raw-compile, raw-1thread, ddp, dataparallel, app"]
+    assert bench.main(["--compile", "on,maybe"]) == 2
+    assert capsys.readouterr().err.strip().splitlines() == [
+        "error: --compile takes a comma list of auto, on, off; got 'on,maybe'"]
+
+
+def test_compile_choices_name_the_app_modes():
+    """--compile off,on runs each config twice, eager and compiled, under names that say which."""
+    from app import bench
+    args = bench.parse(["--modes", "app", "--configs", "zero1", "--compile", "off,on", "--ranks", "1"])
+    groups, _ = bench.plan(args, cores=2, gpus=0)
+    assert [mode for mode, _, _ in groups[1]] == ["zero1+eager", "zero1+compile"]

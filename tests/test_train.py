@@ -58,27 +58,37 @@ def test_torchrun_two_processes(tmp_path):
     assert summary["world_size"] == 2 and summary["launcher"] == "torchrun" and summary["steps"] == 10
 
 
-def _losses(launcher, nproc, config, out):
-    train(launcher, nproc, "--deepspeed_config", config, "--max_steps", 12, "--log_interval", 1,
-          "--output_dir", out)
-    return [r["loss"] for r in read_metrics(out)[0]]
+def losses(launcher, nproc, config, out, *extra) -> tuple:
+    """(per-step losses, stdout) of a 12-step run logging every step."""
+    result = train(launcher, nproc, "--deepspeed_config", config, "--max_steps", 12, "--log_interval", 1,
+                   "--output_dir", out, *extra)
+    return [r["loss"] for r in read_metrics(out)[0]], result.stdout
+
+
+def one_process_reference(tmp, *extra) -> list:
+    """The reference: plain data parallel in one process with micro batch 8."""
+    return losses("python", 1, config_variant(tmp, "dp", train_micro_batch_size_per_gpu=8), tmp / "run", *extra)[0]
+
+
+def assert_two_ranks_match(one: list, name: str, tmp_path, *extra) -> str:
+    """2 ranks x micro batch 4 under ds_configs/<name> give one's per-step losses within 1e-5; their stdout."""
+    two, stdout = losses("deepspeed", 2, config_variant(tmp_path, name, train_micro_batch_size_per_gpu=4),
+                         tmp_path / "two", *extra)
+    assert len(one) == len(two) == 12
+    assert max(abs(a - b) for a, b in zip(one, two)) < 1e-5, list(zip(one, two))
+    assert one[-1] < one[0]
+    return stdout
 
 
 @pytest.fixture(scope="module")
 def one_process_losses(tmp_path_factory):
-    """The reference: plain data parallel in one process with micro batch 8."""
-    tmp = tmp_path_factory.mktemp("one")
-    return _losses("python", 1, config_variant(tmp, "dp", train_micro_batch_size_per_gpu=8), tmp / "run")
+    return one_process_reference(tmp_path_factory.mktemp("one"))
 
 
 @pytest.mark.parametrize("name", ["dp", "zero1", "zero2", "zero3"])
 def test_two_ranks_compute_what_one_process_does(name, tmp_path, one_process_losses):
     """Synchronous data parallelism: 2 ranks x micro batch 4 under each ZeRO stage == 1 process x micro batch 8."""
-    one = one_process_losses
-    two = _losses("deepspeed", 2, config_variant(tmp_path, name, train_micro_batch_size_per_gpu=4), tmp_path / "two")
-    assert len(one) == len(two) == 12
-    assert max(abs(a - b) for a, b in zip(one, two)) < 1e-5, list(zip(one, two))
-    assert one[-1] < one[0]
+    assert_two_ranks_match(one_process_losses, name, tmp_path)
 
 
 def test_gradient_accumulation_counts_optimizer_steps(tmp_path):
