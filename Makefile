@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 OPS := $(VENV)/.ops-built
 
-.PHONY: setup train test clean
+.PHONY: setup train test test-fast cluster-packages clean
 
 $(STAMP): requirements.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -16,7 +16,7 @@ $(STAMP): requirements.txt
 
 # DeepSpeed compiles its ops on first use (about a minute each); do it once here, not in a run.
 $(OPS): $(STAMP)
-	$(PY) -m app.build_ops
+	$(PY) -m app.tools.build_ops
 	touch $(OPS)
 
 setup: $(OPS)
@@ -24,8 +24,16 @@ setup: $(OPS)
 train: setup
 	$(VENV)/bin/deepspeed app/train.py --deepspeed_config ds_configs/dp.json
 
-test: setup
+# The whole suite; the multi-node tests need pdsh, sshd, OpenMPI, Slurm and munge (installed when missing, as root).
+test: setup cluster-packages
 	$(PY) -m pytest -q tests
+
+cluster-packages:
+	bash scripts/cluster-packages.sh
+
+# The fast tier: unit tests only, no subprocess, launcher, spawned ranks nor DeepSpeed engine (under a minute).
+test-fast: setup
+	$(PY) -m pytest -q -m "not slow" tests
 
 clean:
 	rm -rf $(VENV) runs

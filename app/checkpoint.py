@@ -7,12 +7,13 @@ import shutil
 import signal
 import subprocess
 import sys
+from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from app import distributed
+from app import dist, ds_internals
 from app.errors import UserError
 
 MANIFEST = "manifest.json"
@@ -20,6 +21,47 @@ STATE = "trainer_state.json"
 LATEST = "latest"
 HF_FILES = "hf"  # config and tokenizer of a transformers model, for export in save_pretrained form
 UNIVERSAL = "universal"  # world-size-independent copies made when a run resumes on another world size
+
+
+@dataclass
+class TrainerState:
+    """What a checkpoint records besides DeepSpeed's shards: where the loop was, and the run that saved it."""
+    step: int
+    """Optimizer steps done."""
+    epoch: int
+    """The epoch to continue in."""
+    batch: int
+    """Micro batches of that epoch already done by each rank of the saving run."""
+    model: str
+    dataset: str
+    world_size: int
+    zero_stage: int
+    settings: dict
+    """The app's Settings of the saving run."""
+    data_info: dict
+    """The DataInfo the model was shaped for."""
+    deepspeed_config: dict
+    """The DeepSpeed dict the engine was built from, batch sizes resolved."""
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), indent=2)
+
+    @classmethod
+    def from_json(cls, text: str, where) -> "TrainerState":
+        """The state saved as text (in where), or one line saying what is missing."""
+        saved = json.loads(text)
+        missing = [f.name for f in fields(cls) if f.name not in saved]
+        if missing:
+            raise UserError(f"{where} lacks {', '.join(missing)}: it was not written by this app; start a new run")
+        return cls(**{f.name: saved[f.name] for f in fields(cls)})
+
+    def at(self, step: int, epoch: int, batch: int) -> "TrainerState":
+        """This run's record at a position of the loop."""
+        return replace(self, step=step, epoch=epoch, batch=batch)
+
+    def samples_into_epoch(self) -> int:
+        """Samples of the epoch that every rank together had trained on when this was saved."""
+        return self.batch * self.deepspeed_config["train_micro_batch_size_per_gpu"] * self.world_size
 
 
 def checkpoint_root(output_dir: Path) -> Path:
@@ -74,31 +116,32 @@ def _fault_point(name: str, step: int):
     """Kill this rank here when APP_KILL_AT=<name>:<step>[:<rank>] says so (the crash-safety tests use it)."""
     wanted = os.environ.get("APP_KILL_AT", "").split(":")
     if len(wanted) >= 2 and wanted[0] == name and int(wanted[1]) == step and \
-            (len(wanted) < 3 or int(wanted[2]) == distributed.rank()):
+            (len(wanted) < 3 or int(wanted[2]) == dist.rank()):
         os.kill(os.getpid(), signal.SIGKILL)
 
 
-def save(engine, output_dir: Path, position: dict, record: dict, keep_last: int, extra=None):
-    """Every rank saves its shards and RNG state; rank 0 writes extra(folder) files, then seals it with a manifest."""
+def save(engine, output_dir: Path, state: TrainerState, keep_last: int, extra=None):
+    """Every rank saves its shards and RNG state; rank 0 writes the state and extra(folder) files, then seals the
+    folder with a manifest."""
     root = checkpoint_root(output_dir)
-    tag = f"step{position['step']:08d}"
+    tag = f"step{state.step:08d}"
     folder = root / tag
-    if distributed.is_main() and folder.exists():  # what a killed save of this step left behind
+    if dist.is_main() and folder.exists():  # what a killed save of this step left behind
         shutil.rmtree(folder)
-    distributed.barrier()
+    dist.barrier()
     engine.save_checkpoint(str(root), tag=tag, save_latest=False)
-    _fault_point("shards", position["step"])
-    (folder / f"rng_rank{distributed.rank():05d}.json").write_text(json.dumps(_rng_state()))
-    distributed.barrier()  # every rank's files are on disk before the manifest vouches for them
-    if distributed.is_main():
-        (folder / STATE).write_text(json.dumps({**position, **record}, indent=2))
+    _fault_point("shards", state.step)
+    (folder / f"rng_rank{dist.rank():05d}.json").write_text(json.dumps(_rng_state()))
+    dist.barrier()  # every rank's files are on disk before the manifest vouches for them
+    if dist.is_main():
+        (folder / STATE).write_text(state.to_json())
         if extra is not None:
             extra(folder)
         files = sorted(p for p in folder.rglob("*") if p.is_file() and p.name != MANIFEST)
         manifest = {str(p.relative_to(folder)): {"size": p.stat().st_size, "sha256": _sha256(p)} for p in files}
-        _fault_point("manifest", position["step"])
+        _fault_point("manifest", state.step)
         _atomic_write(folder / MANIFEST, json.dumps(manifest, indent=1))
-        _fault_point("pointer", position["step"])
+        _fault_point("pointer", state.step)
         _atomic_write(root / LATEST, tag)  # DeepSpeed's own tools read this; it only ever names a whole checkpoint
         for old in complete_checkpoints(root)[:-keep_last] if keep_last else []:
             shutil.rmtree(old)
@@ -106,7 +149,7 @@ def save(engine, output_dir: Path, position: dict, record: dict, keep_last: int,
         for partial in root.glob("step*"):  # saves killed half-way at steps this run will not redo
             if not (partial / MANIFEST).is_file():
                 shutil.rmtree(partial)
-    distributed.barrier()
+    dist.barrier()
 
 
 def complete_checkpoints(root: Path) -> list:
@@ -114,8 +157,8 @@ def complete_checkpoints(root: Path) -> list:
     return sorted(p.parent for p in Path(root).glob(f"step*/{MANIFEST}"))
 
 
-def verify(folder: Path) -> dict:
-    """The checkpoint's saved position and record, after checking every file against the manifest."""
+def verify(folder: Path) -> TrainerState:
+    """The checkpoint's saved state, after checking every file against the manifest."""
     manifest_path = folder / MANIFEST
     if not manifest_path.is_file():
         raise UserError(f"{folder} is not a complete checkpoint (no {MANIFEST}); pass a checkpoint folder such as "
@@ -128,7 +171,7 @@ def verify(folder: Path) -> dict:
         if path.stat().st_size != expected["size"] or _sha256(path) != expected["sha256"]:
             raise UserError(f"checkpoint {folder} is damaged: {name} does not match its manifest; "
                             f"resume from an older checkpoint")
-    return json.loads((folder / STATE).read_text())
+    return TrainerState.from_json((folder / STATE).read_text(), folder / STATE)
 
 
 def find(output_dir: Path, resume: str):
@@ -148,24 +191,41 @@ def find(output_dir: Path, resume: str):
     return folder, verify(folder)
 
 
-def check_compatible(saved: dict, record: dict, folder: Path):
+def check_compatible(saved: TrainerState, current: TrainerState, folder: Path):
     """Refuse a checkpoint made for another model, dataset or ZeRO stage."""
     for key in ("model", "dataset", "zero_stage"):
-        if saved.get(key) != record.get(key):
-            raise UserError(f"checkpoint {folder} was made with {key}={saved.get(key)!r} but this run has "
-                            f"{key}={record.get(key)!r}; use the same settings or start a new --output_dir")
+        if getattr(saved, key) != getattr(current, key):
+            raise UserError(f"checkpoint {folder} was made with {key}={getattr(saved, key)!r} but this run has "
+                            f"{key}={getattr(current, key)!r}; use the same settings or start a new --output_dir")
 
 
-def needs_universal(saved: dict, world_size: int) -> bool:
+def needs_universal(saved: TrainerState, world_size: int) -> bool:
     """ZeRO partitions optimizer state by world size: another world size needs a universal checkpoint."""
-    return saved["zero_stage"] > 0 and saved["world_size"] != world_size
+    return saved.zero_stage > 0 and saved.world_size != world_size
 
 
-def make_universal(folder: Path) -> Path:
+def plan_resume(output_dir: Path, resume: str, current: TrainerState, ds_config: dict) -> tuple:
+    """(folder, saved state, DeepSpeed dict that can load it) to resume from, or (None, None, ds_config) to start
+    fresh; checked against this run before anything is built."""
+    folder, saved = find(output_dir, resume)
+    if folder is None:
+        if resume:
+            dist.print0(f"resume: no complete checkpoint in {checkpoint_root(output_dir)}, starting fresh")
+        return None, None, ds_config
+    check_compatible(saved, current, folder)
+    if needs_universal(saved, current.world_size):
+        dist.print0(f"resume: {folder} was saved by {saved.world_size} rank(s), this run has "
+                    f"{current.world_size}: converting it to a universal checkpoint")
+        folder = make_universal(folder, saved)
+        ds_config = {**ds_config, "checkpoint": {**ds_config.get("checkpoint", {}), "load_universal": True}}
+    return folder, saved, ds_config
+
+
+def make_universal(folder: Path, saved: TrainerState) -> Path:
     """Convert a ZeRO checkpoint with DeepSpeed's ds_to_universal (once, on the main rank); return its folder."""
     target = folder.parent / UNIVERSAL / folder.name
     problem = ""
-    if distributed.is_main() and not (target / MANIFEST).is_file():
+    if dist.is_main() and not (target / MANIFEST).is_file():
         shutil.rmtree(target, ignore_errors=True)
         command = [sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder", str(folder),
                    "--output_folder", str(target), "--inject_missing_state", "--num_extract_workers", "1",
@@ -177,41 +237,27 @@ def make_universal(folder: Path) -> Path:
             _atomic_write(target / MANIFEST, "{}")  # marks the conversion as finished
         else:
             last = (done.stderr.strip().splitlines() or ["no output"])[-1]
-            saved_world = json.loads((folder / STATE).read_text())["world_size"]
             problem = (f"DeepSpeed cannot convert {folder} to another world size ({last}); "
-                       f"resume it with {saved_world} rank(s)")
-    problem = distributed.broadcast_object(problem)
+                       f"resume it with {saved.world_size} rank(s)")
+    problem = dist.broadcast_object(problem)
     if problem:
         raise UserError(problem)
     return target
 
 
-def load(engine, folder: Path, saved: dict) -> int:
-    """Restore engine, optimizer, scheduler and RNG; return how many samples of the epoch to skip."""
+def load(engine, folder: Path, saved: TrainerState, world_size: int) -> tuple:
+    """Restore engine, optimizer, scheduler and RNG; return the (epoch, micro batch) this run continues from."""
     path, _ = engine.load_checkpoint(str(folder.parent), tag=folder.name, load_optimizer_states=True,
                                      load_lr_scheduler_states=True)
     if path is None:
         raise UserError(f"DeepSpeed could not load {folder}; it may come from another world size or config")
-    _replay_cpu_adam_steps(engine)
-    rng_file = folder / f"rng_rank{distributed.rank():05d}.json"
+    ds_internals.replay_cpu_adam_steps(engine)
+    rng_file = folder / f"rng_rank{dist.rank():05d}.json"
     if rng_file.is_file():  # absent for ranks that did not exist when it was saved: they keep the seed
         _set_rng_state(json.loads(rng_file.read_text()))
-    return saved["batch"] * saved["deepspeed_config"]["train_micro_batch_size_per_gpu"] * saved["world_size"]
-
-
-def _replay_cpu_adam_steps(engine):
-    """Make DeepSpeed's CPU Adam (offload) continue bit-identically after a load.
-
-    Its C++ side keeps beta**step as a running product; a fresh optimizer recomputes it with pow(),
-    which rounds differently. Replaying the step count on empty tensors rebuilds the same product.
-    """
-    from deepspeed.ops.adam import DeepSpeedCPUAdam
-    inner = getattr(engine.optimizer, "optimizer", None)
-    if not isinstance(inner, DeepSpeedCPUAdam):
-        return
-    steps = max((int(state["step"]) for state in inner.state.values() if "step" in state), default=0)
-    group, empty = inner.param_groups[0], torch.empty(0)
-    beta1, beta2 = group["betas"]
-    for step in range(1, steps + 1):
-        inner.ds_opt_adam.adam_update(inner.opt_id, step, group["lr"], beta1, beta2, group["eps"],
-                                      group["weight_decay"], group["bias_correction"], empty, empty, empty, empty)
+    samples, span = saved.samples_into_epoch(), engine.train_micro_batch_size_per_gpu() * world_size
+    if samples % span:
+        dist.print0(f"resume: {samples} samples into the epoch is not a whole number of global micro "
+                    f"batches of {span}; repeating the last {samples % span}")
+    dist.print0(f"resume: {folder} at step {saved.step}, epoch {saved.epoch}, batch {saved.batch}")
+    return saved.epoch, samples // span

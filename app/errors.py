@@ -1,5 +1,30 @@
-"""The one exception type that means 'the user asked for something we cannot do'."""
+"""The one exception type that means 'the user asked for something we cannot do', and how entry points say it."""
+import os
+import sys
+import time
 
 
 class UserError(Exception):
     """A mistake in the user's input: reported as one line on stderr, never as a traceback."""
+
+
+def report(error: Exception) -> int:
+    """Say `error: <what to fix>` in one line on stderr and return the exit code 2.
+
+    In a multi-rank job rank 0 speaks first; the other ranks speak only if the launcher has not
+    ended them by then (it does once rank 0 exits), so one mistake is one line, not one per rank.
+    """
+    rank = int(os.environ.get("RANK", "0"))
+    if rank != 0:
+        time.sleep(3)
+        print(f"[rank {rank}] error: {error}", file=sys.stderr, flush=True)
+    else:
+        print(f"error: {error}", file=sys.stderr, flush=True)
+    return 2
+
+
+def first_line(error: Exception) -> str:
+    """The first line of the innermost cause, where libraries wrap the real complaint."""
+    while error.__cause__ is not None or error.__context__ is not None:
+        error = error.__cause__ or error.__context__
+    return (str(error).strip().splitlines() or [type(error).__name__])[0]

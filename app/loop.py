@@ -1,13 +1,11 @@
-"""The engine, the training step, evaluation, and the fit loop."""
-import math
-import time
+"""The engine, the micro step, evaluation, and the training loop, whose schedule says when to log, evaluate,
+save and stop."""
+from dataclasses import dataclass
 
-import torch
-
-from app.compiler import Step, wanted
+from app import ds_internals
+from app.compiler import Forward
 from app.errors import UserError
-from app.metrics import Meter, Throughput
-from app.models import correct
+from app.metrics import Meter, RunLog, Stopwatch
 
 
 def build_engine(model, ds_config: dict):
@@ -22,71 +20,8 @@ def build_engine(model, ds_config: dict):
         text = str(e).splitlines()[0] if str(e) else type(e).__name__
         raise UserError(f"DeepSpeed could not build the engine from this config: {text}") from None
     if engine.zero_optimization_stage() == 0 and not (engine.fp16_enabled() or engine.bfloat16_enabled()):
-        _lighten_plain_step(engine)
+        ds_internals.lighten_plain_step(engine)
     return engine
-
-
-def _lighten_plain_step(engine):
-    """Drop work plain fp32 data parallel does not need (measured with app.bench: ~20% of a small model's step).
-
-    DeepSpeed's clipping takes one norm per tensor and all-reduces the total every step (for MoE
-    models, whose grads differ by rank); after the gradient all-reduce every rank holds the same
-    grads, so torch's foreach clip gives the same norm with no collective. One rank has nothing to
-    average, so its gradient all-reduce (a flatten, a collective and a copy back) is skipped.
-    """
-    import torch.distributed as dist
-    engine.clip_fp32_gradients = lambda: torch.nn.utils.clip_grad_norm_(
-        engine.module.parameters(), engine.gradient_clipping(), foreach=True)
-    if dist.get_world_size() == 1:
-        engine.enable_backward_allreduce = False
-
-
-def input_dtype(engine) -> torch.dtype:
-    """The dtype the engine's parameters are kept in for the forward pass."""
-    if engine.bfloat16_enabled():
-        return torch.bfloat16
-    if engine.fp16_enabled():
-        return torch.float16
-    return torch.float32
-
-
-def _to_device(batch, device, dtype):
-    """(model inputs as a list, labels, weights) on the device; floating inputs in the engine's dtype."""
-    x, y, w = batch
-    inputs = [t.to(device, non_blocking=True) for t in (x if isinstance(x, (list, tuple)) else [x])]
-    inputs = [t.to(dtype) if t.is_floating_point() else t for t in inputs]
-    return inputs, y.to(device, non_blocking=True), w.to(device, non_blocking=True)
-
-
-def train_step(step: Step, batch, dtype, meter: Meter):
-    """Forward, engine.backward(loss), engine.step(); the loss is weighted so ranks average exactly."""
-    engine = step.engine
-    x, y, w = _to_device(batch, engine.device, dtype)
-    _, losses = step.logits_and_losses(x, y)
-    engine.backward((losses * w).sum())
-    engine.step()
-    real = (w > 0).to(losses.dtype)
-    meter.add(real.sum(), loss=(losses.detach() * real).sum())
-
-
-def evaluate(step: Step, loader, dtype) -> dict:
-    """Held-out loss and accuracy (and perplexity for language models) over every rank's shard, padding excluded."""
-    engine = step.engine
-    meter = Meter(["loss", "accuracy"], engine.device)
-    engine.eval()
-    tokens = False
-    with torch.no_grad():
-        for batch in loader:
-            x, y, w = _to_device(batch, engine.device, dtype)
-            logits, losses = step.logits_and_losses(x, y)
-            tokens = logits.dim() == 3
-            real = (w > 0).float()
-            meter.add(real.sum(), loss=(losses * real).sum(),
-                      accuracy=(correct(logits, y) * real).sum())
-    engine.train()
-    result = meter.reduce()
-    perplexity = {"eval_perplexity": math.exp(min(result["loss"], 700))} if tokens else {}
-    return {"eval_loss": result["loss"], "eval_accuracy": result["accuracy"], **perplexity}
 
 
 def total_steps(max_steps: int, epochs: int, batches_per_epoch: int, accumulation: int) -> int:
@@ -98,58 +33,128 @@ def total_steps(max_steps: int, epochs: int, batches_per_epoch: int, accumulatio
     return steps
 
 
-def fit(engine, train_loader, eval_loader, settings, log, steps: int, start=(0, 0), save=None, stop=None,
-        throughput: Throughput = Throughput()) -> dict:
-    """Train until `steps` optimizer steps (or an agreed stop), from (epoch, batch) `start`, logging,
-    evaluating and saving."""
-    dtype = input_dtype(engine)
-    step_fn = Step(engine, wanted(settings.compile, engine.device))
-    meter = Meter(["loss"], engine.device)
-    sampler = train_loader.batch_sampler
-    samples, train_s, last_eval, stopped = 0.0, 0.0, {}, False
-    epoch, skip = start
-    window = time.perf_counter()
+def _to_device(batch, device, dtype):
+    """(model inputs as a list, labels, weights) on the device; floating inputs in the engine's dtype."""
+    x, y, w = batch
+    inputs = [t.to(device, non_blocking=True) for t in (x if isinstance(x, (list, tuple)) else [x])]
+    inputs = [t.to(dtype) if t.is_floating_point() else t for t in inputs]
+    return inputs, y.to(device, non_blocking=True), w.to(device, non_blocking=True)
+
+
+def micro_step(forward: Forward, batch, meter: Meter):
+    """One micro batch: forward, engine.backward(loss), engine.step() (an optimizer step once the accumulation
+    window is full); the loss is weighted so ranks average exactly."""
+    engine = forward.engine
+    x, y, w = _to_device(batch, engine.device, forward.dtype)
+    _, losses = forward.logits_and_losses(x, y)
+    engine.backward((losses * w).sum())
+    engine.step()
+    real = (w > 0).to(losses.dtype)
+    meter.add(real.sum(), loss=(losses.detach() * real).sum())
+
+
+def evaluate(forward: Forward, loader) -> dict:
+    """Eval loss and accuracy (and the task's own extras) over every rank's shard, padding excluded."""
+    import torch
+    engine, task = forward.engine, forward.task
+    meter = Meter(["loss", "accuracy"], engine.device)
+    engine.eval()
+    with torch.no_grad():
+        for batch in loader:
+            x, y, w = _to_device(batch, engine.device, forward.dtype)
+            logits, losses = forward.logits_and_losses(x, y)
+            real = (w > 0).float()
+            meter.add(real.sum(), loss=(losses * real).sum(), accuracy=(task.correct(logits, y) * real).sum())
     engine.train()
-    while engine.global_steps < steps and not stopped:
-        sampler.set_epoch(epoch, skip)
-        for batch_index, batch in enumerate(train_loader, start=skip + 1):
-            before = engine.global_steps
-            train_step(step_fn, batch, dtype, meter)
-            step = engine.global_steps
-            if step == before:
+    result = meter.reduce()
+    return {"eval_loss": result["loss"], "eval_accuracy": result["accuracy"], **task.eval_metrics(result["loss"])}
+
+
+@dataclass
+class Schedule:
+    """When the loop logs, evaluates, saves and stops, counted in optimizer steps."""
+    total_steps: int
+    log_interval: int = 10
+    eval_interval: int = 0
+    """0: evaluate at the end of each epoch. Always at the last step."""
+    save_interval: int = 0
+    """0: save only at the last step (or when stopped early)."""
+
+    def log_now(self, step: int, stopping: bool) -> bool:
+        return step % self.log_interval == 0 or step >= self.total_steps or stopping
+
+    def eval_now(self, step: int) -> bool:
+        return step >= self.total_steps or bool(self.eval_interval and step % self.eval_interval == 0)
+
+    def eval_after_epoch(self, step: int) -> bool:
+        """Evaluate at an epoch's end (when no interval is set and the last step has not evaluated already)."""
+        return not self.eval_interval and step < self.total_steps
+
+    def save_now(self, step: int, stopping: bool) -> bool:
+        return step >= self.total_steps or stopping or bool(self.save_interval and step % self.save_interval == 0)
+
+    def finished(self, step: int) -> bool:
+        return step >= self.total_steps
+
+
+class Loop:
+    """Trains through the loaders by the schedule: micro steps, then at each optimizer step the log row,
+    evaluation and checkpoint it calls for; stops at the last step or when every rank agrees to stop."""
+
+    def __init__(self, forward: Forward, train_loader, eval_loader, schedule: Schedule, log: RunLog,
+                 save=None, stop=None):
+        """save(step, epoch, batch) writes a checkpoint; stop.agreed() says when every rank wants to stop."""
+        self.forward, self.engine = forward, forward.engine
+        self.train_loader, self.eval_loader, self.schedule, self.log = train_loader, eval_loader, schedule, log
+        self.save, self.stop = save, stop
+        self.meter, self.clock = Meter(["loss"], self.engine.device), Stopwatch()
+        self.samples, self.seconds, self.last_eval, self.stopped = 0.0, 0.0, {}, False
+
+    def fit(self, start=(0, 0)) -> dict:
+        """Train from (epoch, micro batch) start; the run's totals and its last evaluation."""
+        epoch, skip = start
+        self.clock.lap()
+        self.engine.train()
+        while not self.schedule.finished(self.engine.global_steps) and not self.stopped:
+            if self._epoch(epoch, skip) and self.schedule.eval_after_epoch(self.engine.global_steps):
+                self._evaluate(epoch)
+            epoch, skip = epoch + 1, 0
+        if self.stop is not None:
+            self.stop.finish()
+        return {"steps": self.engine.global_steps, "epochs": epoch, "samples": self.samples,
+                "train_s": self.seconds, **self.log.rates(self.samples, self.seconds),
+                "stopped_early": self.stopped, **self.last_eval}
+
+    def _epoch(self, epoch: int, skip: int) -> bool:
+        """Run the epoch from micro batch skip; True when it ran to its end."""
+        self.train_loader.batch_sampler.set_epoch(epoch, skip)
+        for batch_index, batch in enumerate(self.train_loader, start=skip + 1):
+            before = self.engine.global_steps
+            micro_step(self.forward, batch, self.meter)
+            if self.engine.global_steps == before:
                 continue  # inside a gradient accumulation window
-            log.advance(1)
-            stopped = stop is not None and stop.agreed()
-            if step % settings.log_interval == 0 or step == steps or stopped:
-                result = meter.reduce()
-                elapsed = time.perf_counter() - window
-                samples, train_s = samples + result["count"], train_s + elapsed
-                log.write_row({"step": step, "epoch": epoch, "loss": result["loss"], "lr": engine.get_lr()[0],
-                               **throughput.rates(result["count"], elapsed)})
-                window = time.perf_counter()
-            if step == steps or (settings.eval_interval and step % settings.eval_interval == 0):
-                last_eval, spent = _eval_row(step_fn, eval_loader, dtype, log, step, epoch)
-                window += spent  # evaluation time does not count against training throughput
-            if save and (step == steps or stopped or (settings.save_interval and step % settings.save_interval == 0)):
-                started = time.perf_counter()
-                done = batch_index == len(train_loader)
-                save({"step": step, "epoch": epoch + done, "batch": 0 if done else batch_index})
-                window += time.perf_counter() - started
-            if step >= steps or stopped:
-                break
-        else:
-            if not settings.eval_interval and engine.global_steps < steps:
-                last_eval, spent = _eval_row(step_fn, eval_loader, dtype, log, engine.global_steps, epoch)
-                window += spent
-        epoch, skip = epoch + 1, 0
-    if stop is not None:
-        stop.finish()
-    return {"steps": engine.global_steps, "epochs": epoch, "samples": samples, "train_s": train_s,
-            **throughput.rates(samples, train_s), "stopped_early": stopped, **last_eval}
+            self._after_step(epoch, batch_index)
+            if self.schedule.finished(self.engine.global_steps) or self.stopped:
+                return False
+        return True
 
+    def _after_step(self, epoch: int, batch_index: int):
+        """What the schedule asks for after an optimizer step: a log row, an evaluation, a checkpoint."""
+        step, schedule = self.engine.global_steps, self.schedule
+        self.log.advance(1)
+        self.stopped = self.stop is not None and self.stop.agreed()
+        if schedule.log_now(step, self.stopped):
+            result, elapsed = self.meter.reduce(), self.clock.lap()
+            self.samples, self.seconds = self.samples + result["count"], self.seconds + elapsed
+            self.log.train_row(step, epoch, result["loss"], self.engine.get_lr()[0], result["count"], elapsed)
+        if schedule.eval_now(step):
+            self._evaluate(epoch)
+        if self.save is not None and schedule.save_now(step, self.stopped):
+            with self.clock.paused():  # saving does not count against training throughput
+                done = batch_index == len(self.train_loader)
+                self.save(step, epoch + done, 0 if done else batch_index)
 
-def _eval_row(step_fn: Step, loader, dtype, log, step, epoch):
-    start = time.perf_counter()
-    result = evaluate(step_fn, loader, dtype)
-    log.write_row({"step": step, "epoch": epoch, **result})
-    return result, time.perf_counter() - start
+    def _evaluate(self, epoch: int):
+        with self.clock.paused():  # nor does evaluation
+            self.last_eval = evaluate(self.forward, self.eval_loader)
+            self.log.write_row({"step": self.engine.global_steps, "epoch": epoch, **self.last_eval})

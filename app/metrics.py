@@ -1,4 +1,5 @@
 """Meters reduced across ranks, and the rank-0 sinks: progress bar, CSV, TensorBoard, summary, plot."""
+import contextlib
 import csv
 import json
 import resource
@@ -10,7 +11,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from app import distributed
+from app import dist
 
 CSV_FIELDS = ["step", "epoch", "loss", "lr", "samples_per_s", "tokens_per_s", "mfu", "eval_loss", "eval_accuracy",
               "eval_perplexity"]
@@ -32,7 +33,7 @@ class Meter:
 
     def reduce(self) -> dict:
         """Global means over every rank since the last reset, plus the global 'count'; then reset."""
-        totals = distributed.all_reduce_sum(self.totals.clone()).tolist()
+        totals = dist.all_reduce_sum(self.totals.clone()).tolist()
         self.totals.zero_()
         count = totals[-1]
         result = {name: totals[i] / count if count else float("nan") for i, name in enumerate(self.names)}
@@ -124,13 +125,36 @@ def reset_peak_memory(device: torch.device):
         pass
 
 
-class RunLog:
-    """Everything the main rank writes; on other ranks every method does nothing."""
+class Stopwatch:
+    """Training time between laps, leaving out the time spent inside paused() blocks (evaluation, saving)."""
 
-    def __init__(self, output_dir: Path, total_steps: int, resumed_step: int = 0, show_progress=None):
+    def __init__(self):
+        self.start = time.perf_counter()
+
+    def lap(self) -> float:
+        """Seconds since the last lap (or the start), paused time excluded."""
+        now = time.perf_counter()
+        elapsed, self.start = now - self.start, now
+        return elapsed
+
+    @contextlib.contextmanager
+    def paused(self):
+        began = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.start += time.perf_counter() - began
+
+
+class RunLog:
+    """Everything the main rank writes; on other ranks (and with no output_dir) it writes nothing."""
+
+    def __init__(self, output_dir, total_steps: int, resumed_step: int = 0, show_progress=None,
+                 throughput: "Throughput" = None):
         """Start metrics afresh, or (resumed_step > 0) keep the rows up to that step and append."""
-        self.active = distributed.is_main()
+        self.active = dist.is_main() and output_dir is not None
         self.output_dir = output_dir
+        self.throughput = throughput or Throughput()
         self.rows = []
         if not self.active:
             return
@@ -169,6 +193,14 @@ class RunLog:
                   flush=True)
         else:
             self.bar.set_postfix(shown, refresh=False)
+
+    def rates(self, samples: float, seconds: float) -> dict:
+        """samples_per_s, and tokens_per_s and mfu where the task has tokens."""
+        return self.throughput.rates(samples, seconds)
+
+    def train_row(self, step: int, epoch: int, loss: float, lr: float, samples: float, seconds: float):
+        """The row of a log interval: its mean loss, learning rate and throughput."""
+        self.write_row({"step": step, "epoch": epoch, "loss": loss, "lr": lr, **self.rates(samples, seconds)})
 
     def advance(self, steps: int):
         """Move the progress bar on by steps optimizer steps."""
@@ -239,7 +271,7 @@ def check_output_dir(path: Path, overwrite: bool, resume: bool = False) -> str:
                 f"pick a new --output_dir, --resume auto to continue it, or --overwrite")
     try:
         path.mkdir(parents=True, exist_ok=True)
-        probe = path / f".write-test-{distributed.rank()}"
+        probe = path / f".write-test-{dist.rank()}"
         probe.write_text("")
         probe.unlink()
     except OSError as e:

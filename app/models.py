@@ -1,10 +1,10 @@
-"""build_model() for each family (built-ins, torchvision, transformers), and the loss and accuracy they share."""
+"""Model builders by name: built-ins and torchvision classifiers (build_model), transformers presets, folders
+and hub names (hf_spec, then build_hf)."""
 import copy
 from dataclasses import dataclass
 
 import torch
 from torch import nn
-import torch.nn.functional as F
 
 from app.data import DataInfo
 from app.errors import UserError
@@ -48,7 +48,6 @@ def _replace_first_conv(model: nn.Module, in_channels: int):
 
 
 BUILTIN = {"cnn": _cnn, "mlp": _mlp}
-TASKS = ("causal_lm", "sequence_classification")
 # Randomly initialised transformers built from a config, no download. No dropout, as in from-scratch pretraining.
 PRESETS = {
     "gpt2-tiny": ("gpt2", dict(n_layer=4, n_embd=256, n_head=4, n_positions=128, vocab_size=8192)),
@@ -88,9 +87,11 @@ def _task_of(config) -> str:
 
 def hf_spec(name: str):
     """The HFSpec for a preset, a save_pretrained folder or a hub name; None for image models."""
+    if name in BUILTIN:  # before importing torchvision, which takes seconds
+        return None
     import torchvision
     from pathlib import Path
-    if name in BUILTIN or name in torchvision.models.list_models(module=torchvision.models):
+    if name in torchvision.models.list_models(module=torchvision.models):
         return None
     from transformers import AutoConfig
     if name in PRESETS:
@@ -126,16 +127,6 @@ def vocab_size(config) -> int:
     return getattr(config, "unpadded_vocab_size", None) or config.vocab_size
 
 
-def resolve_task(spec, task: str) -> str:
-    """--task, or the model's own when 'auto'."""
-    if task == "auto":
-        return spec.task if spec is not None else "image_classification"
-    if spec is None or task not in TASKS:
-        kinds = "transformers models" if spec is not None else "image models (leave --task auto)"
-        raise UserError(f"--task {task!r} is not one of auto, {', '.join(TASKS)} for {kinds}")
-    return task
-
-
 class HFLogits(nn.Module):
     """A transformers model that returns its logits alone, so the loop treats it like any classifier."""
 
@@ -157,7 +148,7 @@ def hf_class(task: str):
     return AutoModelForCausalLM if task == "causal_lm" else AutoModelForSequenceClassification
 
 
-def _build_hf(spec: HFSpec, info: DataInfo, tokenizer, ds_config: dict) -> nn.Module:
+def build_hf(spec: HFSpec, info: DataInfo, tokenizer, ds_config: dict) -> nn.Module:
     """The transformers model, its parameters partitioned as they are made when ds_config is ZeRO-3."""
     config = copy.deepcopy(spec.config)
     config.update({"bos_token_id": tokenizer.bos_token_id, "eos_token_id": tokenizer.eos_token_id,
@@ -206,10 +197,8 @@ def model_names() -> list:
     return sorted(BUILTIN) + sorted(PRESETS) + torchvision.models.list_models(module=torchvision.models)
 
 
-def build_model(name: str, info: DataInfo, spec=None, tokenizer=None, ds_config=None) -> nn.Module:
-    """The model called name, shaped for the data described by info (spec: its HFSpec for transformers)."""
-    if spec is not None:
-        return _build_hf(spec, info, tokenizer, ds_config or {})
+def build_model(name: str, info: DataInfo) -> nn.Module:
+    """The image model called name (a built-in or a torchvision classifier), shaped for the data info describes."""
     if name in BUILTIN:
         return BUILTIN[name](info)
     import torchvision
@@ -219,22 +208,11 @@ def build_model(name: str, info: DataInfo, spec=None, tokenizer=None, ds_config=
                     f"(python -c 'import torchvision; print(torchvision.models.list_models())')")
 
 
-def _next_token(logits: torch.Tensor, labels: torch.Tensor):
-    """Language-model logits as rows (batch x positions, vocab), each paired with the token it predicts."""
-    return logits[:, :-1].reshape(-1, logits.size(-1)), labels[:, 1:].reshape(-1)
-
-
-def per_sample_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """Cross entropy for each sample (mean over its predicted tokens for a language model), in fp32."""
-    if logits.dim() == 3:
-        rows, targets = _next_token(logits, labels)
-        return F.cross_entropy(rows.float(), targets, reduction="none").view(len(logits), -1).mean(1)
-    return F.cross_entropy(logits.float(), labels, reduction="none")
-
-
-def correct(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """1.0 where the top class is the label, else 0.0 (a language model: the share of next tokens right)."""
-    if logits.dim() == 3:
-        rows, targets = _next_token(logits, labels)
-        return (rows.argmax(-1) == targets).float().view(len(logits), -1).mean(1)
-    return (logits.argmax(-1) == labels).float()
+def counted_flops_per_sample(model: nn.Module, info: DataInfo) -> float:
+    """Training FLOPs of one image sample, counted by torch on a forward and backward pass of two."""
+    from torch.utils.flop_counter import FlopCounterMode
+    x = torch.randn(2, info.in_channels, info.image_size, info.image_size)
+    with FlopCounterMode(display=False) as counter:
+        model(x).sum().backward()
+    model.zero_grad(set_to_none=True)
+    return counter.get_total_flops() / 2

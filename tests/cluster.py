@@ -17,32 +17,14 @@ from conftest import REPO, free_port
 HOSTS = ("127.0.0.1", "127.0.0.2")
 TWO_HOSTS = REPO / "hostfiles" / "two-loopback-hosts"  # the documented example holds HOSTS, one slot each
 DOWN_HOST = "127.0.0.3"
-# binary -> the Debian package that has it
-PACKAGES = {"/usr/bin/pdsh": "pdsh", "/usr/sbin/sshd": "openssh-server", "/usr/bin/ssh": "openssh-client",
-            "/usr/bin/mpirun": "openmpi-bin", "/usr/sbin/slurmctld": "slurm-wlm", "/usr/sbin/munged": "munge"}
-POLICY = Path("/usr/sbin/policy-rc.d")
 
 
-def install_missing_packages():
-    """apt-get install what PACKAGES lists and this machine lacks; failing loudly when that cannot be done."""
-    missing = sorted({pkg for binary, pkg in PACKAGES.items() if not Path(binary).exists()})
-    if not missing:
-        return
-    # keep Debian's maintainer scripts from starting the packages' daemons (an sshd on every address)
-    added_policy = not POLICY.exists()
-    if added_policy:
-        POLICY.write_text("#!/bin/sh\nexit 101\n")
-        POLICY.chmod(0o755)
-    env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
-    try:
-        for cmd in (["apt-get", "update", "-qq"],
-                    ["apt-get", "install", "-y", "-qq", "--no-install-recommends", *missing]):
-            done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
-            if done.returncode:
-                pytest.fail(f"{' '.join(cmd)} failed ({done.returncode}):\n{done.stdout[-2000:]}\n{done.stderr[-2000:]}")
-    finally:
-        if added_policy:
-            POLICY.unlink()
+def require_packages():
+    """Fail, saying how to fix it, when a package the cluster needs is missing (`make test` installs them)."""
+    done = subprocess.run(["bash", str(REPO / "scripts" / "cluster-packages.sh"), "--check"], capture_output=True,
+                          text=True)
+    if done.returncode:
+        pytest.fail(done.stderr.strip())
 
 
 def wait_for(ready, what, timeout=30):
@@ -169,7 +151,7 @@ class Cluster:
 @pytest.fixture(scope="session")
 def cluster(tmp_path_factory):
     """The packages installed once, one sshd on HOSTS and a one-node Slurm, stopped at the end of the session."""
-    install_missing_packages()
+    require_packages()
     found = Cluster(tmp_path_factory.mktemp("cluster"))
     try:
         found.start_sshd()

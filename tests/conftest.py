@@ -1,4 +1,8 @@
-"""Shared helpers: run the app for real (subprocess, real launchers) and read what it wrote."""
+"""Shared helpers: run the app for real (subprocess, real launchers) and read what it wrote.
+
+Tests that start a subprocess, a launcher or ranks, build a DeepSpeed engine, or otherwise take more than a
+couple of seconds are marked `slow`; `pytest -m "not slow" tests` (make test-fast) runs the rest in under a minute.
+"""
 import contextlib
 import csv
 import io
@@ -22,6 +26,28 @@ os.environ.update(CUDA_VISIBLE_DEVICES="", DS_ACCELERATOR="cpu")
 os.environ["HF_DATASETS_CACHE"] = tempfile.mkdtemp(prefix="hf-datasets-")
 REPO = Path(__file__).resolve().parent.parent
 BIN = Path(sys.executable).parent
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "slow: starts a subprocess, a launcher or ranks, builds a DeepSpeed engine, "
+                                      "or takes more than ~2 s; deselect with -m \"not slow\" for the fast tier")
+
+
+def assert_one_error_line(output: str, *fragments, anywhere: bool = False) -> str:
+    """The one `error: ...` line of a failed command's output (its stderr), holding every fragment; no traceback.
+
+    anywhere: an error line is any line containing `error:` (a launcher may prefix it with the host it came
+    from), except DeepSpeed's own `[ERROR]` log lines; otherwise it is a line starting with `error:`.
+    """
+    def is_error(line: str) -> bool:
+        return "error:" in line and "[ERROR]" not in line if anywhere else line.startswith("error:")
+
+    assert "Traceback" not in output, output[-3000:]
+    errors = [line for line in output.splitlines() if is_error(line)]
+    assert len(errors) == 1, output[-3000:]
+    for fragment in fragments:
+        assert fragment in errors[0], errors[0]
+    return errors[0]
 
 
 def free_port() -> int:
@@ -104,6 +130,14 @@ def two_rank_run(tmp_path_factory):
     return get
 
 
+@pytest.fixture(scope="session")
+def one_process_run(tmp_path_factory):
+    """(output_dir, stdout) of `python app/train.py` with the defaults, 6 steps, a row every 2 (made once)."""
+    out = tmp_path_factory.mktemp("one-process") / "run"
+    result = train("python", 1, "--max_steps", 6, "--log_interval", 2, "--output_dir", out)
+    return out, result.stdout
+
+
 @pytest.fixture
 def repo():
     return REPO
@@ -141,8 +175,8 @@ def write_text_rows(path: Path, n: int, seed: int = 0, labelled: bool = False) -
 
 
 def _rank_main(rank, world, port, fn, args):
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_SIZE=str(world),
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    from app.launch import rank_env
+    os.environ.update(rank_env(rank, world, port))
     fn(rank, world, *args)
 
 

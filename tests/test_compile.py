@@ -5,6 +5,8 @@ from test_checkpoint import assert_same_run
 from test_train import assert_two_ranks_match, one_process_reference
 from conftest import REPO, run, train, train_command
 
+pytestmark = pytest.mark.slow  # every test trains through app/train.py in a subprocess or a launcher
+
 COMPILE = ["--compile", "on"]
 COMPILING = "compile: compiling the model and its loss with torch.compile"
 
@@ -35,7 +37,7 @@ def test_compiled_run_killed_and_resumed_is_exact(tmp_path):
     assert_same_run(whole, broken, steps=10)
 
 
-def test_auto_on_cpu_runs_eager(tmp_path):
+def test_auto_on_cpu_runs_eager(one_process_run):
     """--compile auto compiles only for CUDA devices: on this CPU the run is eager and says nothing of it."""
-    result = train("python", 1, "--max_steps", 2, "--output_dir", tmp_path / "run")
-    assert "compile:" not in result.stdout
+    _, stdout = one_process_run
+    assert "compile:" not in stdout

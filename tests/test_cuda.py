@@ -7,6 +7,8 @@ import pytest
 
 from conftest import REPO, cuda_env, read_metrics, read_summary, train
 
+pytestmark = pytest.mark.slow  # a subprocess asks for the GPUs; the tests train on them through app/train.py
+
 
 @functools.lru_cache(maxsize=1)
 def gpus() -> int:

@@ -1,9 +1,11 @@
 """A user's mistake: one clear line on stderr, no traceback, non-zero exit, nothing overwritten."""
 import json
+from types import SimpleNamespace
 
 import pytest
 
-from conftest import REPO, main_each, run, train, train_command
+from app.errors import UserError, first_line, report
+from conftest import REPO, assert_one_error_line, main_each, run, train, train_command
 
 
 def _fails_cleanly(result, *expected):
@@ -11,12 +13,8 @@ def _fails_cleanly(result, *expected):
     code, stderr, stdout = (result.returncode, result.stderr, result.stdout) if hasattr(result, "stderr") else \
         (*result, "")
     assert code != 0, stdout
-    assert "Traceback" not in stderr + stdout, stderr
-    errors = [line for line in stderr.splitlines() if line.startswith("error:")]
-    assert len(errors) == 1, stderr
-    for text in expected:
-        assert text in errors[0], errors[0]
-    return errors[0]
+    assert "Traceback" not in stdout, stdout
+    return assert_one_error_line(stderr, *expected)
 
 
 def _config(tmp_path, text, name="bad"):
@@ -78,6 +76,7 @@ def outcomes(tmp_path_factory, finished_run):
     return dict(zip(argvs, results))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", sorted(CASES) + sorted(FLAG_CASES))
 def test_bad_config_or_flag(case, outcomes, finished_run):
     out, before = finished_run
@@ -85,6 +84,7 @@ def test_bad_config_or_flag(case, outcomes, finished_run):
     assert {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()} == before
 
 
+@pytest.mark.slow
 def test_existing_run_is_not_overwritten(finished_run):
     out, before = finished_run
     result = run(train_command("python", 1, "--output_dir", out, "--max_steps", 2))
@@ -92,6 +92,7 @@ def test_existing_run_is_not_overwritten(finished_run):
     assert {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()} == before
 
 
+@pytest.mark.slow
 def test_unwritable_output_dir(tmp_path):
     blocker = tmp_path / "a-file"
     blocker.write_text("not a directory")
@@ -100,6 +101,7 @@ def test_unwritable_output_dir(tmp_path):
     assert blocker.read_text() == "not a directory"
 
 
+@pytest.mark.slow
 def test_batch_mismatch_names_the_world_size_with_two_ranks(tmp_path):
     """The numbers in the message are the real world size's, and only rank 0 says it."""
     result = run(train_command("deepspeed", 2, "--deepspeed_config", _config(tmp_path, _dp(train_batch_size=32)),
@@ -108,6 +110,7 @@ def test_batch_mismatch_names_the_world_size_with_two_ranks(tmp_path):
     assert not (tmp_path / "run" / "metrics.csv").exists()
 
 
+@pytest.mark.slow
 def test_help_describes_every_flag():
     result = run(train_command("python", 1, "--help"))
     assert result.returncode == 0
@@ -115,3 +118,39 @@ def test_help_describes_every_flag():
                  "--log_interval", "--output_dir", "--seed", "--num_workers", "--deepspeed_config"):
         assert flag in result.stdout
     assert "(default: 'cnn')" in result.stdout and "Passes over the training set" in result.stdout
+
+
+def test_report_says_one_line_on_stderr_and_returns_2(monkeypatch, capsys):
+    monkeypatch.delenv("RANK", raising=False)
+    assert report(UserError("--epochs must be at least 1, got 0")) == 2
+    said = capsys.readouterr()
+    assert said.err == "error: --epochs must be at least 1, got 0\n" and said.out == ""
+    assert_one_error_line(said.err, "--epochs must be at least 1")
+
+
+def test_report_on_another_rank_waits_for_rank_0_and_names_itself(monkeypatch, capsys):
+    """Rank 0 speaks first; by the time another rank would, the launcher has usually ended it."""
+    import app.errors
+    waited = []
+    monkeypatch.setattr(app.errors, "time", SimpleNamespace(sleep=waited.append))
+    monkeypatch.setenv("RANK", "3")
+    assert report(UserError("the same mistake")) == 2
+    assert waited == [3] and capsys.readouterr().err == "[rank 3] error: the same mistake\n"
+
+
+def test_first_line_is_the_innermost_cause():
+    try:
+        try:
+            raise OSError("disk full\nwhile writing /data/x")
+        except OSError as inner:
+            raise RuntimeError("DatasetGenerationError: An error occurred") from inner
+    except RuntimeError as wrapped:
+        assert first_line(wrapped) == "disk full"
+    try:
+        try:
+            raise KeyError("text")
+        except KeyError:
+            raise ValueError("while mapping")  # implicit chaining: __context__
+    except ValueError as chained:
+        assert first_line(chained) == "'text'"
+    assert first_line(ValueError()) == "ValueError" and first_line(ValueError("  one\ntwo")) == "one"

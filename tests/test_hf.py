@@ -7,8 +7,10 @@ import time
 import pytest
 import torch
 
-from conftest import (REPO, config_variant, main_each, read_metrics, read_summary, run, spawn_ranks, train,
-                      write_text_rows)
+from conftest import (REPO, assert_one_error_line, config_variant, main_each, read_metrics, read_summary, run,
+                      spawn_ranks, train, write_text_rows)
+
+pytestmark = pytest.mark.slow  # two spawned ranks train every model here, or train.main runs in a spawned process
 
 # each config trains on the corpus written in another format, so every format is trained on too
 LM_CONFIGS = {"dp": ".txt", "zero1": ".json", "zero2": ".jsonl", "zero3": ".csv", "zero2_offload": ".parquet",
@@ -22,21 +24,21 @@ def _train_each(rank, world, jobs, report):
 
     First, rank 0 reports how much of gpt2-tiny each rank holds when it is built under ZeRO-3.
     """
-    from app import config, distributed, models, text, train
+    from app import config, dist, ds_config, launch, models, train
     from app.data import DataInfo
-    distributed.prepare_environment()
+    from app.data.tokenizers import byte_tokenizer
+    launch.prepare_environment()
     parsed = [config.parse([str(a) for a in argv]) for argv in jobs]
-    zero3 = config.load_ds_config(REPO / "ds_configs" / "zero3.json")  # before the group, as the app does
-    group = distributed.setup(timeout_s=300)
-    zero3 = config.resolve_batch_sizes(zero3, world, "zero3")
-    model = models.build_model("gpt2-tiny", DataInfo(0, task="causal_lm"), models.hf_spec("gpt2-tiny"),
-                               text.byte_tokenizer(), zero3)
+    zero3 = ds_config.load_ds_config(REPO / "ds_configs" / "zero3.json")  # before the group, as the app does
+    group = launch.setup(timeout_s=300)
+    zero3 = ds_config.resolve_batch_sizes(zero3, world, "zero3")
+    model = models.build_hf(models.hf_spec("gpt2-tiny"), DataInfo(0, task="causal_lm"), byte_tokenizer(), zero3)
     held = [p.numel() for p in model.parameters()]
     if rank == 0:
         report.write_text(json.dumps({"held": sum(held), "full": sum(p.ds_numel for p in model.parameters())}))
-    for settings, ds_config in parsed:
-        assert train.run(settings, ds_config, group, time.perf_counter()) == 0
-    distributed.teardown()
+    for settings, ds in parsed:
+        assert train.run(settings, ds, group, time.perf_counter()) == 0
+    dist.teardown()
 
 
 @pytest.fixture(scope="module")
@@ -86,10 +88,12 @@ def test_tiny_classifier_learns_the_rule(runs):
 
 def _held_out_loss(model, runs, name) -> float:
     """The run's held-out loss recomputed outside the app: mean over blocks of the next-token cross entropy."""
-    from app import text
+    from app.checkpoint import STATE, TrainerState
+    from app.data import text
     from transformers import AutoTokenizer
-    settings = json.loads((runs / name / "checkpoints" / "step00000006" / "trainer_state.json").read_text())
-    _, held = text.load_splits(settings["dataset"], "", "", 0.1, seed=42)
+    state_file = runs / name / "checkpoints" / "step00000006" / STATE
+    saved = TrainerState.from_json(state_file.read_text(), state_file)
+    _, held = text.load_splits(saved.dataset, "", "", 0.1, seed=42)
     tokenizer = AutoTokenizer.from_pretrained(runs / name / "tokenizer")
     ids = torch.tensor(list(text.lm_blocks(held, tokenizer, "text", 32, "held-out")["input_ids"]))
     with torch.no_grad():
@@ -103,7 +107,7 @@ def exported(runs, tmp_path_factory):
     out = tmp_path_factory.mktemp("exported")
     folder = runs / "zero3" / "checkpoints" / "step00000006"
     for target in (out / "gpt2", out / "flat.safetensors"):
-        result = run([sys.executable, "-m", "app.export", folder, target])
+        result = run([sys.executable, "-m", "app.tools.export", folder, target])
         assert result.returncode == 0, result.stderr
     return out
 
@@ -154,6 +158,5 @@ def test_bad_text_inputs_get_one_line_and_exit_2(tmp_path):
     results = main_each([[*argv, "--output_dir", tmp_path / name.replace(" ", "-")] for name, (argv, _) in cases.items()])
     for (name, (_, expected)), (code, err) in zip(cases.items(), results):
         assert code == 2, name
-        assert expected in err and "Traceback" not in err, (name, err)
-        assert [line for line in err.splitlines() if line.startswith("error:")] == [err.strip().splitlines()[-1]]
+        assert assert_one_error_line(err, expected) == err.strip().splitlines()[-1], (name, err)
         assert not (tmp_path / name.replace(" ", "-") / "metrics.csv").exists()

@@ -1,10 +1,11 @@
-"""Models build by name, fit the data's shape, and the loss is fp32 whatever the precision."""
+"""Models build by name and fit the data's shape; transformers models from a spec; padded vocabularies masked."""
 import pytest
 import torch
 
 from app import models
 from app.data import DataInfo
 from app.errors import UserError
+from app.tasks import next_token_correct, next_token_loss
 
 
 @pytest.mark.parametrize("name, info", [
@@ -25,25 +26,30 @@ def test_first_conv_takes_the_data_channels():
 def test_unknown_model():
     with pytest.raises(UserError, match="unknown model 'resnet9000'"):
         models.build_model("resnet9000", DataInfo(10, 1, 8))
-    assert "resnet50" in models.model_names() and "cnn" in models.model_names()
+    assert "resnet50" in models.model_names() and "cnn" in models.model_names() and "gpt2-tiny" in models.model_names()
 
 
-def test_loss_and_accuracy():
-    logits = torch.tensor([[4.0, 0.0], [0.0, 4.0], [4.0, 0.0]], dtype=torch.bfloat16)
-    labels = torch.tensor([0, 1, 1])
-    losses = models.per_sample_loss(logits, labels)
-    assert losses.dtype == torch.float32 and losses.shape == (3,) and losses[2] > losses[0]
-    assert models.correct(logits, labels).tolist() == [1.0, 1.0, 0.0]
+@pytest.mark.parametrize("name, task, positions", [("cnn", None, None), ("resnet18", None, None),
+                                                   ("gpt2-tiny", "causal_lm", 128),
+                                                   ("bert-tiny", "sequence_classification", 512)])
+def test_hf_spec_is_none_for_image_models_and_names_a_preset_task(name, task, positions):
+    spec = models.hf_spec(name)
+    assert (spec is None) == (task is None)
+    if spec is not None:
+        assert (spec.task, spec.max_positions, spec.pretrained) == (task, positions, "")
 
 
-def test_language_model_loss_is_the_mean_next_token_cross_entropy_of_each_sample():
-    from app.models import correct, per_sample_loss
-    gen = torch.Generator().manual_seed(0)
-    logits, tokens = torch.randn(3, 6, 11, generator=gen), torch.randint(0, 11, (3, 6), generator=gen)
-    for i in range(3):
-        expected = torch.nn.functional.cross_entropy(logits[i, :-1], tokens[i, 1:])
-        assert torch.allclose(per_sample_loss(logits, tokens)[i], expected, atol=1e-6)
-        assert correct(logits, tokens)[i] == (logits[i, :-1].argmax(-1) == tokens[i, 1:]).float().mean()
+def test_build_model_is_for_image_models_and_build_hf_for_transformers():
+    with pytest.raises(UserError, match="unknown model 'gpt2-tiny'"):
+        models.build_model("gpt2-tiny", DataInfo(0, task="causal_lm"))
+    from app.data.tokenizers import byte_tokenizer
+    model = models.build_hf(models.hf_spec("gpt2-tiny"), DataInfo(0, task="causal_lm"), byte_tokenizer(), {})
+    assert isinstance(model, models.HFLogits) and model.real_vocab == 0, "8,192 is a multiple of 64: nothing padded"
+    assert model(torch.randint(258, (2, 8))).shape == (2, 8, 8192)
+    classifier = models.build_hf(models.hf_spec("bert-tiny"), DataInfo(3, task="sequence_classification"),
+                                 byte_tokenizer(), {})
+    ids = torch.randint(258, (2, 8))
+    assert classifier(ids, torch.ones_like(ids)).shape == (2, 3)
 
 
 def test_preset_vocabulary_is_padded_to_a_multiple_of_64():
@@ -67,9 +73,9 @@ def test_padded_vocabulary_rows_never_win():
     tokens = torch.randint(100, (3, 16))
     logits = model(tokens)
     assert torch.isneginf(logits[..., 100:]).all() and (logits.argmax(-1) < 100).all()
-    losses = models.per_sample_loss(logits, tokens)
-    expected = models.per_sample_loss(logits[..., :100], tokens)
+    losses = next_token_loss(logits, tokens)
+    expected = next_token_loss(logits[..., :100], tokens)
     assert torch.isfinite(losses).all() and torch.allclose(losses, expected)
-    assert (models.correct(logits, tokens) == models.correct(logits[..., :100], tokens)).all()
+    assert (next_token_correct(logits, tokens) == next_token_correct(logits[..., :100], tokens)).all()
     losses.sum().backward()
     assert torch.isfinite(hf.transformer.wte.weight.grad).all()

@@ -9,6 +9,8 @@ import pytest
 
 from conftest import REPO, TWO_RANK_ARGS, TWO_RANK_STEPS, read_metrics, train, train_command
 
+pytestmark = pytest.mark.slow  # 2-rank runs through the deepspeed launcher, signalled and killed
+
 STEPS = 200  # long enough that the signal lands mid-run on this machine
 LONG_RUN = ["--max_steps", STEPS, "--log_interval", 1]
 

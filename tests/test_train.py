@@ -15,6 +15,7 @@ def test_every_config_is_covered():
     assert set(CONFIGS) == set(STAGE), "add the new ds_configs file to STAGE so it is run end to end"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", CONFIGS)
 def test_config_trains_with_two_ranks(name, two_rank_run):
     """Every ds_config trains the digits CNN with 2 gloo ranks through the deepspeed launcher."""
@@ -40,15 +41,16 @@ def test_config_trains_with_two_ranks(name, two_rank_run):
     assert not list(Path("/dev/shm").glob(f"deepspeed_allreduce_buffer_{os.getuid()}_*"))
 
 
-def test_python_without_launcher_uses_one_cpu_process(tmp_path):
-    out = tmp_path / "run"
-    result = train("python", 1, "--max_steps", 6, "--log_interval", 2, "--output_dir", out)
-    assert "mode: no launcher and no GPU: one CPU process with gloo" in result.stdout
+@pytest.mark.slow
+def test_python_without_launcher_uses_one_cpu_process(one_process_run):
+    out, stdout = one_process_run
+    assert "mode: no launcher and no GPU: one CPU process with gloo" in stdout
     assert read_summary(out)["world_size"] == 1
     train_rows, eval_rows = read_metrics(out)
     assert [r["step"] for r in train_rows] == [2, 4, 6] and len(eval_rows) == 1
 
 
+@pytest.mark.slow
 def test_torchrun_two_processes(tmp_path):
     out = tmp_path / "run"
     result = train("torchrun", 2, "--deepspeed_config", REPO / "ds_configs" / "zero1.json", "--max_steps", 10,
@@ -85,12 +87,14 @@ def one_process_losses(tmp_path_factory):
     return one_process_reference(tmp_path_factory.mktemp("one"))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["dp", "zero1", "zero2", "zero3"])
 def test_two_ranks_compute_what_one_process_does(name, tmp_path, one_process_losses):
     """Synchronous data parallelism: 2 ranks x micro batch 4 under each ZeRO stage == 1 process x micro batch 8."""
     assert_two_ranks_match(one_process_losses, name, tmp_path)
 
 
+@pytest.mark.slow
 def test_gradient_accumulation_counts_optimizer_steps(tmp_path):
     out = tmp_path / "run"
     config = config_variant(tmp_path, "dp", train_micro_batch_size_per_gpu=16, gradient_accumulation_steps=2)

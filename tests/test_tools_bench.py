@@ -1,17 +1,19 @@
 """The benchmark entry point: one quick invocation measures every mode and writes complete JSON and a chart."""
 import json
 
-from conftest import BIN, run
+import pytest
 
-from app.bench import FIELDS
+from app.tools.bench import FIELDS
+from conftest import BIN, run
 
 ZERO_FIELDS = ("config", "stage", "parameters", "params_bytes", "grads_bytes", "optimizer_bytes",
                "master_copy_bytes", "measured_bytes", "formula_bytes", "measured_over_formula",
                "without_master_over_formula")
 
 
+@pytest.mark.slow
 def test_quick_benchmark_reports_every_field_for_every_mode(tmp_path):
-    result = run([str(BIN / "python"), "-m", "app.bench", "--quick", "--configs", "dp,zero3",
+    result = run([str(BIN / "python"), "-m", "app.tools.bench", "--quick", "--configs", "dp,zero3",
                   "--output_dir", tmp_path], timeout=300)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     report = json.loads((tmp_path / "bench.json").read_text())
@@ -44,7 +46,7 @@ def test_quick_benchmark_reports_every_field_for_every_mode(tmp_path):
 
 
 def test_a_bad_flag_is_one_line(capsys):
-    from app import bench
+    from app.tools import bench
     assert bench.main(["--modes", "raw,fast"]) == 2
     assert capsys.readouterr().err.strip().splitlines() == [
         "error: --modes: unknown mode 'fast'; choose from raw, raw-compile, raw-1thread, ddp, dataparallel, app"]
@@ -55,7 +57,24 @@ def test_a_bad_flag_is_one_line(capsys):
 
 def test_compile_choices_name_the_app_modes():
     """--compile off,on runs each config twice, eager and compiled, under names that say which."""
-    from app import bench
+    from app.tools import bench
     args = bench.parse(["--modes", "app", "--configs", "zero1", "--compile", "off,on", "--ranks", "1"])
     groups, _ = bench.plan(args, cores=2, gpus=0)
     assert [mode for mode, _, _ in groups[1]] == ["zero1+eager", "zero1+compile"]
+
+
+def test_ratios_and_the_headline():
+    """Each mode against raw PyTorch and against torch at its own world size; scaling against one thread."""
+    from app.tools.bench_report import add_ratios, headline
+    rows = [{"mode": mode, "ranks": ranks, "step_time_s": step, "samples_per_s": rate}
+            for mode, ranks, step, rate in [("raw", 1, 0.010, 3200.0), ("raw-compile", 1, 0.008, 4000.0),
+                                            ("raw-1thread", 1, 0.012, 1000.0), ("ddp", 2, 0.020, 1600.0),
+                                            ("dp", 1, 0.016, 2000.0), ("dp", 2, 0.025, 1500.0)]]
+    add_ratios(rows)
+    by = {(r["mode"], r["ranks"]): r for r in rows}
+    assert by[("dp", 1)]["ratio_to_raw"] == pytest.approx(1.6) and by[("dp", 1)]["ratio_to_torch"] == pytest.approx(1.6)
+    assert by[("dp", 2)]["ratio_to_torch"] == pytest.approx(1.25), "2 ranks compare with DDP, not the raw loop"
+    assert by[("dp", 1)]["speed_vs_raw_compile"] == pytest.approx(0.5) and by[("dp", 2)]["speed_vs_raw_compile"] is None
+    assert by[("dp", 2)]["scaling_efficiency"] == pytest.approx(1500 / (2 * 1000))
+    assert by[("dp", 1)]["scaling_efficiency"] is None
+    assert headline(rows) == "headline (app speed / raw PyTorch + compile + fused AdamW, 1 rank): dp 0.500"

@@ -1,13 +1,15 @@
-"""The communication check, launched like training, verifies every primitive and reports bandwidth."""
+"""The communication check, launched like training (as a module), verifies every primitive and reports bandwidth."""
 import pytest
 
 from conftest import BIN, free_port, run
+
+pytestmark = pytest.mark.slow  # every test starts the check through a launcher or a python subprocess
 
 
 @pytest.mark.parametrize("world", [2, 3])
 def test_commcheck_through_the_deepspeed_launcher(world):
     result = run([str(BIN / "deepspeed"), "--num_gpus", str(world), "--master_port", str(free_port()),
-                  "app/commcheck.py", "--sizes", "8,65536", "--iters", "3"], timeout=300)
+                  "--module", "app.tools.commcheck", "--sizes", "8,65536", "--iters", "3"], timeout=300)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     out = result.stdout
     assert out.count(f"verified on {world} rank(s)") == 1, "rank 0 alone reports"
@@ -21,7 +23,14 @@ def test_commcheck_through_the_deepspeed_launcher(world):
     assert all(float(r[4]) > 0 for r in rows if r[1] == "65536"), "64 KiB moves at a measurable rate"
 
 
+def test_commcheck_through_torchrun():
+    result = run([str(BIN / "torchrun"), "--nproc_per_node", "2", "--master_port", str(free_port()),
+                  "-m", "app.tools.commcheck", "--sizes", "8", "--iters", "2"], timeout=300)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert result.stdout.count("verified on 2 rank(s)") == 1 and "started by torchrun" in result.stdout
+
+
 def test_commcheck_without_a_launcher_is_one_rank():
-    result = run([str(BIN / "python"), "app/commcheck.py", "--sizes", "8", "--iters", "2"], timeout=120)
+    result = run([str(BIN / "python"), "-m", "app.tools.commcheck", "--sizes", "8", "--iters", "2"], timeout=120)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "verified on 1 rank(s)" in result.stdout and "send/recv" not in result.stdout

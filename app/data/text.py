@@ -6,25 +6,16 @@ from pathlib import Path
 import torch
 from torch.utils.data import Dataset
 
-from app import distributed
-from app.errors import UserError
-from app.models import vocab_size
+from app import dist
+from app.data import DataInfo
+from app.data.tokenizers import run_tokenizer
+from app.errors import UserError, first_line
+from app.config import Settings
+from app.models import HFSpec, vocab_size
 
 # datasets.load_dataset builder for each file suffix it can read
 FILE_BUILDERS = {".txt": "text", ".text": "text", ".json": "json", ".jsonl": "json", ".csv": "csv",
                  ".parquet": "parquet"}
-BOS = "<|endoftext|>"  # the locally built tokenizers' one separator: document end, and first token of a row
-PAD = "<pad>"
-TOKENIZER_DIR = "tokenizer"
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "vocab.txt", "tokenizer.model",
-                   "spiece.model")
-
-
-def _first_line(error: Exception) -> str:
-    """The first line of the innermost cause, where libraries wrap the real complaint."""
-    while error.__cause__ is not None or error.__context__ is not None:
-        error = error.__cause__ or error.__context__
-    return (str(error).strip().splitlines() or [type(error).__name__])[0]
 
 
 def load_splits(source: str, config_name: str, eval_file: str, eval_fraction: float, seed: int):
@@ -48,7 +39,7 @@ def load_splits(source: str, config_name: str, eval_file: str, eval_fraction: fl
         try:
             splits = datasets.load_dataset(kinds.pop(), data_files=data_files)
         except Exception as e:  # malformed files surface as many exception types inside datasets
-            raise UserError(f"cannot read --dataset {source}: {_first_line(e)}") from None
+            raise UserError(f"cannot read --dataset {source}: {first_line(e)}") from None
     else:
         if eval_file:
             raise UserError("--eval_file goes with a local --dataset file or folder, not a hub dataset")
@@ -57,12 +48,12 @@ def load_splits(source: str, config_name: str, eval_file: str, eval_fraction: fl
         except Exception as e:
             offline = " (HF_HUB_OFFLINE=1 forbids downloads)" if os.environ.get("HF_HUB_OFFLINE") == "1" else ""
             raise UserError(f"--dataset {source!r} is not a local file or folder, nor a hub dataset that loads"
-                            f"{offline}: {_first_line(e)}") from None
+                            f"{offline}: {first_line(e)}") from None
     if "train" not in splits or len(splits["train"]) == 0:
         raise UserError(f"--dataset {source} has no training rows; check the file or the split names")
-    held = next((splits[s] for s in ("validation", "test") if s in splits), None)
-    if held is not None:
-        return splits["train"], held
+    eval_set = next((splits[s] for s in ("validation", "test") if s in splits), None)
+    if eval_set is not None:
+        return splits["train"], eval_set
     if len(splits["train"]) < 2:
         raise UserError(f"--dataset {source} has one row: not enough to hold some out; add rows or pass --eval_file")
     parts = splits["train"].train_test_split(test_size=eval_fraction, seed=seed)
@@ -84,68 +75,6 @@ def pick_column(dataset, wanted: str, role: str, defaults: tuple) -> str:
     raise UserError(f"cannot tell which column holds the {role}; pass --{role}_column, one of: {', '.join(columns)}")
 
 
-def _byte_backend():
-    """A tokenizers.Tokenizer over the 256 bytes plus a separator and padding, with no merges."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
-    vocab = {char: i for i, char in enumerate(sorted(pre_tokenizers.ByteLevel.alphabet()))}
-    vocab.update({BOS: len(vocab), PAD: len(vocab) + 1})
-    backend = Tokenizer(models.BPE(vocab=vocab, merges=[]))
-    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
-    backend.decoder = decoders.ByteLevel()
-    backend.add_special_tokens([BOS, PAD])
-    backend.post_processor = processors.TemplateProcessing(single=f"{BOS} $A", special_tokens=[(BOS, vocab[BOS])])
-    return backend
-
-
-def _wrap(backend):
-    from transformers import PreTrainedTokenizerFast
-    return PreTrainedTokenizerFast(tokenizer_object=backend, bos_token=BOS, eos_token=BOS, pad_token=PAD)
-
-
-def byte_tokenizer():
-    """A byte-level tokenizer needing no files or training: 256 bytes, a separator and padding."""
-    return _wrap(_byte_backend())
-
-
-def bpe_tokenizer(texts, vocab_size: int):
-    """A byte-level BPE tokenizer trained on texts (an iterator of lists of strings) up to vocab_size tokens."""
-    from tokenizers import pre_tokenizers, trainers
-    backend = _byte_backend()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[BOS, PAD], show_progress=False,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    backend.train_from_iterator(texts, trainer=trainer)
-    return _wrap(backend)
-
-
-def _has_tokenizer(source: str) -> bool:
-    """False for a local folder with no tokenizer files (transformers would make an empty tokenizer for it)."""
-    folder = Path(source)
-    return not folder.is_dir() or any((folder / name).is_file() for name in TOKENIZER_FILES)
-
-
-def build_tokenizer(choice: str, model_source: str, vocab_size: int, texts):
-    """The tokenizer --tokenizer asks for: '' (the model's own, else bytes), 'bytes', 'bpe', or a path/hub name."""
-    from transformers import AutoTokenizer
-    if choice == "bytes" or (not choice and not model_source):
-        return byte_tokenizer()
-    if choice == "bpe":
-        return bpe_tokenizer(texts, vocab_size)
-    if not choice and not _has_tokenizer(model_source):
-        distributed.print0(f"tokenizer: none in {model_source}; using a byte-level one built locally")
-        return byte_tokenizer()
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(choice or model_source)
-    except Exception as e:
-        raise UserError(f"cannot load the tokenizer of {choice or model_source} ({_first_line(e)}); pass "
-                        f"--tokenizer with a folder saved by save_pretrained, 'bytes' or 'bpe'") from None
-    if len(tokenizer) < 2 or not _has_tokenizer(choice or model_source):
-        raise UserError(f"{choice or model_source} holds no usable tokenizer; pass a folder saved by "
-                        f"save_pretrained, or --tokenizer bytes or bpe")
-    if tokenizer.pad_token is None:  # GPT-2 style tokenizers have none; padding is masked out anyway
-        tokenizer.pad_token = tokenizer.eos_token or tokenizer.sep_token
-    return tokenizer
-
-
 def _cache_key(dataset, tokenizer, *settings) -> str:
     """A datasets fingerprint for tokenizing this dataset with this tokenizer and these settings."""
     vocab = tokenizer.backend_tokenizer.to_str() if tokenizer.is_fast else repr(sorted(tokenizer.get_vocab().items()))
@@ -157,7 +86,7 @@ def _mapped(dataset, encode, key: str, what: str, unit: str):
     cache = [f["filename"] for f in dataset.cache_files]
     reused = bool(cache) and os.path.exists(os.path.join(os.path.dirname(cache[0]), f"cache-{key}.arrow"))
     result = dataset.map(encode, batched=True, remove_columns=dataset.column_names, new_fingerprint=key)
-    distributed.print0(f"{what}: {len(result)} {unit} ({'reused the tokenized cache' if reused else 'tokenized'})")
+    dist.print0(f"{what}: {len(result)} {unit} ({'reused the tokenized cache' if reused else 'tokenized'})")
     return result
 
 
@@ -223,31 +152,18 @@ class Rows(Dataset):
         return (padded, mask), row["target"]
 
 
-def _run_tokenizer(settings, spec, train, column: str, output_dir: Path):
-    """The main rank builds the run's tokenizer and saves it in output_dir; the other ranks load that copy."""
-    from transformers import AutoTokenizer
-    saved = Path(output_dir) / TOKENIZER_DIR
-    if distributed.is_main() and not (settings.resume and saved.is_dir()):
-        texts = (batch[column] for batch in train.iter(batch_size=1000))
-        tokenizer = build_tokenizer(settings.tokenizer, spec.pretrained, vocab_size(spec.config), texts)
-        tokenizer.save_pretrained(saved)
-        return tokenizer
-    return AutoTokenizer.from_pretrained(saved)
-
-
 def _longest(dataset) -> int:
     import pyarrow.compute as pc
     return pc.max(pc.list_value_length(dataset.data.column("input_ids"))).as_py() or 0
 
 
-def build_datasets(settings, spec, task: str, output_dir: Path):
+def build_text_sets(settings: Settings, spec: HFSpec, task: str, output_dir: Path):
     """(train, held-out, DataInfo, tokenizer) for a transformers model, tokenized on the main rank first."""
-    from app.data import DataInfo
-    with distributed.main_process_first():
-        train, held = load_splits(settings.dataset, settings.dataset_config, settings.eval_file,
+    with dist.main_process_first():
+        train, eval_set = load_splits(settings.dataset, settings.dataset_config, settings.eval_file,
                                   settings.eval_fraction, settings.seed)
         column = pick_column(train, settings.text_column, "text", ("text",))
-        tokenizer = _run_tokenizer(settings, spec, train, column, output_dir)
+        tokenizer = run_tokenizer(settings, spec, train, column, output_dir)
         if len(tokenizer) > vocab_size(spec.config):
             raise UserError(f"the tokenizer has {len(tokenizer)} tokens but {settings.model} embeds only "
                             f"{vocab_size(spec.config)}; use the model's own tokenizer, or --tokenizer bytes")
@@ -257,8 +173,8 @@ def build_datasets(settings, spec, task: str, output_dir: Path):
                             f"pass --block_size {spec.max_positions} or less")
         if task == "causal_lm":
             train = lm_blocks(train, tokenizer, column, block, "train")
-            held = lm_blocks(held, tokenizer, column, block, "held-out")
-            if not len(train) or not len(held):
+            eval_set = lm_blocks(eval_set, tokenizer, column, block, "held-out")
+            if not len(train) or not len(eval_set):
                 raise UserError(f"the {'training' if not len(train) else 'held-out'} text is shorter than one block of "
                                 f"{block} tokens; lower --block_size or add text")
             length, classes = 0, 0
@@ -266,9 +182,9 @@ def build_datasets(settings, spec, task: str, output_dir: Path):
             label = pick_column(train, settings.label_column, "label", ("label", "labels"))
             names = label_names(train, label)
             train = labelled_rows(train, tokenizer, column, label, names, block, "train")
-            held = labelled_rows(held, tokenizer, column, label, names, block, "held-out")
-            length, classes = max(_longest(train), _longest(held), 1), len(names)
+            eval_set = labelled_rows(eval_set, tokenizer, column, label, names, block, "held-out")
+            length, classes = max(_longest(train), _longest(eval_set), 1), len(names)
             if classes < 2:
                 raise UserError(f"--label_column {label!r} has a single class; classification needs two or more")
     info = DataInfo(classes, task=task, vocab_size=len(tokenizer), seq_len=length or block)
-    return Rows(train, tokenizer.pad_token_id, length), Rows(held, tokenizer.pad_token_id, length), info, tokenizer
+    return Rows(train, tokenizer.pad_token_id, length), Rows(eval_set, tokenizer.pad_token_id, length), info, tokenizer

@@ -1,31 +1,33 @@
-"""Datasets (one small builder per source) and per-rank loaders."""
-import math
+"""Image datasets: one small builder per source, each returning (train set, eval set, DataInfo)."""
+import contextlib
 import os
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from torch.utils.data import DataLoader, Dataset, TensorDataset
+from torch.utils.data import TensorDataset
 
+from app.data import DataInfo
 from app.errors import UserError
 
 
-@dataclass
-class DataInfo:
-    """What a model needs to know about the data."""
-    num_classes: int
-    in_channels: int = 0
-    image_size: int = 0
-    task: str = "image_classification"
-    """image_classification, causal_lm or sequence_classification."""
-    vocab_size: int = 0
-    """Tokens in the tokenizer (text only)."""
-    seq_len: int = 0
-    """Tokens per sample (text only): the block length, or the padded row length."""
-
-
 def _digits(data_dir, image_size):
-    """scikit-learn's bundled 8x8 handwritten digits: 1,797 real images, a fixed 80/20 split."""
+    """scikit-learn's bundled 8x8 handwritten digits: 1,797 real images, a fixed 80/20 split.
+
+    Importing scikit-learn takes seconds in every process that trains, so the split tensors are kept in
+    data_dir after the first run (per scikit-learn version); a cache that cannot be read or written is skipped.
+    """
+    import importlib.metadata
+    cache = Path(data_dir) / f"digits-sklearn-{importlib.metadata.version('scikit-learn')}.pt"
+    try:
+        train_x, train_y, eval_x, eval_y = torch.load(cache, weights_only=True)
+    except (OSError, RuntimeError, ValueError, EOFError):
+        train_x, train_y, eval_x, eval_y = _digits_split()
+        _save_quietly((train_x, train_y, eval_x, eval_y), cache)
+    return TensorDataset(train_x, train_y), TensorDataset(eval_x, eval_y), DataInfo(10, 1, 8)
+
+
+def _digits_split() -> tuple:
+    """(train images, train labels, eval images, eval labels) from scikit-learn, stratified with a fixed seed."""
     from sklearn.datasets import load_digits
     from sklearn.model_selection import train_test_split
     digits = load_digits()
@@ -34,8 +36,19 @@ def _digits(data_dir, image_size):
     labels = torch.tensor(digits.target, dtype=torch.long)
     train_idx, eval_idx = train_test_split(range(len(labels)), test_size=0.2, random_state=0, stratify=labels)
     train_idx, eval_idx = torch.tensor(train_idx), torch.tensor(eval_idx)
-    return (TensorDataset(images[train_idx], labels[train_idx]), TensorDataset(images[eval_idx], labels[eval_idx]),
-            DataInfo(10, 1, 8))
+    return images[train_idx], labels[train_idx], images[eval_idx], labels[eval_idx]
+
+
+def _save_quietly(tensors, path: Path):
+    """torch.save to path through a temporary file (readers see all or nothing); nothing if it cannot be written."""
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        torch.save(tensors, tmp)
+        os.replace(tmp, path)
+    except OSError:
+        with contextlib.suppress(OSError):
+            tmp.unlink()
 
 
 def _synthetic(data_dir, image_size, n_train=2048, n_eval=512, classes=10):
@@ -74,8 +87,8 @@ def _torchvision(name, data_dir, image_size):
         except Exception as e:
             raise UserError(f"{cls_name} is not in {Path(data_dir) / folder} and could not be downloaded "
                             f"({type(e).__name__}); put the dataset files there or run once while online") from None
-    evaluation = cls(data_dir, train=False, transform=tf, download=False)
-    return train, evaluation, DataInfo(len(train.classes), channels, size)
+    eval_set = cls(data_dir, train=False, transform=tf, download=False)
+    return train, eval_set, DataInfo(len(train.classes), channels, size)
 
 
 def _imagefolder(data_dir, image_size):
@@ -95,14 +108,14 @@ def _imagefolder(data_dir, image_size):
         raise UserError(f"ImageFolder {train_dir}: {e}") from None
     val_dir = next((root / d for d in ("val", "test") if (root / d).is_dir()), None)
     if val_dir is not None:
-        evaluation = torchvision.datasets.ImageFolder(str(val_dir), transform=tf)
+        eval_set = torchvision.datasets.ImageFolder(str(val_dir), transform=tf)
     else:
         order = torch.randperm(len(train), generator=torch.Generator().manual_seed(0)).tolist()
         cut = max(1, len(order) // 10)
-        evaluation = torch.utils.data.Subset(train, order[:cut])
+        eval_set = torch.utils.data.Subset(train, order[:cut])
         train = torch.utils.data.Subset(train, order[cut:])
     classes = len(train.classes) if hasattr(train, "classes") else len(train.dataset.classes)
-    return train, evaluation, DataInfo(classes, 3, image_size)
+    return train, eval_set, DataInfo(classes, 3, image_size)
 
 
 BUILDERS = {
@@ -113,69 +126,9 @@ BUILDERS = {
 }
 
 
-def build_datasets(name: str, data_dir: str, image_size: int = 224):
-    """(train, eval, DataInfo) for a dataset name."""
+def build_image_sets(name: str, data_dir: str, image_size: int = 224):
+    """(train set, eval set, DataInfo) for an image dataset name."""
     if name not in BUILDERS:
         hint = " (text needs a transformers model, e.g. --model gpt2-tiny)" if Path(name).exists() else ""
         raise UserError(f"unknown image dataset {name!r}; choose one of {', '.join(sorted(BUILDERS))}{hint}")
     return BUILDERS[name](data_dir, image_size)
-
-
-class ShardSampler:
-    """Per-rank batches of one global order: each sample once per epoch across ranks, equal step counts.
-
-    Global batch k is order[k*B*W : (k+1)*B*W]; rank r takes every W-th sample of it. When the last
-    global batch is short, ranks are padded to a full micro batch with weight-0 samples, so every rank
-    runs the same number of steps (and collectives). Each real sample carries weight W / (samples in
-    its global batch): summing weight x loss on every rank and averaging gradients over ranks gives
-    exactly the mean over the global batch.
-    """
-
-    def __init__(self, size, batch_size, rank=0, world_size=1, shuffle=True, seed=0):
-        if size == 0:
-            raise UserError("the dataset is empty; check --dataset and --data_dir")
-        self.size, self.batch_size, self.rank, self.world_size = size, batch_size, rank, world_size
-        self.shuffle, self.seed, self.epoch, self.skip = shuffle, seed, 0, 0
-
-    def set_epoch(self, epoch: int, skip: int = 0):
-        """Pick the order for an epoch (the same on every rank), leaving out its first `skip` batches."""
-        self.epoch, self.skip = epoch, skip
-
-    def __len__(self):
-        return math.ceil(self.size / (self.batch_size * self.world_size))
-
-    def __iter__(self):
-        if self.shuffle:
-            gen = torch.Generator().manual_seed(self.seed + self.epoch)
-            order = torch.randperm(self.size, generator=gen).tolist()
-        else:
-            order = list(range(self.size))
-        span = self.batch_size * self.world_size
-        for start in range(self.skip * span, self.size, span):
-            chunk = order[start:start + span]
-            weight = self.world_size / len(chunk)
-            mine = [(i, weight) for i in chunk[self.rank::self.world_size]]
-            mine += [(chunk[0], 0.0)] * (self.batch_size - len(mine))
-            yield mine
-
-
-class Weighted(Dataset):
-    """Wraps a dataset so each item is (input, label, weight) for the ShardSampler's (index, weight)."""
-
-    def __init__(self, dataset):
-        self.dataset = dataset
-
-    def __len__(self):
-        return len(self.dataset)
-
-    def __getitem__(self, key):
-        index, weight = key
-        x, y = self.dataset[index]
-        return x, y, torch.tensor(weight, dtype=torch.float32)
-
-
-def build_loader(dataset, batch_size, rank, world_size, shuffle, seed, num_workers=0, pin_memory=False):
-    """A DataLoader over this rank's shard of dataset."""
-    sampler = ShardSampler(len(dataset), batch_size, rank, world_size, shuffle, seed)
-    return DataLoader(Weighted(dataset), batch_sampler=sampler, num_workers=num_workers, pin_memory=pin_memory,
-                      persistent_workers=num_workers > 0)

@@ -1,20 +1,19 @@
 """Check the process group: every collective verified, then latency and bus bandwidth by message size.
 
-Launched exactly like training, e.g. `deepspeed --num_gpus 2 app/commcheck.py` or `torchrun ... app/commcheck.py`.
+Launched like training, as a module: `deepspeed --num_gpus 2 --module app.tools.commcheck`,
+`torchrun --nproc_per_node 2 -m app.tools.commcheck`, or `python -m app.tools.commcheck` for one rank.
 """
 import argparse
 import statistics
 import sys
 import time
-from pathlib import Path
-
-if __package__ in (None, ""):
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch
 import torch.distributed as dist
 
-from app import distributed
+from app import launch
+from app.dist import all_reduce_max, print0, teardown
+from app.errors import UserError, report
 
 
 def _filled(value, device, n=4):
@@ -26,27 +25,31 @@ def _check(name, got, want):
         raise AssertionError(f"{name}: rank {dist.get_rank()} got {got.tolist()}, expected {want}")
 
 
+def _verify_ring(device) -> list:
+    """Point to point around a ring: send to the next rank, receive from the previous one."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    nxt, prev = (rank + 1) % world, (rank - 1) % world
+    out, into = _filled(rank, device), _filled(-1, device)
+    if rank % 2 == 0:
+        dist.send(out, nxt)
+        dist.recv(into, prev)
+    else:
+        dist.recv(into, prev)
+        dist.send(out, nxt)
+    _check("send/recv", into, prev)
+    into = _filled(-1, device)
+    for work in (dist.isend(_filled(rank * 10, device), nxt), dist.irecv(into, prev)):
+        work.wait()
+    _check("isend/irecv", into, prev * 10)
+    return ["send/recv", "isend/irecv"]
+
+
 def verify_primitives(device) -> list:
     """Run each primitive once with values whose right answer is known; return the names checked."""
     rank, world = dist.get_rank(), dist.get_world_size()
     ranks = list(range(world))
     dist.barrier()
-    checked = ["rank and world size", "barrier"]
-    if world > 1:  # a ring: send to the next rank, receive from the previous one
-        nxt, prev = (rank + 1) % world, (rank - 1) % world
-        out, into = _filled(rank, device), _filled(-1, device)
-        if rank % 2 == 0:
-            dist.send(out, nxt)
-            dist.recv(into, prev)
-        else:
-            dist.recv(into, prev)
-            dist.send(out, nxt)
-        _check("send/recv", into, prev)
-        into = _filled(-1, device)
-        for work in (dist.isend(_filled(rank * 10, device), nxt), dist.irecv(into, prev)):
-            work.wait()
-        _check("isend/irecv", into, prev * 10)
-        checked += ["send/recv", "isend/irecv"]
+    checked = ["rank and world size", "barrier"] + (_verify_ring(device) if world > 1 else [])
     value = _filled(rank + 7, device)
     dist.broadcast(value, src=0)
     _check("broadcast", value, 7)
@@ -102,7 +105,7 @@ def _timed(op, tensor, world, device, iters):
         _sync(device)
         times.append(time.perf_counter() - start)
     # the slowest rank's median is what the collective cost
-    return distributed.all_reduce_max(torch.tensor([statistics.median(times)], dtype=torch.float64)).item()
+    return all_reduce_max(torch.tensor([statistics.median(times)], dtype=torch.float64)).item()
 
 
 def _sync(device):
@@ -125,27 +128,29 @@ def measure(device, sizes, iters) -> list:
 
 def main(argv=None) -> int:
     """Verify the primitives, then print the bandwidth table on rank 0; returns the exit code."""
-    parser = argparse.ArgumentParser(prog="commcheck.py", description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m app.tools.commcheck", description=__doc__)
     parser.add_argument("--sizes", default="8,1024,65536,1048576,8388608",
                         help="message sizes in bytes, comma separated (default: %(default)s)")
     parser.add_argument("--iters", type=int, default=20, help="timed repetitions per size (default: %(default)s)")
     parser.add_argument("--local_rank", type=int, default=-1, help="set by the deepspeed launcher; unused")
     args = parser.parse_args(argv)
-    distributed.prepare_environment()
+    launch.prepare_environment()
     try:
-        world = distributed.setup()
+        world = launch.setup()
         checked = verify_primitives(world.device)
-        distributed.print0(f"{world.reason}\nverified on {world.world_size} rank(s): {', '.join(checked)}")
+        print0(f"{world.description}\nverified on {world.world_size} rank(s): {', '.join(checked)}")
         rows = measure(world.device, [int(s) for s in args.sizes.split(",")], args.iters)
-        distributed.print0(f"{'collective':<12}{'bytes':>12}{'time (us)':>12}{'algbw GB/s':>12}{'busbw GB/s':>12}")
+        print0(f"{'collective':<12}{'bytes':>12}{'time (us)':>12}{'algbw GB/s':>12}{'busbw GB/s':>12}")
         for op, nbytes, seconds, algbw, busbw in rows:
-            distributed.print0(f"{op:<12}{nbytes:>12}{seconds * 1e6:>12.1f}{algbw:>12.3f}{busbw:>12.3f}")
+            print0(f"{op:<12}{nbytes:>12}{seconds * 1e6:>12.1f}{algbw:>12.3f}{busbw:>12.3f}")
         return 0
-    except AssertionError as e:
+    except UserError as e:
+        return report(e)
+    except AssertionError as e:  # a collective gave a wrong answer: the check failed, not the user
         print(f"error: {e}", file=sys.stderr, flush=True)
         return 1
     finally:
-        distributed.teardown()
+        teardown()
 
 
 if __name__ == "__main__":

@@ -8,7 +8,7 @@ OPS = ("FusedAdamBuilder", "CPUAdamBuilder", "ShareMemCommBuilder")
 
 def main():
     """Load (compiling where not cached) each op this machine's accelerator offers."""
-    from app.distributed import prepare_environment
+    from app.launch import prepare_environment
     prepare_environment()
     from deepspeed.accelerator import get_accelerator
     accelerator = get_accelerator()

@@ -1,6 +1,7 @@
-"""Who am I, which device, which backend. The only module that reads launcher variables."""
-import base64
-import contextlib
+"""Launch time: which launcher started us, its variables, the device and backend, the start-up rendezvous.
+
+The only module that reads launcher variables (RANK, OMPI_*, SLURM_*). Run-time helpers live in app/dist.py.
+"""
 import datetime
 import json
 import logging
@@ -10,27 +11,13 @@ import socket
 import sys
 import time
 import warnings
-from dataclasses import dataclass
 
-import psutil
 import torch
 import torch.distributed as dist
 
+from app import ds_internals
+from app.dist import World, barrier
 from app.errors import UserError
-
-
-@dataclass
-class World:
-    """This process's place in the run."""
-    rank: int
-    local_rank: int
-    world_size: int
-    local_world_size: int
-    device: torch.device
-    backend: str
-    launcher: str
-    reason: str
-    node: str = ""
 
 
 # How long the ranks wait for each other at start (at most --dist_timeout): a healthy launch meets in
@@ -98,7 +85,7 @@ def node_of(launcher: str, env=os.environ, world_info=None) -> tuple:
     """(name, key) of this rank's node: the name users know it by, and what tells nodes apart."""
     hostname = socket.gethostname()
     if launcher == "deepspeed":
-        hosts = list(deepspeed_world_info() if world_info is None else world_info)
+        hosts = list(ds_internals.launcher_world_info() if world_info is None else world_info)
         index = int(env.get("CROSS_RANK", "0"))
         return (hosts[index] if index < len(hosts) else hostname), str(index)
     if launcher == "torchrun":
@@ -108,15 +95,6 @@ def node_of(launcher: str, env=os.environ, world_info=None) -> tuple:
     if launcher == "mpirun":  # ranks are placed node by node (by slot): the node's first rank tells it apart
         return hostname, str(int(env["OMPI_COMM_WORLD_RANK"]) - int(env["OMPI_COMM_WORLD_LOCAL_RANK"]))
     return hostname, "0"
-
-
-def deepspeed_world_info() -> dict:
-    """{host: slots} in hostfile order, as deepspeed's launch.py (our parent) was given it; {} otherwise."""
-    with contextlib.suppress(psutil.Error, ValueError):
-        for arg in psutil.Process().parent().cmdline():
-            if arg.startswith("--world_info="):
-                return json.loads(base64.urlsafe_b64decode(arg.split("=", 1)[1]))
-    return {}
 
 
 def describe_nodes(nodes: list) -> str:
@@ -152,6 +130,12 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def rank_env(rank: int, world_size: int, port: int) -> dict:
+    """The variables a launcher gives rank `rank` of `world_size` ranks on this one machine (127.0.0.1:port)."""
+    return {"RANK": str(rank), "WORLD_SIZE": str(world_size), "LOCAL_RANK": str(rank),
+            "LOCAL_SIZE": str(world_size), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+
+
 def _relaunch():
     """Replace this process with the deepspeed launcher running the same command on every GPU."""
     argv = [sys.executable, "-u", "-m", "deepspeed.launcher.runner", sys.argv[0], *sys.argv[1:]]
@@ -176,43 +160,48 @@ def prepare_environment():
         os.environ["DS_ACCELERATOR"] = "cpu"
 
 
+def _device(local_rank: int, local_world_size: int) -> tuple:
+    """(device, backend) of this rank: its own GPU with NCCL, or the CPU (its share of the cores) with gloo."""
+    if not torch.cuda.is_available():
+        if "OMP_NUM_THREADS" not in os.environ:  # ranks on one node share its cores instead of fighting
+            torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world_size))
+        return torch.device("cpu"), "gloo"
+    if local_rank >= torch.cuda.device_count():
+        raise UserError(f"local rank {local_rank} has no GPU: this node has {torch.cuda.device_count()}; "
+                        f"start at most that many processes per node")
+    torch.cuda.set_device(local_rank)
+    return torch.device("cuda", local_rank), "nccl"
+
+
 def setup(single_process: bool = False, timeout_s: int = 600) -> World:
     """Pick the device, meet the other ranks and start the process group, which DeepSpeed then adopts."""
     import deepspeed
     launcher = detect_launcher()
     if launcher == "none":
-        mode, reason = plan_without_launcher(torch.cuda.device_count(), single_process)
+        mode, description = plan_without_launcher(torch.cuda.device_count(), single_process)
         if mode == "relaunch":
-            print(reason, flush=True)
+            print(description, flush=True)
             _relaunch()
-        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_SIZE="1",
-                          MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+        os.environ.update(rank_env(0, 1, free_port()))
     else:
         if launcher in ("mpirun", "srun"):  # say it in the variables torch and DeepSpeed read
             os.environ.update(launcher_env(launcher))
-        reason = f"started by {launcher}"
+        description = f"started by {launcher}"
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("LOCAL_SIZE", "1")))
-    if torch.cuda.is_available():
-        if local_rank >= torch.cuda.device_count():
-            raise UserError(f"local rank {local_rank} has no GPU: this node has {torch.cuda.device_count()}; "
-                            f"start at most that many processes per node")
-        torch.cuda.set_device(local_rank)
-        device, backend = torch.device("cuda", local_rank), "nccl"
-    else:
-        device, backend = torch.device("cpu"), "gloo"
-        if "OMP_NUM_THREADS" not in os.environ:  # ranks on one node share its cores instead of fighting
-            torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world_size))
+    device, backend = _device(local_rank, local_world_size)
     deepspeed.utils.logger.setLevel(logging.WARNING if rank == 0 else logging.ERROR)
     node = node_of(launcher)
     nodes = _join(rank, world_size, node, backend, device, min(timeout_s, JOIN_TIMEOUT_S), timeout_s)
     # DeepSpeed adopts the process group _join started
     deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False, verbose=False,
                                timeout=datetime.timedelta(seconds=timeout_s))
-    _drop_deepspeed_shm_names(rank, local_world_size == world_size)
-    reason += f"; {world_size} rank(s) on {describe_nodes(nodes)}; {backend} on {device.type}"
-    return World(rank, local_rank, world_size, local_world_size, device, backend, launcher, reason, node[0])
+    if device.type == "cpu" and local_world_size == world_size:
+        barrier()  # every rank has mapped every segment
+        ds_internals.drop_shm_names(rank)
+    description += f"; {world_size} rank(s) on {describe_nodes(nodes)}; {backend} on {device.type}"
+    return World(rank, local_rank, world_size, local_world_size, device, backend, launcher, description, node[0])
 
 
 def _join(rank: int, world_size: int, node: tuple, backend: str, device, join_s: int, timeout_s: int) -> list:
@@ -236,20 +225,7 @@ def _join(rank: int, world_size: int, node: tuple, backend: str, device, join_s:
     store = dist.PrefixStore(f"app/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/", store)
     keys = [f"node/{r}" for r in range(world_size)]
     store.set(keys[rank], json.dumps(node))
-    if rank == 0:
-        verdict = _missing_ranks(store, keys, join_s)
-        store.set("verdict", verdict)
-        if verdict:
-            raise UserError(verdict)
-    else:
-        store.set_timeout(datetime.timedelta(seconds=2 * join_s))  # rank 0 may start later than we did
-        try:
-            verdict = store.get("verdict").decode()
-        except dist.DistError:
-            raise UserError(f"rank {rank} on {node[0]}: rank 0 did not finish the start-up within "
-                            f"{2 * join_s} s") from None
-        if verdict:
-            raise SystemExit(2)  # rank 0 has said what is wrong; one line is enough
+    _agree_on_start(store, keys, rank, node, join_s)
     store.set_timeout(datetime.timedelta(seconds=timeout_s))
     nodes = [tuple(json.loads(store.get(key))) for key in keys]
     dist.init_process_group(backend, store=store, rank=rank,
@@ -257,6 +233,24 @@ def _join(rank: int, world_size: int, node: tuple, backend: str, device, join_s:
                             # as DeepSpeed does: bind the GPU, except alone (later new_group()s would need a peer)
                             **({"device_id": device} if device.type == "cuda" and world_size > 1 else {}))
     return nodes
+
+
+def _agree_on_start(store, keys: list, rank: int, node: tuple, join_s: int):
+    """Rank 0 decides whether every rank checked in and tells the others; a missing rank ends every rank."""
+    if rank == 0:
+        verdict = _missing_ranks(store, keys, join_s)
+        store.set("verdict", verdict)
+        if verdict:
+            raise UserError(verdict)
+        return
+    store.set_timeout(datetime.timedelta(seconds=2 * join_s))  # rank 0 may start later than we did
+    try:
+        verdict = store.get("verdict").decode()
+    except dist.DistError:
+        raise UserError(f"rank {rank} on {node[0]}: rank 0 did not finish the start-up within "
+                        f"{2 * join_s} s") from None
+    if verdict:
+        raise SystemExit(2)  # rank 0 has said what is wrong; one line is enough
 
 
 def _missing_ranks(store, keys: list, join_s: int) -> str:
@@ -267,95 +261,11 @@ def _missing_ranks(store, keys: list, join_s: int) -> str:
     missing = [r for r, key in enumerate(keys) if not store.check([key])]
     if not missing:
         return ""
-    hosts = [host for host, slots in deepspeed_world_info().items() for _ in slots]
+    hosts = [host for host, slots in ds_internals.launcher_world_info().items() for _ in slots]
     down = sorted({hosts[r] for r in missing if r < len(hosts)})
     ranks = ",".join(map(str, missing))
     if down:
         return (f"{', '.join(down)} (rank {ranks}) did not start within {join_s} s: is it up and reachable by "
-                f"ssh? `python -m app.doctor --hostfile <hostfile>` checks every host")
+                f"ssh? `python -m app.tools.doctor --hostfile <hostfile>` checks every host")
     return (f"rank {ranks} did not start within {join_s} s: check that every node's launcher started "
-            f"(for a hostfile, `python -m app.doctor --hostfile <hostfile>` checks every host)")
-
-
-def _drop_deepspeed_shm_names(rank: int, all_local: bool):
-    """Remove the name of this rank's /dev/shm segment once every rank has mapped them all.
-
-    On CPU, DeepSpeed's comm backend gives each rank of an all-local group a 69 MB shared-memory
-    segment (for its inference all-reduce) and never removes it: every run would leave them behind
-    until /dev/shm fills the machine's memory. The mappings stay valid after the name is gone.
-    """
-    path = f"/dev/shm/deepspeed_allreduce_buffer_{os.getuid()}_{os.environ.get('MASTER_ADDR')}_" \
-           f"{os.environ.get('MASTER_PORT')}_{rank}"
-    if torch.cuda.is_available() or not all_local:
-        return
-    barrier()
-    with contextlib.suppress(FileNotFoundError):
-        os.unlink(path)
-
-
-def rank() -> int:
-    """Global rank (0 before the group exists)."""
-    return dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", "0"))
-
-
-def world_size() -> int:
-    """Number of ranks (1 before the group exists)."""
-    return dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", "1"))
-
-
-def is_main() -> bool:
-    """True on the rank that prints and writes files."""
-    return rank() == 0
-
-
-def print0(*args, **kwargs):
-    """print on the main rank only."""
-    if is_main():
-        print(*args, **kwargs, flush=True)
-
-
-def barrier():
-    """Wait for every rank (a no-op without a process group)."""
-    if dist.is_initialized():
-        dist.barrier()
-
-
-@contextlib.contextmanager
-def main_process_first():
-    """Let rank 0 run the block (downloads, caches) before the others do."""
-    if not is_main():
-        barrier()
-    try:
-        yield
-    finally:
-        if is_main():
-            barrier()
-
-
-def all_reduce_sum(tensor: torch.Tensor) -> torch.Tensor:
-    """Sum a tensor over all ranks in place and return it."""
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
-    return tensor
-
-
-def all_reduce_max(tensor: torch.Tensor) -> torch.Tensor:
-    """Element-wise maximum over all ranks, in place."""
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
-    return tensor
-
-
-def broadcast_object(obj):
-    """rank 0's obj on every rank."""
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        box = [obj]
-        dist.broadcast_object_list(box, src=0)
-        return box[0]
-    return obj
-
-
-def teardown():
-    """Leave the process group; safe to call when none exists."""
-    if dist.is_initialized():
-        dist.destroy_process_group()
+            f"(for a hostfile, `python -m app.tools.doctor --hostfile <hostfile>` checks every host)")

@@ -1,4 +1,4 @@
-"""Export a checkpoint's fp32 weights: python -m app.export <checkpoint> <out.safetensors | folder>.
+"""Export a checkpoint's fp32 weights: python -m app.tools.export <checkpoint> <out.safetensors | folder>.
 
 A .safetensors file holds the plain state dict; a folder (transformers models) gets save_pretrained form.
 """
@@ -7,16 +7,10 @@ import json
 import sys
 from pathlib import Path
 
-if __package__ in (None, ""):
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
 import torch
 
-from app import checkpoint
-from app.errors import UserError
-
-MODEL_STATES = "mp_rank_00_model_states.pt"
-
+from app import checkpoint, ds_internals
+from app.errors import UserError, report
 
 def fp32_state_dict(folder: Path) -> dict:
     """The model's full fp32 weights from a checkpoint folder of any ZeRO stage."""
@@ -25,8 +19,7 @@ def fp32_state_dict(folder: Path) -> dict:
         from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
         return get_fp32_state_dict_from_zero_checkpoint(str(folder.parent), tag=folder.name)
     # ZeRO stage 0 keeps the whole module in one file, which DeepSpeed's own converter refuses.
-    states = torch.load(folder / MODEL_STATES, map_location="cpu", weights_only=True)
-    return {name: tensor.float() for name, tensor in states["module"].items()}
+    return {name: tensor.float() for name, tensor in ds_internals.module_states(folder).items()}
 
 
 def save_pretrained(folder: Path, state: dict, task: str, out: Path):
@@ -50,16 +43,16 @@ def export(folder: Path, out: Path) -> dict:
     saved = checkpoint.verify(folder)
     if out.exists():
         raise UserError(f"{out} already exists; pick a new output path")
-    task = (saved.get("data_info") or {}).get("task", "image_classification")
+    task = saved.data_info.get("task", "image_classification")
     if out.suffix != ".safetensors" and task == "image_classification":
-        raise UserError(f"{folder} holds a {saved['model']} image model; export it to a file ending in .safetensors")
+        raise UserError(f"{folder} holds a {saved.model} image model; export it to a file ending in .safetensors")
     state = {name: tensor.detach().to(torch.float32).contiguous().clone() for name, tensor in
              fp32_state_dict(folder).items()}
     if out.suffix != ".safetensors":
         save_pretrained(folder, state, task, out)
         return state
-    meta = {key: json.dumps(saved[key]) for key in ("model", "dataset", "step", "zero_stage", "world_size")}
-    meta["data_info"] = json.dumps(saved.get("data_info"))
+    meta = {key: json.dumps(getattr(saved, key)) for key in ("model", "dataset", "step", "zero_stage", "world_size",
+                                                             "data_info")}
     out.parent.mkdir(parents=True, exist_ok=True)
     save_file(state, str(out), metadata=meta)
     return state
@@ -67,7 +60,7 @@ def export(folder: Path, out: Path) -> dict:
 
 def main(argv=None) -> int:
     """Command-line entry point; returns the exit code."""
-    parser = argparse.ArgumentParser(prog="python -m app.export", description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m app.tools.export", description=__doc__)
     parser.add_argument("checkpoint", type=Path, help="a checkpoint folder, e.g. <output_dir>/checkpoints/step00000100")
     parser.add_argument("out", type=Path, help="the .safetensors file to write, or (transformers models) a folder "
                                                "to write in save_pretrained form")
@@ -75,8 +68,7 @@ def main(argv=None) -> int:
     try:
         state = export(args.checkpoint, args.out)
     except UserError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+        return report(e)
     count = sum(t.numel() for t in state.values())
     print(f"wrote {len(state)} tensors ({count:,} fp32 parameters) to {args.out}")
     return 0

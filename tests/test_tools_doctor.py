@@ -4,7 +4,7 @@ import socket
 
 import pytest
 
-from app import doctor
+from app.tools import doctor
 from cluster import DOWN_HOST, HOSTS, TWO_HOSTS, cluster  # noqa: F401 (a fixture)
 from conftest import BIN, REPO, free_port, run
 
@@ -22,17 +22,18 @@ def rows_of(output) -> dict:
 
 
 def doctor_in_process(cluster, monkeypatch, capsys, *args):
-    """(exit code, table) of app.doctor run here, with the cluster's ssh on PATH."""
+    """(exit code, table) of app.tools.doctor run here, with the cluster's ssh on PATH."""
     for key, value in cluster.env().items():
         monkeypatch.setenv(key, value)
     code = doctor.main([str(a) for a in args])
     return code, capsys.readouterr().out
 
 
+@pytest.mark.slow
 def test_good_set_up_passes(cluster, tmp_path):
     """Every host answers over ssh with the same Python and packages, and reaches the master port."""
     port = free_port()
-    result = run([str(BIN / "python"), "-m", "app.doctor", "--hostfile", TWO_HOSTS, "--master_port",
+    result = run([str(BIN / "python"), "-m", "app.tools.doctor", "--hostfile", TWO_HOSTS, "--master_port",
                   str(port), "--output_dir", tmp_path / "run"], timeout=120, **cluster.env())
     assert result.returncode == 0, result.stdout + result.stderr
     rows = rows_of(result.stdout)
@@ -44,6 +45,7 @@ def test_good_set_up_passes(cluster, tmp_path):
     assert "all checks passed" in result.stdout
 
 
+@pytest.mark.slow
 def test_a_host_that_is_down_is_named(cluster, monkeypatch, capsys):
     code, out = doctor_in_process(cluster, monkeypatch, capsys, "--hostfile", cluster.hostfile(*HOSTS, DOWN_HOST),
                                   "--master_port", free_port())
@@ -54,6 +56,7 @@ def test_a_host_that_is_down_is_named(cluster, monkeypatch, capsys):
     assert out.splitlines()[-1] == f"1 check(s) failed: ssh {DOWN_HOST}"
 
 
+@pytest.mark.slow
 def test_a_busy_master_port_fails(cluster, monkeypatch, capsys):
     with socket.socket() as busy:
         busy.bind((HOSTS[0], 0))
@@ -66,6 +69,7 @@ def test_a_busy_master_port_fails(cluster, monkeypatch, capsys):
     assert "pass a free --master_port" in out
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("text, expected", [
     ('{"train_micro_batch_size_per_gpu": 4,,}', "not valid JSON"),
     (json.dumps({"train_micro_batch_size_per_gpu": 32, "gradient_accumulation_steps": 1,

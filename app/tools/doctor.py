@@ -1,6 +1,6 @@
 """Pre-flight checks for a (multi-node) launch, reported in one table; exit 0 only when all pass.
 
-    python -m app.doctor --deepspeed_config ds_configs/zero2.json --hostfile hostfiles/two-loopback-hosts
+    python -m app.tools.doctor --deepspeed_config ds_configs/zero2.json --hostfile hostfiles/two-loopback-hosts
 """
 import argparse
 import concurrent.futures
@@ -16,10 +16,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-if __package__ in (None, ""):
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from app import config, distributed
+from app import ds_config, launch
 from app.errors import UserError
 
 # What each launcher runs: binaries needed where the launch starts, and on every node.
@@ -92,13 +89,13 @@ def read_hosts(args) -> dict:
 
 def package_names() -> list:
     """The packages in requirements.txt, whose versions must match on every node."""
-    lines = (config.REPO / "requirements.txt").read_text().splitlines()
+    lines = (ds_config.REPO / "requirements.txt").read_text().splitlines()
     return [re.split(r"[=<>!~\[; ]", line.strip())[0] for line in lines if line.strip() and not line.startswith("#")]
 
 
 def check_config(path, slots) -> tuple:
     """The DeepSpeed JSON, and its batch sizes against the total slots."""
-    ds = config.resolve_batch_sizes(config.load_ds_config(path), slots, path)
+    ds = ds_config.resolve_batch_sizes(ds_config.load_ds_config(path), slots, path)
     return (f"micro batch {ds['train_micro_batch_size_per_gpu']} x accumulation {ds['gradient_accumulation_steps']}"
             f" x {slots} rank(s) = global batch {ds['train_batch_size']}")
 
@@ -193,8 +190,8 @@ def format_table(rows) -> str:
 
 def build_parser() -> argparse.ArgumentParser:
     """The doctor's flags: the launch's own (DeepSpeed's spelling), plus where the run will write."""
-    parser = argparse.ArgumentParser(prog="python -m app.doctor", description=__doc__.splitlines()[0])
-    parser.add_argument("--deepspeed_config", default=str(config.DEFAULT_DS_CONFIG), help="the DeepSpeed JSON")
+    parser = argparse.ArgumentParser(prog="python -m app.tools.doctor", description=__doc__.splitlines()[0])
+    parser.add_argument("--deepspeed_config", default=str(ds_config.DEFAULT_DS_CONFIG), help="the DeepSpeed JSON")
     parser.add_argument("--hostfile", default="", help="DeepSpeed hostfile (`host slots=N` lines); none: this machine")
     parser.add_argument("--include", default="", help="as deepspeed's --include")
     parser.add_argument("--exclude", default="", help="as deepspeed's --exclude")
@@ -211,7 +208,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv=None) -> int:
     """Run every check, print the table; 0 when all pass, 1 otherwise."""
     args = build_parser().parse_args(argv)
-    distributed.prepare_environment()
+    launch.prepare_environment()
     rows = run_checks(args)
     print(format_table(rows), flush=True)
     failed = [f"{check} {where}" for check, where, ok, _ in rows if not ok]

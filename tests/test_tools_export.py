@@ -1,45 +1,49 @@
 """Export: the fp32 weights of any ZeRO stage's checkpoint, equal to the live model's, loadable without DeepSpeed."""
-import json
 import subprocess
 import sys
+from dataclasses import asdict
 
 import pytest
 import torch
 
-from conftest import REPO, run, spawn_ranks
+from conftest import REPO, assert_one_error_line, run, spawn_ranks
+
+pytestmark = pytest.mark.slow  # every test here uses checkpoints that two spawned ranks saved with DeepSpeed
 
 CONFIGS = ["dp", "zero1", "zero2", "zero3", "zero3_offload", "bf16"]
 
 
 def _save_and_record(rank, world, out):
     """On each rank: train each config 3 steps, save a checkpoint, and keep rank 0's view of the live weights."""
-    from app import checkpoint, config, distributed, loop, models
+    from app import checkpoint, compiler, config, dist, ds_config, launch, loop, models, tasks
     from app.data import DataInfo
-    distributed.prepare_environment()
+    launch.prepare_environment()
     # loaded before the group exists, as the app does: DeepSpeed's own check then counts one rank
-    configs = {name: config.load_ds_config(REPO / "ds_configs" / f"{name}.json") for name in CONFIGS}
-    distributed.setup(timeout_s=120)
+    configs = {name: ds_config.load_ds_config(REPO / "ds_configs" / f"{name}.json") for name in CONFIGS}
+    launch.setup(timeout_s=120)
     import deepspeed
     info = DataInfo(10, 1, 8)
     for name in CONFIGS:
         torch.manual_seed(0)
-        ds = config.resolve_batch_sizes(configs[name], world, name)
-        engine = loop.build_engine(models.build_model("cnn", info), config.fill_scheduler_length(ds, 10))
+        ds = ds_config.resolve_batch_sizes(configs[name], world, name)
+        engine = loop.build_engine(models.build_model("cnn", info), ds_config.fill_scheduler_length(ds, 10))
         for step in range(3):
             gen = torch.Generator().manual_seed(step * world + rank)
-            x = torch.randn(8, 1, 8, 8, generator=gen).to(loop.input_dtype(engine))
+            x = torch.randn(8, 1, 8, 8, generator=gen).to(compiler.input_dtype(engine))
             y = torch.randint(0, 10, (8,), generator=gen)
-            engine.backward(models.per_sample_loss(engine(x), y).mean())
+            engine.backward(tasks.class_loss(engine(x), y).mean())
             engine.step()
-        record = {"model": "cnn", "dataset": "digits", "world_size": world, "zero_stage": config.zero_stage(ds),
-                  "data_info": {"num_classes": 10, "in_channels": 1, "image_size": 8}, "deepspeed_config": ds}
-        checkpoint.save(engine, out / name, {"step": 3, "epoch": 0, "batch": 3}, record, keep_last=0)
+        state = checkpoint.TrainerState(step=3, epoch=0, batch=3, model="cnn", dataset="digits", world_size=world,
+                                        zero_stage=ds_config.zero_stage(ds),
+                                        settings=config.settings_dict(config.Settings()), data_info=asdict(info),
+                                        deepspeed_config=ds)
+        checkpoint.save(engine, out / name, state, keep_last=0)
         params = list(engine.module.parameters())
-        with deepspeed.zero.GatheredParameters(params, enabled=config.zero_stage(ds) == 3):
+        with deepspeed.zero.GatheredParameters(params, enabled=ds_config.zero_stage(ds) == 3):
             live = {n: p.detach().clone() for n, p in engine.module.named_parameters()}
         if rank == 0:
             torch.save(live, out / name / "live.pt")
-    distributed.teardown()
+    dist.teardown()
 
 
 @pytest.fixture(scope="module")
@@ -52,7 +56,7 @@ def saved(tmp_path_factory):
 @pytest.mark.parametrize("name", CONFIGS)
 def test_exported_weights_equal_the_live_weights(name, saved, tmp_path):
     folder, target = saved / name / "checkpoints" / "step00000003", tmp_path / f"{name}.safetensors"
-    result = run([sys.executable, "-m", "app.export", folder, target])
+    result = run([sys.executable, "-m", "app.tools.export", folder, target])
     assert result.returncode == 0, result.stderr
     from safetensors.torch import load_file
     exported, live = load_file(target), torch.load(saved / name / "live.pt")
@@ -67,7 +71,7 @@ def test_exported_weights_equal_the_live_weights(name, saved, tmp_path):
 
 def test_export_loads_without_deepspeed(saved, tmp_path):
     target = tmp_path / "cnn.safetensors"
-    assert run([sys.executable, "-m", "app.export", saved / "zero3" / "checkpoints" / "step00000003", target]
+    assert run([sys.executable, "-m", "app.tools.export", saved / "zero3" / "checkpoints" / "step00000003", target]
                ).returncode == 0
     script = (
         "import sys, json; sys.modules['deepspeed'] = None\n"  # any import of deepspeed now fails
@@ -86,8 +90,9 @@ def test_export_loads_without_deepspeed(saved, tmp_path):
 def test_export_refuses_to_overwrite_and_non_checkpoints(saved, tmp_path):
     target = tmp_path / "keep.safetensors"
     target.write_text("mine")
-    result = run([sys.executable, "-m", "app.export", saved / "dp" / "checkpoints" / "step00000003", target])
-    assert result.returncode != 0 and "already exists" in result.stderr and target.read_text() == "mine"
-    result = run([sys.executable, "-m", "app.export", tmp_path, tmp_path / "x.safetensors"])
-    assert result.returncode != 0 and "is not a complete checkpoint" in result.stderr
-    assert "Traceback" not in result.stderr
+    result = run([sys.executable, "-m", "app.tools.export", saved / "dp" / "checkpoints" / "step00000003", target])
+    assert result.returncode != 0 and target.read_text() == "mine"
+    assert_one_error_line(result.stderr, "already exists")
+    result = run([sys.executable, "-m", "app.tools.export", tmp_path, tmp_path / "x.safetensors"])
+    assert result.returncode != 0
+    assert_one_error_line(result.stderr, "is not a complete checkpoint")

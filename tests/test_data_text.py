@@ -1,9 +1,10 @@
-"""Text data: every file format, column choice, tokenizers, blocks that cover the text once, a reused cache."""
+"""Text data: every file format, column choice, blocks that cover the text once, a reused cache, labels."""
 import json
 
 import pytest
 
-from app import text
+from app.data import text
+from app.data.tokenizers import byte_tokenizer
 from app.errors import UserError
 from conftest import sentences, write_text_rows
 
@@ -52,26 +53,9 @@ def test_an_empty_file_is_refused(tmp_path):
         text.load_splits(str(tmp_path / "empty.txt"), "", "", 0.1, seed=0)
 
 
-def test_byte_tokenizer_round_trips_any_text():
-    tokenizer = text.byte_tokenizer()
-    sample = "héllo wörld ✓\n\ttabs and  spaces"
-    ids = tokenizer(sample)["input_ids"]
-    assert ids[0] == tokenizer.bos_token_id and len(ids) == len(sample.encode()) + 1
-    assert tokenizer.decode(ids, skip_special_tokens=True) == sample
-    assert len(tokenizer) == 258 and tokenizer.pad_token_id not in ids
-
-
-def test_bpe_tokenizer_learns_merges_up_to_the_vocabulary():
-    tokenizer = text.bpe_tokenizer(iter([[t for t, _ in sentences(300)]]), 300)
-    assert 258 < len(tokenizer) <= 300
-    sample = "the happy dog chases the owl ."
-    ids = tokenizer(sample, add_special_tokens=False)["input_ids"]
-    assert len(ids) < len(sample) / 2 and tokenizer.decode(ids) == sample
-
-
 def test_blocks_are_the_concatenated_text_cut_once_and_the_cache_is_reused(tmp_path, capsys):
     train, _ = text.load_splits(str(write_text_rows(tmp_path / "c.txt", 200)), "", "", 0.1, seed=0)
-    tokenizer = text.byte_tokenizer()
+    tokenizer = byte_tokenizer()
     blocks = text.lm_blocks(train, tokenizer, "text", 16, "train")
     assert "train: " in capsys.readouterr().out
     flat = [t for s in list(train["text"]) for t in tokenizer(s, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]]
@@ -89,9 +73,9 @@ def test_labels_of_any_kind_map_to_class_indices(tmp_path):
     train, _ = text.load_splits(str(path), "", "", 0.1, seed=0)
     names = text.label_names(train, "label")
     assert names == sorted(set(list(train["label"])))
-    rows = text.labelled_rows(train, text.byte_tokenizer(), "text", "label", names, 4, "train")
+    rows = text.labelled_rows(train, byte_tokenizer(), "text", "label", names, 4, "train")
     assert list(rows["target"]) == [names.index(y) for y in list(train["label"])]
     assert all(len(ids) == 4 for ids in list(rows["input_ids"]))  # truncated to the block size
     with pytest.raises(UserError, match="held-out label 'meh' never occurs"):
         held = train.map(lambda row: {"label": "meh"})
-        text.labelled_rows(held, text.byte_tokenizer(), "text", "label", names, 4, "held-out")
+        text.labelled_rows(held, byte_tokenizer(), "text", "label", names, 4, "held-out")

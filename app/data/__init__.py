@@ -1,0 +1,17 @@
+"""Data: image sources (images.py), text sources (text.py) and tokenizers (tokenizers.py) make datasets;
+loader.py shards them across ranks. DataInfo tells the model what the data looks like."""
+from dataclasses import dataclass
+
+
+@dataclass
+class DataInfo:
+    """What a model needs to know about the data."""
+    num_classes: int
+    in_channels: int = 0
+    image_size: int = 0
+    task: str = "image_classification"
+    """image_classification, causal_lm or sequence_classification."""
+    vocab_size: int = 0
+    """Tokens in the tokenizer (text only)."""
+    seq_len: int = 0
+    """Tokens per sample (text only): the block length, or the padded row length."""

@@ -1,0 +1,67 @@
+"""Per-rank loaders: every rank takes its share of one global order, padded to equal steps."""
+import math
+
+import torch
+from torch.utils.data import DataLoader, Dataset
+
+from app.errors import UserError
+
+
+class ShardSampler:
+    """Per-rank batches of one global order: each sample once per epoch across ranks, equal step counts.
+
+    Global batch k is order[k*B*W : (k+1)*B*W]; rank r takes every W-th sample of it. When the last
+    global batch is short, ranks are padded to a full micro batch with weight-0 samples, so every rank
+    runs the same number of steps (and collectives). Each real sample carries weight W / (samples in
+    its global batch): summing weight x loss on every rank and averaging gradients over ranks gives
+    exactly the mean over the global batch.
+    """
+
+    def __init__(self, size, batch_size, rank=0, world_size=1, shuffle=True, seed=0):
+        if size == 0:
+            raise UserError("the dataset is empty; check --dataset and --data_dir")
+        self.size, self.batch_size, self.rank, self.world_size = size, batch_size, rank, world_size
+        self.shuffle, self.seed, self.epoch, self.skip = shuffle, seed, 0, 0
+
+    def set_epoch(self, epoch: int, skip: int = 0):
+        """Pick the order for an epoch (the same on every rank), leaving out its first `skip` batches."""
+        self.epoch, self.skip = epoch, skip
+
+    def __len__(self):
+        return math.ceil(self.size / (self.batch_size * self.world_size))
+
+    def __iter__(self):
+        if self.shuffle:
+            gen = torch.Generator().manual_seed(self.seed + self.epoch)
+            order = torch.randperm(self.size, generator=gen).tolist()
+        else:
+            order = list(range(self.size))
+        span = self.batch_size * self.world_size
+        for start in range(self.skip * span, self.size, span):
+            chunk = order[start:start + span]
+            weight = self.world_size / len(chunk)
+            mine = [(i, weight) for i in chunk[self.rank::self.world_size]]
+            mine += [(chunk[0], 0.0)] * (self.batch_size - len(mine))
+            yield mine
+
+
+class Weighted(Dataset):
+    """Wraps a dataset so each item is (input, label, weight) for the ShardSampler's (index, weight)."""
+
+    def __init__(self, dataset):
+        self.dataset = dataset
+
+    def __len__(self):
+        return len(self.dataset)
+
+    def __getitem__(self, key):
+        index, weight = key
+        x, y = self.dataset[index]
+        return x, y, torch.tensor(weight, dtype=torch.float32)
+
+
+def build_loader(dataset, batch_size, rank, world_size, shuffle, seed, num_workers=0, pin_memory=False):
+    """A DataLoader over this rank's shard of dataset."""
+    sampler = ShardSampler(len(dataset), batch_size, rank, world_size, shuffle, seed)
+    return DataLoader(Weighted(dataset), batch_sampler=sampler, num_workers=num_workers, pin_memory=pin_memory,
+                      persistent_workers=num_workers > 0)

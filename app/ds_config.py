@@ -1,0 +1,184 @@
+"""The DeepSpeed JSON: loaded once, checked strictly against DeepSpeed's own parser, "auto" precision resolved
+from the device, batch sizes fitted to the real world size."""
+import copy
+import difflib
+import json
+from pathlib import Path
+
+from app import ds_internals
+from app.errors import UserError
+
+REPO = Path(__file__).resolve().parent.parent
+DEFAULT_DS_CONFIG = REPO / "ds_configs" / "dp.json"
+BATCH_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
+# Schedulers whose length DeepSpeed needs up front; the app fills it from the run's step count.
+SCHEDULERS_WITH_TOTAL = ("WarmupDecayLR", "WarmupCosineLR")
+
+
+def load_ds_config(path, cuda=None) -> dict:
+    """Read a DeepSpeed JSON file, resolve "auto" precision for this machine (cuda: whether it trains on a
+    CUDA device; default: whether one is visible), and refuse anything DeepSpeed would silently ignore."""
+    path = Path(path)
+    if not path.is_file():
+        raise UserError(f"DeepSpeed config {path} not found; pass --deepspeed_config with one of "
+                        f"{', '.join(sorted(p.name for p in (REPO / 'ds_configs').glob('*.json')))} in ds_configs/")
+    try:
+        ds = json.loads(path.read_text(), object_pairs_hook=_no_duplicate_keys)
+    except json.JSONDecodeError as e:
+        raise UserError(f"{path} is not valid JSON: {e.msg} at line {e.lineno} column {e.colno}") from None
+    except ValueError as e:
+        raise UserError(f"{path}: {e}") from None
+    if not isinstance(ds, dict):
+        raise UserError(f"{path} must hold a JSON object at the top level")
+    ds, _ = resolve_precision(ds, str(path), cuda)
+    check_ds_keys(ds, str(path))
+    return ds
+
+
+PRECISIONS = ("bf16", "fp16")
+
+
+def resolve_precision(ds: dict, where: str, cuda=None, bf16_ok=None) -> tuple:
+    """(ds with "enabled": "auto" made true or false, a note on what was picked and why).
+
+    auto picks bf16 on a CUDA device that supports it, fp16 on one that does not (when fp16 is
+    "auto"), and fp32 on CPU, where bf16 matmuls are slower than fp32 and fp16 has no kernels.
+    """
+    import torch
+    autos = [name for name in PRECISIONS if isinstance(ds.get(name), dict) and ds[name].get("enabled") == "auto"]
+    for name in PRECISIONS:
+        enabled = ds.get(name, {}).get("enabled", False) if isinstance(ds.get(name), dict) else False
+        if not isinstance(enabled, bool) and enabled != "auto":
+            raise UserError(f"{where}: {name}.enabled must be true, false or \"auto\", got {enabled!r}")
+    if not autos:
+        return ds, ""
+    cuda = torch.cuda.is_available() if cuda is None else cuda
+    bf16_ok = cuda and (torch.cuda.is_bf16_supported() if bf16_ok is None else bf16_ok)
+    pick = ("bf16" if "bf16" in autos and bf16_ok else "fp16" if "fp16" in autos and cuda else "fp32")
+    if any(ds.get(name, {}).get("enabled") is True for name in PRECISIONS):
+        pick = next(name for name in PRECISIONS if ds.get(name, {}).get("enabled") is True)
+    ds = copy.deepcopy(ds)
+    for name in autos:
+        ds[name]["enabled"] = name == pick
+    why = "no CUDA device" if not cuda else "the CUDA device supports bf16" if bf16_ok else \
+        "the CUDA device has no bf16"
+    return ds, f"{pick} ({'/'.join(autos)} \"auto\": {why})"
+
+
+def precision_note(path) -> str:
+    """What "auto" precision in the JSON at path resolved to on this machine, or '' when it names none."""
+    ds = json.loads(Path(path).read_text())
+    return resolve_precision(ds, str(path))[1]
+
+
+def _no_duplicate_keys(pairs):
+    seen = {}
+    for key, value in pairs:
+        if key in seen:
+            raise ValueError(f"key {key!r} appears twice")
+        seen[key] = value
+    return seen
+
+
+def check_ds_keys(ds: dict, where: str):
+    """Fail on keys DeepSpeed does not know, at the top level and inside sections."""
+    from pydantic import ValidationError
+    for key in BATCH_KEYS:
+        value = ds.get(key)
+        if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+            raise UserError(f"{where}: {key} must be a positive integer, got {value!r}")
+    if "train_micro_batch_size_per_gpu" not in ds and "train_batch_size" not in ds:
+        raise UserError(f"{where}: set train_micro_batch_size_per_gpu (and gradient_accumulation_steps)")
+    recorder = ds_internals.Recorder(copy.deepcopy(ds))
+    user_keys = {k: set(v) if isinstance(v, dict) else None for k, v in ds.items()}
+    try:
+        ds_internals.parse_config(recorder)
+    except ValidationError as e:
+        err = e.errors()[0]
+        loc = ".".join(str(p) for p in err["loc"])
+        section = _section_of(ds, err["loc"][0]) or e.title
+        raise UserError(f"{where}: {section}.{loc}: {err['msg'].lower()}{_suggest(err['loc'][-1], e)}") from None
+    except Exception as e:  # DeepSpeed's own config errors are plain exceptions with a sentence
+        raise UserError(f"{where}: DeepSpeed rejected the config: {str(e).splitlines()[0]}") from None
+    known_top = recorder.read | set(BATCH_KEYS)
+    for key in ds:
+        if key not in known_top:
+            raise UserError(f"{where}: unknown DeepSpeed key {key!r}{_close(key, known_top)}")
+    for key, sub in user_keys.items():
+        section = dict.__getitem__(recorder, key)
+        # Sections read key by key have a record; sections handed whole to pydantic were checked there.
+        if sub and isinstance(section, ds_internals.Recorder) and section.read and not _pydantic_checked(ds, key):
+            for sub_key in sub:
+                if sub_key not in section.read:
+                    raise UserError(f"{where}: unknown key {key}.{sub_key}{_close(sub_key, section.read)}")
+
+
+def _pydantic_checked(ds, key) -> bool:
+    """True when DeepSpeed validates section `key` with a model that forbids unknown fields."""
+    from pydantic import ValidationError
+    probe = copy.deepcopy(ds)
+    probe[key]["__probe__"] = 0
+    try:
+        ds_internals.parse_config(probe)
+    except ValidationError as e:
+        return "__probe__" in str(e)
+    except Exception:
+        return False
+    return False
+
+
+def _section_of(ds, first):
+    for key, value in ds.items():
+        if isinstance(value, dict) and (first in value or key == first):
+            return key
+    return None
+
+
+def _close(key, known):
+    match = difflib.get_close_matches(key, sorted(known), n=1)
+    return f" (did you mean {match[0]!r}?)" if match else ""
+
+
+def _suggest(key, error):
+    known = ds_internals.section_fields(getattr(error, "title", ""))
+    return _close(str(key), known) if known else ""
+
+
+def resolve_batch_sizes(ds: dict, world_size: int, where: str) -> dict:
+    """Fill in the batch triple for this world size, or explain which numbers cannot agree."""
+    ds = copy.deepcopy(ds)
+    total, micro = ds.get("train_batch_size"), ds.get("train_micro_batch_size_per_gpu")
+    accum = ds.get("gradient_accumulation_steps")
+    if micro is None:
+        accum = accum or 1
+        if total % (accum * world_size):
+            raise UserError(f"{where}: train_batch_size {total} is not divisible by gradient_accumulation_steps "
+                            f"{accum} x world size {world_size}; set train_micro_batch_size_per_gpu instead")
+        micro = total // (accum * world_size)
+    elif accum is None:
+        accum = 1 if total is None else total // (micro * world_size)
+        if total is not None and (accum < 1 or accum * micro * world_size != total):
+            raise UserError(f"{where}: train_batch_size {total} cannot be split into micro batches of {micro} on "
+                            f"{world_size} ranks; drop train_batch_size or make it a multiple of {micro * world_size}")
+    if total is not None and total != micro * accum * world_size:
+        raise UserError(
+            f"{where}: train_batch_size {total} != train_micro_batch_size_per_gpu {micro} x "
+            f"gradient_accumulation_steps {accum} x world size {world_size} = {micro * accum * world_size}; "
+            f"remove train_batch_size so it follows the world size")
+    ds["train_micro_batch_size_per_gpu"], ds["gradient_accumulation_steps"] = micro, accum
+    ds["train_batch_size"] = micro * accum * world_size
+    return ds
+
+
+def zero_stage(ds: dict) -> int:
+    """The ZeRO stage a DeepSpeed dict asks for (0 when it names none)."""
+    return int((ds.get("zero_optimization") or {}).get("stage", 0))
+
+
+def fill_scheduler_length(ds: dict, total_steps: int) -> dict:
+    """Give schedulers that need a length the run's own step count, unless the JSON sets one."""
+    scheduler = ds.get("scheduler")
+    if isinstance(scheduler, dict) and scheduler.get("type") in SCHEDULERS_WITH_TOTAL:
+        params = scheduler.setdefault("params", {})
+        params.setdefault("total_num_steps", total_steps)
+    return ds

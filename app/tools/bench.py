@@ -1,0 +1,163 @@
+"""Benchmark the app's training step under each ds_config against raw PyTorch, DDP and DataParallel, side by side.
+
+`python -m app.tools.bench` measures every mode in one invocation: it spawns its own ranks (TCP rendezvous on
+127.0.0.1), one process group per world size, and runs the modes of that size one after another in it.
+"""
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from app import dist, ds_config, launch, tasks
+from app.config import Settings
+from app.errors import UserError, report
+from app.tools.bench_modes import COMPILE_SUFFIX, build_model, build_workload, measure
+from app.tools.bench_report import TORCH_MODES, add_ratios, headline, plot, table
+
+FIELDS = ("mode", "ranks", "threads_per_rank", "micro_batch", "global_batch", "dtype", "compiled", "step_time_s",
+          "samples_per_s", "tokens_per_s", "ratio_to_raw", "ratio_to_torch", "speed_vs_raw_compile", "mfu",
+          "peak_flops", "mfu_datasheet", "datasheet_flops", "data_wait_share", "time_to_first_step_s",
+          "peak_memory_bytes", "scaling_efficiency", "zero_state")
+
+
+def parse(argv=None):
+    """The benchmark's flags, checked; a mistake is a UserError."""
+    parser = argparse.ArgumentParser(prog="python -m app.tools.bench", description=__doc__)
+    parser.add_argument("--model", default="cnn", help="cnn, mlp or a transformers preset such as gpt2-tiny")
+    parser.add_argument("--batch", type=int, default=0,
+                        help="global batch, the same for every mode (default: 16 for text models, 32 otherwise)")
+    parser.add_argument("--seq_len", type=int, default=128, help="tokens per sample for text models")
+    parser.add_argument("--steps", type=int, default=30, help="measured optimizer steps per mode (median taken)")
+    parser.add_argument("--warmup", type=int, default=5, help="steps run before measuring")
+    parser.add_argument("--modes", default=",".join(TORCH_MODES + ("app",)),
+                        help="comma list of raw, raw-compile, raw-1thread, ddp, dataparallel, app (default: all)")
+    parser.add_argument("--configs", default="dp,zero1,zero2,zero3", help="ds_configs/ names the app mode runs")
+    parser.add_argument("--compile", default="auto",
+                        help="comma list of auto, on, off: the app modes run once per entry (name+compile when on)")
+    parser.add_argument("--dtype", default="auto", choices=("auto", "fp32", "bf16"),
+                        help="autocast dtype of the torch modes (auto: bf16 on a CUDA device that has it, else fp32)")
+    parser.add_argument("--ranks", type=int, default=2, help="ranks of the multi-rank modes")
+    parser.add_argument("--output_dir", default="", help="where bench.json and bench.png go")
+    parser.add_argument("--quick", action="store_true", help="3 steps after 1 warm-up, short matmul probe (tests)")
+    return _checked(parser.parse_args(argv))
+
+
+def _checked(args):
+    """The parsed flags made usable: lists split, dtype and batch resolved, ds_configs loaded; or a UserError."""
+    args.modes = [m for m in args.modes.split(",") if m]
+    unknown = set(args.modes) - set(TORCH_MODES + ("app",))
+    if unknown:
+        raise UserError(f"--modes: unknown mode {sorted(unknown)[0]!r}; choose from {', '.join(TORCH_MODES)}, app")
+    args.compile = [c for c in args.compile.split(",") if c]
+    if not args.compile or set(args.compile) - {"auto", "on", "off"}:
+        raise UserError(f"--compile takes a comma list of auto, on, off; got {','.join(args.compile)!r}")
+    if args.dtype == "auto":
+        args.dtype = "bf16" if torch.cuda.is_available() and torch.cuda.is_bf16_supported() else "fp32"
+    if args.quick:
+        args.steps, args.warmup = 3, 1
+    if min(args.steps, args.seq_len, args.ranks) < 1 or args.warmup < 0 or args.batch < 0:
+        raise UserError("--steps, --seq_len and --ranks must be at least 1, --warmup and --batch 0 or more")
+    args.configs = {name: ds_config.load_ds_config(ds_config.REPO / "ds_configs" / f"{name}.json")
+                    for name in args.configs.split(",") if name and "app" in args.modes}
+    args.batch = args.batch or tasks.build(Settings(model=args.model)).bench_batch
+    if args.batch % args.ranks:
+        raise UserError(f"--batch {args.batch} is not divisible by --ranks {args.ranks}; each rank takes an equal share")
+    args.output_dir = Path(args.output_dir or f"runs/bench-{args.model}-{time.strftime('%Y%m%d-%H%M%S')}")
+    return args
+
+
+def plan(args, cores: int, gpus: int) -> tuple:
+    """{world size: [(mode, threads, per-rank batch)]} and [(mode, why it is skipped)]."""
+    groups, skipped = {1: [], args.ranks: []}, []
+    threads = lambda ranks: 1 if gpus else max(1, cores // ranks)  # noqa: E731 (ranks share the node's cores)
+    for mode in ("raw", "raw-compile"):
+        if mode in args.modes:
+            groups[1].append((mode, threads(1), args.batch))
+    if "raw-1thread" in args.modes:  # the reference for scaling: one rank's share of the batch on one thread
+        groups[1].append(("raw-1thread", 1, args.batch // args.ranks))
+    if "dataparallel" in args.modes:
+        if gpus > 1:
+            groups[1].append(("dataparallel", threads(1), args.batch))
+        else:
+            skipped.append(("dataparallel", f"needs more than one GPU, this machine has {gpus}"))
+    multi = args.ranks > 1 and (not torch.cuda.is_available() or gpus >= args.ranks)
+    if args.ranks > 1 and not multi:
+        skipped.append((f"{args.ranks}-rank modes", f"need {args.ranks} GPUs, this machine has {gpus}"))
+    if "ddp" in args.modes and multi:
+        groups[args.ranks].append(("ddp", threads(args.ranks), args.batch // args.ranks))
+    for name in args.configs:
+        for choice in args.compile:
+            mode = f"{name}+{COMPILE_SUFFIX[choice]}" if len(args.compile) > 1 or choice != "auto" else name
+            groups[1].append((mode, threads(1), args.batch))
+            if multi:
+                groups[args.ranks].append((mode, threads(args.ranks), args.batch // args.ranks))
+    return {ranks: jobs for ranks, jobs in groups.items() if jobs}, skipped
+
+
+def _worker(rank, world_size, port, jobs, args, results):
+    """One rank of a group: join it, then measure its modes one after another; rank 0 writes the results."""
+    os.environ.update(launch.rank_env(rank, world_size, port))
+    launch.prepare_environment()
+    world = launch.setup(timeout_s=600)
+    try:
+        work = build_workload(args)
+        rows = [measure(mode, args, world, threads, batch, work) for mode, threads, batch in jobs]
+        if world.rank == 0:
+            Path(results).write_text(json.dumps(rows))
+    finally:
+        dist.teardown()
+
+
+def run_groups(groups: dict, args) -> list:
+    """Every group's rows, each group in fresh processes (spawned, not forked: no torch threads inherited)."""
+    import torch.multiprocessing as mp
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for world_size, jobs in groups.items():
+            results = Path(tmp) / f"{world_size}.json"
+            mp.start_processes(_worker, args=(world_size, launch.free_port(), jobs, args, str(results)),
+                               nprocs=world_size, join=True, start_method="spawn")
+            rows += json.loads(results.read_text())
+    return rows
+
+
+def main(argv=None) -> int:
+    """Measure every mode, then print the table and write bench.json and bench.png; returns the exit code."""
+    launch.prepare_environment()
+    try:
+        args = parse(argv)
+        work = build_workload(args)
+        model = build_model(work)
+        args.flops_per_sample = work.task.flops_per_sample(model, work.info)
+        groups, skipped = plan(args, os.cpu_count() or 1, torch.cuda.device_count())
+        if not groups:
+            raise UserError("nothing to measure: --modes and --configs select no mode this machine can run")
+        args.output_dir.mkdir(parents=True, exist_ok=True)
+    except UserError as e:
+        return report(e)
+    rows = run_groups(groups, args)
+    add_ratios(rows)
+    rows = [{key: r[key] for key in FIELDS} for r in rows]
+    result = {"command": " ".join(["python -m app.tools.bench", *(argv if argv is not None else sys.argv[1:])]),
+              "model": args.model, "parameters": sum(p.numel() for p in model.parameters()),
+              "seq_len": work.info.seq_len or None, "global_batch": args.batch, "steps": args.steps,
+              "warmup": args.warmup, "flops_per_sample": args.flops_per_sample, "torch_dtype": args.dtype,
+              "device": "cuda" if torch.cuda.is_available() else "cpu", "cpu_count": os.cpu_count(),
+              "torch": torch.__version__, "modes": rows, "skipped": [{"mode": m, "why": why} for m, why in skipped]}
+    (args.output_dir / "bench.json").write_text(json.dumps(result, indent=2) + "\n")
+    plot(rows, args.output_dir / "bench.png")
+    print(table(rows))
+    print(headline(rows))
+    for mode, why in skipped:
+        print(f"skipped {mode}: {why}")
+    print(f"wrote {args.output_dir / 'bench.json'} and {args.output_dir / 'bench.png'}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

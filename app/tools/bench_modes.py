@@ -1,0 +1,196 @@
+"""What the benchmark measures: each mode's training loop on the same model, data and global batch, timed
+step by step on every rank. The app modes run the app's own loop (app/loop.py), not a copy of it."""
+import statistics
+import time
+from dataclasses import dataclass
+
+import torch
+
+from app import compiler, dist, ds_config, ds_internals, loop, metrics, tasks
+from app.config import Settings
+from app.data.loader import build_loader
+from app.tools.bench_report import TORCH_MODES
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+COMPILE_SUFFIX = {"on": "compile", "off": "eager", "auto": "auto"}  # app mode names: zero1+compile, zero1+eager
+
+
+@dataclass
+class Workload:
+    """The task, its training set and what the model needs to know about it."""
+    task: object
+    train_set: object
+    info: object
+
+
+def build_workload(args) -> Workload:
+    """The model's task with as many samples as the run uses: random token blocks for language models, else digits."""
+    task = tasks.build(Settings(model=args.model))
+    train_set, info = task.sample_data(args.batch * (args.steps + args.warmup + 1), args.seq_len)
+    return Workload(task, train_set, info)
+
+
+def build_model(work: Workload, ds=None):
+    """The model every mode trains, from the same seed."""
+    torch.manual_seed(0)
+    return work.task.build_model(work.info, ds or {})
+
+
+class Clock:
+    """Time at the end of each optimizer step, and the time each step waited for its batch."""
+
+    def __init__(self, device):
+        self.device, self.ends, self.waits = device, [], []
+
+    def tick(self):
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        self.ends.append(time.perf_counter())
+
+
+class TimedLoader:
+    """A loader whose next() time goes on the clock; endless when `endless` (for the raw loops)."""
+
+    def __init__(self, loader, clock, endless=False):
+        self.loader, self.clock, self.endless = loader, clock, endless
+        self.batch_sampler = loader.batch_sampler
+
+    def __len__(self):
+        return len(self.loader)
+
+    def __iter__(self):
+        epoch = 0
+        while True:
+            it = iter(self.loader)
+            while True:
+                start = time.perf_counter()
+                batch = next(it, None)
+                self.clock.waits.append(time.perf_counter() - start)
+                if batch is None:
+                    break
+                yield batch
+            if not self.endless:
+                return
+            epoch += 1
+            self.batch_sampler.set_epoch(epoch)
+
+
+def run_torch(mode, args, world, work: Workload, loader, clock, total):
+    """A hand-written PyTorch loop: the plain model (DDP / DataParallel wrapped), torch AdamW, clipping, autocast
+    in --dtype; raw-compile adds torch.compile of model and loss and the fused AdamW, PyTorch at its best."""
+    model = build_model(work).to(world.device)
+    if mode == "ddp":
+        model = torch.nn.parallel.DistributedDataParallel(model)
+    elif mode == "dataparallel":
+        model = torch.nn.DataParallel(model)
+    reference = next(iter(args.configs.values()), None) or ds_config.load_ds_config(ds_config.DEFAULT_DS_CONFIG)
+    params = {k: v for k, v in reference["optimizer"]["params"].items() if k not in ("torch_adam", "fused")}
+    compiled = mode == "raw-compile"
+    optimizer = torch.optim.AdamW(model.parameters(), **params, **({"fused": True} if compiled else {}))
+    loss_fn = lambda logits, y: work.task.loss(logits, y).mean()  # noqa: E731 (equal-length samples: the mean)
+    forward, loss_fn = (torch.compile(model, dynamic=False), torch.compile(loss_fn, dynamic=False)) \
+        if compiled else (model, loss_fn)
+    clip = reference.get("gradient_clipping", 0.0)
+    batches = iter(TimedLoader(loader, clock, endless=True))
+    dtype = DTYPES[args.dtype]
+    model.train()
+    for _ in range(total):
+        x, y, _ = next(batches)
+        x, y = x.to(world.device, non_blocking=True), y.to(world.device, non_blocking=True)
+        with torch.autocast(world.device.type, dtype=dtype, enabled=dtype != torch.float32):
+            loss = loss_fn(forward(x), y)
+        loss.backward()
+        if clip:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        clock.tick()
+    return None, dtype, compiled
+
+
+def run_app(mode, args, world, work: Workload, loader, clock, total):
+    """The app's own path: the task's model, build_engine with the real ds_config, the app's Loop; returns
+    (the ZeRO state, dtype, compiled)."""
+    name, _, suffix = mode.partition("+")
+    choice = {label: choice for choice, label in COMPILE_SUFFIX.items()}.get(suffix, "auto")
+    ds = ds_config.resolve_batch_sizes({**args.configs[name], "train_micro_batch_size_per_gpu": loader.batch_sampler.
+                                        batch_size, "gradient_accumulation_steps": 1}, world.world_size, name)
+    engine = loop.build_engine(build_model(work, ds), ds_config.fill_scheduler_length(ds, total))
+    eval_loader = build_loader(torch.utils.data.Subset(work.train_set, range(world.world_size)), 1, world.rank,
+                               world.world_size, False, 0)
+    state, real_step = {}, engine.optimizer.step
+
+    def step_and_tick(*a, **kw):  # gradients exist only inside a step; the optimizer state from step 2
+        if engine.global_steps == 1:
+            state.update(zero_state(engine, name))
+        result = real_step(*a, **kw)
+        clock.tick()
+        return result
+    engine.optimizer.step = step_and_tick
+    forward = compiler.Forward(engine, work.task, compiler.wanted(choice, engine.device))
+    schedule = loop.Schedule(total, log_interval=10, eval_interval=total)
+    loop.Loop(forward, TimedLoader(loader, clock), eval_loader, schedule, metrics.RunLog(None, total)).fit()
+    return state or None, compiler.input_dtype(engine), engine.is_compiled
+
+
+def _storages(tensors) -> dict:
+    """Bytes of each distinct storage behind tensors, by address (views of one flat buffer count once)."""
+    return {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+            for t in tensors if isinstance(t, torch.Tensor) and t.numel()}
+
+
+def zero_state(engine, name) -> dict:
+    """Per-rank bytes of parameters, gradients and optimizer state, read from the engine's tensors, beside
+    the ZeRO paper's formula adapted to fp32 (params 4, grads 4, Adam moments 8 bytes per parameter)."""
+    stage, n = engine.zero_optimization_stage(), dist.world_size()
+    psi = sum(getattr(p, "ds_numel", p.numel()) for p in engine.module.parameters())
+    tensors = ds_internals.zero_tensors(engine)
+    params = _storages(tensors["params"])
+    master = {k: v for k, v in _storages(tensors["masters"]).items() if k not in params}
+    shares = (4 / n if stage >= 3 else 4, 4 / n if stage >= 2 else 4, 8 / n if stage >= 1 else 8)
+    formula = sum(shares) * psi
+    held = {"params_bytes": params, "grads_bytes": _storages(tensors["grads"]),
+            "optimizer_bytes": _storages(tensors["moments"]), "master_copy_bytes": master}
+    held = {key: sum(value.values()) for key, value in held.items()}
+    measured = sum(held.values())
+    return {"config": name, "stage": stage, "parameters": psi, **held, "measured_bytes": measured,
+            "formula_bytes": int(formula), "measured_over_formula": measured / formula,
+            "without_master_over_formula": (measured - held["master_copy_bytes"]) / formula}
+
+
+def measure(mode, args, world, threads, per_rank_batch, work: Workload) -> dict:
+    """Run one mode for warm-up + measured steps on every rank of this group; the reduced fields (rank 0 uses them)."""
+    torch.set_num_threads(threads)
+    metrics.reset_peak_memory(world.device)
+    dist.barrier()
+    started = time.perf_counter()
+    clock = Clock(world.device)
+    loader = build_loader(work.train_set, per_rank_batch, world.rank, world.world_size, True, 0)
+    total = args.warmup + args.steps
+    runner = run_torch if mode in TORCH_MODES else run_app
+    zero, dtype, compiled = runner(mode, args, world, work, loader, clock, total)
+    ends = [started] + clock.ends
+    times = [b - a for a, b in zip(ends, ends[1:])][args.warmup:]
+    wait_share = sum(clock.waits[args.warmup:total]) / sum(times)
+    dist.barrier()  # every rank probes the matmul rate at once, as they shared the machine while training
+    peak = metrics.matmul_flops(world.device, dtype, 0.1 if args.quick else 0.5)  # in the mode's own dtype
+    datasheet = metrics.datasheet_flops(world.device, dtype)
+    mine = torch.tensor([statistics.median(times), wait_share, clock.ends[0] - started], dtype=torch.float64)
+    step_time, wait_share, first_step = dist.all_reduce_max(mine).tolist()  # the slowest rank's
+    peak = dist.all_reduce_sum(torch.tensor([peak], dtype=torch.float64)).item()
+    memory = torch.zeros(world.world_size, dtype=torch.float64)
+    memory[world.rank] = metrics.peak_memory_bytes(world.device)
+    memory = dist.all_reduce_sum(memory)
+    global_batch = per_rank_batch * world.world_size
+    samples_per_s = global_batch / step_time
+    datasheet = datasheet and datasheet * world.world_size
+    return {"mode": mode, "ranks": world.world_size, "threads_per_rank": threads,
+            "micro_batch": per_rank_batch, "global_batch": global_batch, "dtype": str(dtype)[6:],
+            "compiled": bool(compiled), "step_time_s": step_time,
+            "samples_per_s": samples_per_s,
+            "tokens_per_s": samples_per_s * work.info.seq_len if work.info.seq_len else None,
+            "mfu": samples_per_s * args.flops_per_sample / peak, "peak_flops": peak,
+            "mfu_datasheet": datasheet and samples_per_s * args.flops_per_sample / datasheet,
+            "datasheet_flops": datasheet,
+            "data_wait_share": wait_share, "time_to_first_step_s": first_step,
+            "peak_memory_bytes": [int(m) for m in memory.tolist()], "zero_state": zero}

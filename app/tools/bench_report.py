@@ -1,0 +1,69 @@
+"""The benchmark's rows turned into ratios, a table, the headline line and a chart."""
+from pathlib import Path
+
+TORCH_MODES = ("raw", "raw-compile", "raw-1thread", "ddp", "dataparallel")
+
+
+def add_ratios(rows: list):
+    """Step time against the raw loop and against torch at the same world size; weak-scaling efficiency."""
+    by_mode = {(r["mode"], r["ranks"]): r for r in rows}
+    raw, one_thread = by_mode.get(("raw", 1)), by_mode.get(("raw-1thread", 1))
+    best = by_mode.get(("raw-compile", 1))
+    for r in rows:
+        r["speed_vs_raw_compile"] = best["step_time_s"] / r["step_time_s"] if best and r["ranks"] == 1 else None
+        torch_ref = raw if r["ranks"] == 1 else by_mode.get(("ddp", r["ranks"]))
+        r["ratio_to_raw"] = r["step_time_s"] / raw["step_time_s"] if raw else None
+        r["ratio_to_torch"] = r["step_time_s"] / torch_ref["step_time_s"] if torch_ref else None
+        r["scaling_efficiency"] = r["samples_per_s"] / (r["ranks"] * one_thread["samples_per_s"]) \
+            if one_thread and r["ranks"] > 1 else None
+
+
+def _fmt(value, spec):
+    return "-" if value is None else format(value, spec)
+
+
+def table(rows: list) -> str:
+    """The rows as a fixed-width text table."""
+    rate = "tokens/s" if rows[0]["tokens_per_s"] is not None else "samples/s"
+    lines = [f"{'mode':<16}{'ranks':>6}{'thr':>4}{'batch':>6}{'dtype':>9}{'step ms':>9}{rate:>11}{'vs raw':>8}"
+             f"{'vs torch':>9}{'speed/rc':>9}{'MFU':>6}{'MFU ds':>7}{'wait':>7}{'first s':>8}{'peak MB':>9}"
+             f"{'scale':>7}{'ZeRO/formula':>13}"]
+    for r in rows:
+        zero = r["zero_state"]
+        lines.append(
+            f"{r['mode']:<16}{r['ranks']:>6}{r['threads_per_rank']:>4}{r['micro_batch']:>6}{r['dtype']:>9}"
+            f"{r['step_time_s'] * 1e3:>9.1f}{r['tokens_per_s'] or r['samples_per_s']:>11.0f}"
+            f"{_fmt(r['ratio_to_raw'], '.3f'):>8}{_fmt(r['ratio_to_torch'], '.3f'):>9}"
+            f"{_fmt(r['speed_vs_raw_compile'], '.3f'):>9}{r['mfu']:>6.2f}{_fmt(r['mfu_datasheet'], '.2f'):>7}"
+            f"{r['data_wait_share']:>7.1%}{r['time_to_first_step_s']:>8.2f}{max(r['peak_memory_bytes']) / 2**20:>9.0f}"
+            f"{_fmt(r['scaling_efficiency'], '.3f'):>7}{_fmt(zero and zero['measured_over_formula'], '.3f'):>13}")
+    return "\n".join(lines)
+
+
+def headline(rows: list) -> str:
+    """The app's speed over raw PyTorch + torch.compile + fused AdamW at one rank, mode by mode."""
+    app = [r for r in rows if r["speed_vs_raw_compile"] is not None and r["mode"] not in TORCH_MODES]
+    if not app:
+        return "headline: needs the raw-compile mode and an app mode at 1 rank"
+    return "headline (app speed / raw PyTorch + compile + fused AdamW, 1 rank): " + ", ".join(
+        f"{r['mode']} {r['speed_vs_raw_compile']:.3f}" for r in app)
+
+
+def plot(rows: list, path: Path):
+    """Bars of throughput and of the largest rank's peak memory, one per mode."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    labels = [f"{r['mode']} x{r['ranks']}" for r in rows]
+    rate = "tokens_per_s" if rows[0]["tokens_per_s"] is not None else "samples_per_s"
+    fig, (top, bottom) = plt.subplots(2, 1, figsize=(max(6, len(rows) * 0.8), 7), sharex=True)
+    top.bar(labels, [r[rate] for r in rows], color="tab:blue")
+    top.set_ylabel(rate.replace("_per_s", "/s"))
+    bottom.bar(labels, [max(r["peak_memory_bytes"]) / 2**20 for r in rows], color="tab:orange")
+    bottom.set_ylabel("peak memory per rank (MiB)")
+    bottom.tick_params(axis="x", rotation=45)
+    for ax in (top, bottom):
+        ax.grid(axis="y", alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)

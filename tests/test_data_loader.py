@@ -1,0 +1,57 @@
+"""Every rank's shard is disjoint, complete and equally long; the loader yields inputs, labels and weights."""
+import pytest
+import torch
+
+from app.data import loader
+from app.data.images import build_image_sets
+from app.errors import UserError
+
+
+@pytest.mark.parametrize("size", [1, 5, 7, 64, 65, 1437])
+@pytest.mark.parametrize("world", [1, 2, 3])
+@pytest.mark.parametrize("batch", [1, 4, 32])
+def test_shards_are_disjoint_complete_and_in_step(size, world, batch):
+    samplers = [loader.ShardSampler(size, batch, rank, world, shuffle=True, seed=3) for rank in range(world)]
+    for sampler in samplers:
+        sampler.set_epoch(2)
+    per_rank = [list(s) for s in samplers]
+    assert len({len(batches) for batches in per_rank}) == 1, "every rank runs the same number of steps"
+    assert all(len(b) == batch for batches in per_rank for b in batches)
+    real = [i for batches in per_rank for b in batches for i, w in b if w > 0]
+    assert sorted(real) == list(range(size)), "each sample exactly once per epoch across ranks"
+    for step in zip(*per_rank):  # the weights of one global batch add up to the world size
+        assert sum(w for b in step for _, w in b) == pytest.approx(world)
+
+
+def test_epochs_reshuffle_identically_on_every_rank():
+    a, b = loader.ShardSampler(100, 4, 0, 1, seed=1), loader.ShardSampler(100, 4, 0, 1, seed=1)
+    a.set_epoch(0), b.set_epoch(0)
+    first = list(a)
+    assert first == list(b)
+    a.set_epoch(1)
+    assert list(a) != first
+    unshuffled = loader.ShardSampler(10, 4, 0, 1, shuffle=False)
+    assert [i for batch in unshuffled for i, w in batch if w > 0] == list(range(10))
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_a_resumed_epoch_skips_the_batches_already_done(world):
+    """set_epoch(epoch, skip) leaves out the epoch's first `skip` batches on every rank, the rest unchanged."""
+    for rank in range(world):
+        whole, resumed = (loader.ShardSampler(45, 4, rank, world, seed=7) for _ in range(2))
+        whole.set_epoch(3)
+        resumed.set_epoch(3, skip=2)
+        assert list(resumed) == list(whole)[2:] and len(list(whole)) == len(whole)
+
+
+def test_loader_yields_inputs_labels_and_weights():
+    train, _, _ = build_image_sets("synthetic", "unused")
+    batches = loader.build_loader(train, 8, rank=1, world_size=2, shuffle=True, seed=0)
+    x, y, w = next(iter(batches))
+    assert x.shape == (8, 3, 32, 32) and y.shape == (8,) and torch.allclose(w, torch.full((8,), 1 / 8))
+    assert len(batches) == 2048 // 16
+
+
+def test_empty_dataset_is_a_user_error():
+    with pytest.raises(UserError, match="empty"):
+        loader.ShardSampler(0, 4)

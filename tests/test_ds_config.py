@@ -1,0 +1,142 @@
+"""The DeepSpeed JSON is checked strictly, batch sizes follow the world size, ds_configs/ stay honest."""
+import json
+
+import pytest
+
+from app import ds_config
+from app.errors import UserError
+from conftest import REPO
+
+CONFIG_FILES = sorted((REPO / "ds_configs").glob("*.json"))
+
+
+def _load(tmp_path, ds):
+    path = tmp_path / "c.json"
+    path.write_text(json.dumps(ds))
+    return ds_config.load_ds_config(path)
+
+
+@pytest.mark.parametrize("path", CONFIG_FILES, ids=lambda p: p.name)
+def test_shipped_configs_load_and_follow_the_world_size(path):
+    ds = ds_config.load_ds_config(path)
+    assert "train_batch_size" not in ds, "leave train_batch_size out so the file works at any world size"
+    assert ds["train_micro_batch_size_per_gpu"] >= 1 and ds["gradient_accumulation_steps"] >= 1
+    assert ds["optimizer"]["type"] and ds["scheduler"]["params"]["warmup_num_steps"] > 0
+    assert ds["gradient_clipping"] > 0
+    for world in (1, 2, 3, 8):
+        assert ds_config.resolve_batch_sizes(ds, world, path.name)["train_batch_size"] == \
+            ds["train_micro_batch_size_per_gpu"] * ds["gradient_accumulation_steps"] * world
+
+
+def _differences(a: dict, b: dict, prefix=""):
+    keys = set(a) | set(b)
+    out = set()
+    for key in keys:
+        if isinstance(a.get(key), dict) and isinstance(b.get(key), dict):
+            out |= _differences(a[key], b[key], f"{prefix}{key}.")
+        elif a.get(key) != b.get(key):
+            out.add(prefix + key)
+    return out
+
+
+@pytest.mark.parametrize("name, base, allowed", [
+    ("zero1", "dp", {"zero_optimization.stage"}),
+    ("zero2", "dp", {"zero_optimization.stage", "zero_optimization.overlap_comm",
+                     "zero_optimization.contiguous_gradients"}),
+    ("zero3", "zero2", {"zero_optimization.stage"}),
+    # offload runs the step in DeepSpeed's CPU Adam, so those files cannot ask for torch's (fused) AdamW
+    ("zero2_offload", "zero2", {"zero_optimization.offload_optimizer", "zero_optimization.overlap_comm",
+                                "optimizer.params.torch_adam", "optimizer.params.fused"}),
+    ("zero3_offload", "zero3", {"zero_optimization.offload_optimizer", "zero_optimization.offload_param",
+                                "zero_optimization.overlap_comm", "optimizer.params.torch_adam",
+                                "optimizer.params.fused"}),
+    ("bf16", "dp", {"bf16.enabled"}),  # bf16 always; the others "auto": bf16 on GPUs that have it
+])
+def test_configs_differ_only_in_what_their_names_promise(name, base, allowed):
+    read = lambda n: json.loads((REPO / "ds_configs" / f"{n}.json").read_text())  # noqa: E731
+    assert _differences(read(name), read(base)) <= allowed
+
+
+def test_unknown_key_inside_a_section_read_key_by_key(tmp_path):
+    ds = json.loads((REPO / "ds_configs" / "dp.json").read_text())
+    ds["flops_profiler"] = {"enabled": False, "profile_stepp": 3}
+    with pytest.raises(UserError, match=r"flops_profiler.profile_stepp.*did you mean 'profile_step'"):
+        _load(tmp_path, ds)
+
+
+def test_known_sections_pass(tmp_path):
+    ds = json.loads((REPO / "ds_configs" / "zero3_offload.json").read_text())
+    ds.update(fp16={"enabled": False, "loss_scale": 0}, flops_profiler={"enabled": False, "profile_step": 2},
+              tensorboard={"enabled": False, "output_path": "x"}, wall_clock_breakdown=False)
+    assert _load(tmp_path, ds)["flops_profiler"]["profile_step"] == 2
+
+
+def test_top_level_must_be_an_object(tmp_path):
+    with pytest.raises(UserError, match="JSON object"):
+        _load(tmp_path, [1, 2])
+
+
+@pytest.mark.parametrize("ds, world, expect", [
+    ({"train_micro_batch_size_per_gpu": 4}, 2, (4, 1, 8)),
+    ({"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 3}, 2, (4, 3, 24)),
+    ({"train_batch_size": 32, "gradient_accumulation_steps": 2}, 2, (8, 2, 32)),
+    ({"train_batch_size": 32, "train_micro_batch_size_per_gpu": 4}, 2, (4, 4, 32)),
+    ({"train_batch_size": 24, "train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 3}, 2, (4, 3, 24)),
+])
+def test_batch_sizes_resolve(ds, world, expect):
+    got = ds_config.resolve_batch_sizes(ds, world, "x.json")
+    assert (got["train_micro_batch_size_per_gpu"], got["gradient_accumulation_steps"], got["train_batch_size"]) == expect
+
+
+@pytest.mark.parametrize("ds, world, message", [
+    ({"train_batch_size": 30, "train_micro_batch_size_per_gpu": 4}, 2, "multiple of 8"),
+    ({"train_batch_size": 30, "gradient_accumulation_steps": 4}, 2, "not divisible"),
+    ({"train_batch_size": 64, "train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 2}, 2,
+     "train_batch_size 64 != train_micro_batch_size_per_gpu 4 x gradient_accumulation_steps 2 x world size 2 = 16"),
+])
+def test_batch_sizes_that_cannot_agree(ds, world, message):
+    with pytest.raises(UserError, match=message.replace(".", r"\.")):
+        ds_config.resolve_batch_sizes(ds, world, "x.json")
+
+
+def test_scheduler_length_comes_from_the_run_unless_set():
+    ds = {"scheduler": {"type": "WarmupCosineLR", "params": {"warmup_num_steps": 5}}}
+    assert ds_config.fill_scheduler_length(ds, 77)["scheduler"]["params"]["total_num_steps"] == 77
+    ds = {"scheduler": {"type": "WarmupCosineLR", "params": {"total_num_steps": 10}}}
+    assert ds_config.fill_scheduler_length(ds, 77)["scheduler"]["params"]["total_num_steps"] == 10
+    ds = {"scheduler": {"type": "WarmupLR", "params": {}}}
+    assert "total_num_steps" not in ds_config.fill_scheduler_length(ds, 77)["scheduler"]["params"]
+
+
+AUTO = {"train_micro_batch_size_per_gpu": 4, "bf16": {"enabled": "auto"}}
+
+
+@pytest.mark.parametrize("ds, cuda, bf16_ok, want, note", [
+    (AUTO, False, False, {"bf16": False}, 'fp32 (bf16 "auto": no CUDA device)'),
+    (AUTO, True, True, {"bf16": True}, 'bf16 (bf16 "auto": the CUDA device supports bf16)'),
+    (AUTO, True, False, {"bf16": False}, 'fp32 (bf16 "auto": the CUDA device has no bf16)'),
+    ({**AUTO, "fp16": {"enabled": "auto"}}, True, False, {"bf16": False, "fp16": True},
+     'fp16 (bf16/fp16 "auto": the CUDA device has no bf16)'),
+    ({**AUTO, "fp16": {"enabled": "auto"}}, True, True, {"bf16": True, "fp16": False},
+     'bf16 (bf16/fp16 "auto": the CUDA device supports bf16)'),
+    ({**AUTO, "fp16": {"enabled": "auto"}}, False, False, {"bf16": False, "fp16": False},
+     'fp32 (bf16/fp16 "auto": no CUDA device)'),
+    ({"bf16": {"enabled": True}, "fp16": {"enabled": "auto"}}, True, True, {"bf16": True, "fp16": False},
+     'bf16 (fp16 "auto": the CUDA device supports bf16)'),
+])
+def test_auto_precision_follows_the_device(ds, cuda, bf16_ok, want, note):
+    resolved, said = ds_config.resolve_precision(ds, "c.json", cuda=cuda, bf16_ok=bf16_ok)
+    assert {name: resolved[name]["enabled"] for name in want} == want and said == note
+    assert ds["bf16"]["enabled"] in ("auto", True), "the caller's dict is left as it was"
+
+
+def test_auto_precision_on_this_cpu_loads_as_fp32(tmp_path):
+    ds = _load(tmp_path, json.loads((REPO / "ds_configs" / "zero2.json").read_text()))
+    assert ds["bf16"] == {"enabled": False}
+    assert ds_config.precision_note(REPO / "ds_configs" / "zero2.json") == 'fp32 (bf16 "auto": no CUDA device)'
+    assert ds_config.precision_note(REPO / "ds_configs" / "bf16.json") == "", "bf16.json asks for bf16 outright"
+
+
+def test_a_precision_that_is_not_a_bool_or_auto_is_one_line(tmp_path):
+    with pytest.raises(UserError, match=r'bf16.enabled must be true, false or "auto", got \'yes\''):
+        _load(tmp_path, {"train_micro_batch_size_per_gpu": 4, "bf16": {"enabled": "yes"}})

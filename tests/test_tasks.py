@@ -1,0 +1,95 @@
+"""Tasks: each kind of job's loss and accuracy, and which task a model and --task pick."""
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from app import tasks
+from app.config import Settings
+from app.data import DataInfo
+from app.errors import UserError
+
+
+def test_class_loss_and_accuracy():
+    logits = torch.tensor([[4.0, 0.0], [0.0, 4.0], [4.0, 0.0]], dtype=torch.bfloat16)
+    labels = torch.tensor([0, 1, 1])
+    losses = tasks.class_loss(logits, labels)
+    assert losses.dtype == torch.float32 and losses.shape == (3,) and losses[2] > losses[0]
+    assert torch.allclose(losses, F.cross_entropy(logits.float(), labels, reduction="none"))
+    assert tasks.class_correct(logits, labels).tolist() == [1.0, 1.0, 0.0]
+
+
+def test_language_model_loss_is_the_mean_next_token_cross_entropy_of_each_sample():
+    gen = torch.Generator().manual_seed(0)
+    logits, tokens = torch.randn(3, 6, 11, generator=gen), torch.randint(0, 11, (3, 6), generator=gen)
+    losses = tasks.next_token_loss(logits, tokens)
+    assert losses.shape == (3,) and losses.dtype == torch.float32
+    for i in range(3):
+        expected = F.cross_entropy(logits[i, :-1], tokens[i, 1:])
+        assert torch.allclose(losses[i], expected, atol=1e-6)
+        right = (logits[i, :-1].argmax(-1) == tokens[i, 1:]).float().mean()
+        assert tasks.next_token_correct(logits, tokens)[i] == right
+    # averaged per sample first: the batch mean equals the mean over every predicted token (equal lengths)
+    everything = F.cross_entropy(logits[:, :-1].reshape(-1, 11), tokens[:, 1:].reshape(-1))
+    assert torch.allclose(losses.mean(), everything, atol=1e-6)
+    assert tasks.next_token_loss(logits.to(torch.bfloat16), tokens).dtype == torch.float32
+
+
+def test_a_perfect_next_token_guess_scores_one():
+    tokens = torch.tensor([[1, 2, 3, 1]])
+    logits = torch.full((1, 4, 5), -20.0)
+    logits[0, torch.arange(3), tokens[0, 1:]] = 20.0  # position t predicts token t + 1; the last predicts nothing
+    assert tasks.next_token_correct(logits, tokens).tolist() == [1.0]
+    assert tasks.next_token_loss(logits, tokens).item() < 1e-6
+
+
+@pytest.mark.parametrize("model, task, kind, name", [
+    ("cnn", "auto", tasks.ImageClassification, "image_classification"),
+    ("resnet18", "auto", tasks.ImageClassification, "image_classification"),
+    ("gpt2-tiny", "auto", tasks.CausalLM, "causal_lm"),
+    ("bert-tiny", "auto", tasks.SequenceClassification, "sequence_classification"),
+    ("gpt2-tiny", "sequence_classification", tasks.SequenceClassification, "sequence_classification"),
+    ("bert-tiny", "causal_lm", tasks.CausalLM, "causal_lm"),
+])
+def test_build_picks_the_task(model, task, kind, name):
+    built = tasks.build(Settings(model=model, task=task))
+    assert type(built) is kind and built.name == name
+    language_model = name == "causal_lm"
+    assert built.loss is (tasks.next_token_loss if language_model else tasks.class_loss)
+    assert built.correct is (tasks.next_token_correct if language_model else tasks.class_correct)
+
+
+def test_task_is_refused_for_image_models():
+    with pytest.raises(UserError, match=r"--task 'causal_lm' is not one of auto, causal_lm, sequence_classification "
+                                        r"for image models \(leave --task auto\)"):
+        tasks.build(Settings(model="cnn", task="causal_lm"))
+
+
+def test_an_unknown_task_names_the_choices():
+    with pytest.raises(UserError, match="--task 'translation' is not one of auto, causal_lm, sequence_classification"):
+        tasks.build(Settings(model="gpt2-tiny", task="translation"))
+
+
+def test_what_each_task_reports():
+    image = tasks.build(Settings(model="mlp"))
+    assert image.tokens_per_sample == 0 and image.eval_metrics(0.5) == {}
+    info = DataInfo(10, 3, 16)
+    model = image.build_model(info, {})
+    assert model(torch.randn(2, 3, 16, 16)).shape == (2, 10)
+    pixels = 3 * 16 * 16  # forward, weight gradients, and the input gradient of all but the first layer
+    assert image.flops_per_sample(model, info) == 3 * 2 * (pixels * 64 + 64 * 10) - 2 * pixels * 64
+    lm = tasks.build(Settings(model="gpt2-tiny"))
+    assert lm.eval_metrics(math.log(50.0)) == {"eval_perplexity": pytest.approx(50.0)}
+    assert lm.eval_metrics(1e6)["eval_perplexity"] == math.exp(700), "capped, never an overflow"
+    assert tasks.build(Settings(model="bert-tiny")).eval_metrics(0.5) == {}
+
+
+def test_benchmark_data_of_a_language_model():
+    lm = tasks.build(Settings(model="gpt2-tiny"))
+    data, info = lm.sample_data(6, 16)
+    x, y = data[0]
+    assert len(data) == 6 and x.shape == (16,) and torch.equal(x, y) and int(x.max()) < 8192
+    assert (info.task, info.vocab_size, info.seq_len, lm.tokens_per_sample) == ("causal_lm", 8192, 16, 16)
+    with pytest.raises(UserError, match="bert-tiny is a sequence classifier"):
+        tasks.build(Settings(model="bert-tiny")).sample_data(6, 16)
