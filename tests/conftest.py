@@ -56,17 +56,16 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def train_command(launcher: str, nproc: int, *args) -> list:
+def train_command(launcher: str, nproc: int, *args, script: str = "app/train.py") -> list:
     """The command a user would type for this launcher."""
     args = [str(a) for a in args]
     if launcher == "python":
-        return [sys.executable, "app/train.py", *args]
+        return [sys.executable, script, *args]
     if launcher == "deepspeed":
-        return [str(BIN / "deepspeed"), "--num_gpus", str(nproc), "--master_port", str(free_port()),
-                "app/train.py", *args]
+        return [str(BIN / "deepspeed"), "--num_gpus", str(nproc), "--master_port", str(free_port()), script, *args]
     if launcher == "torchrun":
-        return [str(BIN / "torchrun"), "--nproc_per_node", str(nproc), "--master_port", str(free_port()),
-                "app/train.py", *args]
+        return [str(BIN / "torchrun"), "--nproc_per_node", str(nproc), "--master_port", str(free_port()), script,
+                *args]
     raise ValueError(launcher)
 
 
@@ -87,6 +86,22 @@ def train(launcher="python", nproc=1, *args, timeout=600, base_env=None):
     result = run(train_command(launcher, nproc, *args), timeout=timeout, base_env=base_env)
     assert result.returncode == 0, f"exit {result.returncode}\n{result.stdout[-4000:]}\n{result.stderr[-4000:]}"
     return result
+
+
+def train_jobs(launcher: str, nproc: int, jobs: list, timeout=900) -> list:
+    """The stdout of each of several training jobs (argument lists) run one after another in one launch
+    (tests/jobs.py): every rank's output, rank 0's first. Fails the test with the output if a job failed."""
+    with tempfile.TemporaryDirectory() as folder:
+        jobs_file = Path(folder) / "jobs.json"
+        jobs_file.write_text(json.dumps([[str(a) for a in job] for job in jobs]))
+        result = run(train_command(launcher, nproc, jobs_file, folder, script="tests/jobs.py"), timeout=timeout)
+        assert result.returncode == 0, f"exit {result.returncode}\n{result.stdout[-4000:]}\n{result.stderr[-4000:]}"
+        outputs = []
+        for i in range(len(jobs)):
+            codes = [(Path(folder) / f"{i}.rank{r}.code").read_text() for r in range(nproc)]
+            assert codes == ["0"] * nproc, f"job {i} exited {codes}"
+            outputs.append("".join((Path(folder) / f"{i}.rank{r}.txt").read_text() for r in range(nproc)))
+        return outputs
 
 
 def read_metrics(output_dir: Path):
@@ -117,15 +132,17 @@ TWO_RANK_STEPS = 46
 
 @pytest.fixture(scope="session")
 def two_rank_run(tmp_path_factory):
-    """name -> (output_dir, stdout) of the standard 2-rank run of ds_configs/<name>.json, made once."""
+    """name -> (output_dir, stdout) of the standard 2-rank run of ds_configs/<name>.json: every config's run,
+    made at the first call, one after another in one deepspeed launch."""
+    root = tmp_path_factory.mktemp("two-rank")
+    names = sorted(p.stem for p in (REPO / "ds_configs").glob("*.json"))
+    jobs = [["--deepspeed_config", REPO / "ds_configs" / f"{name}.json", *TWO_RANK_ARGS, "--output_dir", root / name]
+            for name in names]
     done = {}
 
     def get(name):
-        if name not in done:
-            out = tmp_path_factory.mktemp(f"two-rank-{name}") / "run"
-            result = train("deepspeed", 2, "--deepspeed_config", REPO / "ds_configs" / f"{name}.json",
-                           *TWO_RANK_ARGS, "--output_dir", out)
-            done[name] = out, result.stdout
+        if not done:
+            done.update({n: (root / n, out) for n, out in zip(names, train_jobs("deepspeed", 2, jobs))})
         return done[name]
     return get
 

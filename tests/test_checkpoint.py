@@ -12,7 +12,7 @@ from app.checkpoint import MANIFEST, STATE, TrainerState
 from app.errors import UserError
 from app.tools.export import fp32_state_dict
 from conftest import (REPO, TWO_RANK_ARGS, TWO_RANK_STEPS, assert_one_error_line, read_metrics, run, train,
-                      train_command)
+                      train_command, train_jobs)
 
 
 def assert_same_run(expected, got, steps=TWO_RANK_STEPS):
@@ -36,22 +36,31 @@ KILLS = {
 }
 
 
+@pytest.fixture(scope="module")
+def killed_then_resumed(tmp_path_factory):
+    """name -> ((exit code, complete checkpoints, latest) when killed, resumed run's stdout, output_dir): each
+    config's run killed by itself, then every killed run resumed, one after another in one deepspeed launch."""
+    root, killed = tmp_path_factory.mktemp("killed"), {}
+    for name, (moment, _) in sorted(KILLS.items()):
+        config = REPO / "ds_configs" / f"{name}.json"
+        result = run(train_command("deepspeed", 2, "--deepspeed_config", config, *TWO_RANK_ARGS,
+                                   "--output_dir", root / name), APP_KILL_AT=moment)
+        complete = sorted(p.parent.name for p in (root / name / "checkpoints").glob("step*/manifest.json"))
+        killed[name] = result.returncode, complete, (root / name / "checkpoints" / "latest").read_text()
+    resumed = train_jobs("deepspeed", 2, [["--deepspeed_config", REPO / "ds_configs" / f"{name}.json", *TWO_RANK_ARGS,
+                                           "--output_dir", root / name, "--resume", "auto"] for name in killed])
+    return {name: (killed[name], stdout, root / name) for name, stdout in zip(killed, resumed)}
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("name", sorted(KILLS))
-def test_killed_during_save_then_resumed_is_exact(name, tmp_path, two_rank_run):
+def test_killed_during_save_then_resumed_is_exact(name, killed_then_resumed, two_rank_run):
     """Resumed mid-epoch (step 15 or 20 of 23), the run crosses the epoch boundary exactly as the whole run did."""
-    config, (moment, resume_step) = REPO / "ds_configs" / f"{name}.json", KILLS[name]
-    out = tmp_path / "run"
-    killed = run(train_command("deepspeed", 2, "--deepspeed_config", config, *TWO_RANK_ARGS, "--output_dir", out),
-                 APP_KILL_AT=moment)
-    assert killed.returncode != 0, "the run was killed"
-    complete = sorted(p.parent.name for p in (out / "checkpoints").glob("step*/manifest.json"))
+    (moment, resume_step), ((code, complete, pointer), resumed, out) = KILLS[name], killed_then_resumed[name]
+    assert code != 0, "the run was killed"
     assert complete[-1] == f"step{resume_step:08d}", complete
-    pointer = (out / "checkpoints" / "latest").read_text()
     assert pointer == ("step00000015" if moment.startswith("pointer") else complete[-1]), "latest names a whole one"
-    result = train("deepspeed", 2, "--deepspeed_config", config, *TWO_RANK_ARGS, "--output_dir", out,
-                   "--resume", "auto")
-    assert f"resume: {out / 'checkpoints' / f'step{resume_step:08d}'} at step {resume_step}" in result.stdout
+    assert f"resume: {out / 'checkpoints' / f'step{resume_step:08d}'} at step {resume_step}" in resumed
     assert_same_run(two_rank_run(name)[0], out)
     kept = sorted(p.name for p in (out / "checkpoints").glob("step*"))
     assert kept == ["step00000040", "step00000045", "step00000046"], "--keep_last 3"

@@ -2,7 +2,7 @@
 import pytest
 
 from test_checkpoint import assert_same_run
-from test_train import assert_two_ranks_match, one_process_reference
+from test_train import STAGES, assert_two_ranks_match, one_process_reference, two_rank_runs
 from conftest import REPO, run, train, train_command
 
 pytestmark = pytest.mark.slow  # every test trains through app/train.py in a subprocess or a launcher
@@ -16,10 +16,16 @@ def compiled_one_process(tmp_path_factory):
     return one_process_reference(tmp_path_factory.mktemp("compiled-one"), *COMPILE)
 
 
-@pytest.mark.parametrize("name", ["dp", "zero1", "zero2", "zero3"])
-def test_compiled_two_ranks_compute_what_one_process_does(name, tmp_path, compiled_one_process):
+@pytest.fixture(scope="module")
+def compiled_two_ranks(tmp_path_factory):
+    return two_rank_runs(tmp_path_factory.mktemp("compiled-two"), *COMPILE)
+
+
+@pytest.mark.parametrize("name", STAGES)
+def test_compiled_two_ranks_compute_what_one_process_does(name, compiled_one_process, compiled_two_ranks):
     """Compiled, 2 ranks x micro batch 4 under each ZeRO stage == 1 compiled process x micro batch 8."""
-    stdout = assert_two_ranks_match(compiled_one_process, name, tmp_path, *COMPILE)
+    losses, stdout = compiled_two_ranks[name]
+    assert_two_ranks_match(compiled_one_process, losses)
     assert stdout.count(COMPILING) == 1, "rank 0 says once that it compiles"
     assert "could not be compiled" not in stdout
 

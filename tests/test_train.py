@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO, TWO_RANK_STEPS, config_variant, read_metrics, read_summary, train
+from conftest import REPO, TWO_RANK_STEPS, config_variant, read_metrics, read_summary, train, train_jobs
 
 CONFIGS = sorted(p.stem for p in (REPO / "ds_configs").glob("*.json"))
 STAGE = {"dp": 0, "bf16": 0, "zero1": 1, "zero2": 2, "zero3": 3, "zero2_offload": 2, "zero3_offload": 3}
@@ -72,14 +72,23 @@ def one_process_reference(tmp, *extra) -> list:
     return losses("python", 1, config_variant(tmp, "dp", train_micro_batch_size_per_gpu=8), tmp / "run", *extra)[0]
 
 
-def assert_two_ranks_match(one: list, name: str, tmp_path, *extra) -> str:
-    """2 ranks x micro batch 4 under ds_configs/<name> give one's per-step losses within 1e-5; their stdout."""
-    two, stdout = losses("deepspeed", 2, config_variant(tmp_path, name, train_micro_batch_size_per_gpu=4),
-                         tmp_path / "two", *extra)
+STAGES = ["dp", "zero1", "zero2", "zero3"]
+
+
+def two_rank_runs(tmp, *extra) -> dict:
+    """name -> (per-step losses, stdout) of 2 ranks x micro batch 4 under each ZeRO stage's config, the 12-step runs
+    made one after another in one deepspeed launch."""
+    jobs = [["--deepspeed_config", config_variant(tmp, name, train_micro_batch_size_per_gpu=4), "--max_steps", 12,
+             "--log_interval", 1, "--output_dir", tmp / name, *extra] for name in STAGES]
+    stdouts = train_jobs("deepspeed", 2, jobs)
+    return {name: ([r["loss"] for r in read_metrics(tmp / name)[0]], out) for name, out in zip(STAGES, stdouts)}
+
+
+def assert_two_ranks_match(one: list, two: list):
+    """Two ranks' per-step losses equal one process's within 1e-5, and falling."""
     assert len(one) == len(two) == 12
     assert max(abs(a - b) for a, b in zip(one, two)) < 1e-5, list(zip(one, two))
     assert one[-1] < one[0]
-    return stdout
 
 
 @pytest.fixture(scope="module")
@@ -87,11 +96,16 @@ def one_process_losses(tmp_path_factory):
     return one_process_reference(tmp_path_factory.mktemp("one"))
 
 
+@pytest.fixture(scope="module")
+def two_rank_losses(tmp_path_factory):
+    return two_rank_runs(tmp_path_factory.mktemp("two"))
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["dp", "zero1", "zero2", "zero3"])
-def test_two_ranks_compute_what_one_process_does(name, tmp_path, one_process_losses):
+@pytest.mark.parametrize("name", STAGES)
+def test_two_ranks_compute_what_one_process_does(name, one_process_losses, two_rank_losses):
     """Synchronous data parallelism: 2 ranks x micro batch 4 under each ZeRO stage == 1 process x micro batch 8."""
-    assert_two_ranks_match(one_process_losses, name, tmp_path)
+    assert_two_ranks_match(one_process_losses, two_rank_losses[name][0])
 
 
 @pytest.mark.slow
