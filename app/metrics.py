@@ -151,7 +151,8 @@ class RunLog:
 
     def __init__(self, output_dir, total_steps: int, resumed_step: int = 0, show_progress=None,
                  throughput: "Throughput" = None):
-        """Start metrics afresh, or (resumed_step > 0) keep the rows up to that step and append."""
+        """Start metrics afresh, or (resumed_step > 0) keep the rows up to that step and append. show_progress:
+        True draws the bar, False prints plain lines, None (default) draws it only on a terminal."""
         self.active = dist.is_main() and output_dir is not None
         self.output_dir = output_dir
         self.throughput = throughput or Throughput()
@@ -174,7 +175,7 @@ class RunLog:
         self.tb = SummaryWriter(str(output_dir / "tensorboard"), purge_step=resumed_step + 1 if resumed_step else None)
         # disable=None: a bar on a terminal, plain log lines when output goes to a file or pipe
         self.bar = tqdm(total=total_steps, initial=resumed_step, unit="step", dynamic_ncols=True,
-                        disable=show_progress, file=sys.stdout)
+                        disable=None if show_progress is None else not show_progress, file=sys.stdout)
         self.plain = self.bar.disable
 
     def write_row(self, row: dict):

@@ -92,6 +92,14 @@ def test_run_log_writes_rows_summary_and_plot_and_resumes(tmp_path, capsys):
     assert [(r["step"], r["loss"]) for r in metrics.read_rows(out / "metrics.csv")] == [(1, 2.5), (1, None), (2, 1.5)]
 
 
+@pytest.mark.parametrize("show, plain", [(True, False), (False, True), (None, True)])  # None: no terminal here
+def test_run_log_progress_bar_or_plain_lines(show, plain, tmp_path):
+    log = metrics.RunLog(tmp_path / "run", 4, show_progress=show)
+    assert log.plain is plain
+    log.train_row(1, 0, 2.0, 0.1, samples=8, seconds=1.0)
+    log.finish({})
+
+
 def test_output_dir_check(tmp_path):
     assert metrics.check_output_dir(tmp_path / "new", overwrite=False) == "" and (tmp_path / "new").is_dir()
     (tmp_path / "new" / "metrics.csv").write_text("step\n")
