@@ -14,6 +14,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+import torch._dynamo  # noqa: E402
+
 from app import config, dist, launch, train  # noqa: E402
 
 
@@ -28,7 +30,6 @@ def main(jobs_file: str, report: str):
                 code = train.run(settings, ds, world, time.perf_counter())
             (Path(report) / f"{i}.rank{world.rank}.txt").write_text(printed.getvalue())
             (Path(report) / f"{i}.rank{world.rank}.code").write_text(str(code))
-            import torch._dynamo
             torch._dynamo.reset()  # a compiled job starts from an empty compile cache, as in its own process
     finally:
         dist.teardown()

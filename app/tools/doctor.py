@@ -104,6 +104,8 @@ def check_config(path, slots) -> tuple:
 def hold_port(addr, port):
     """Listen on the master address and port while the nodes try to reach it; yields the problem, or ''."""
     listener = socket.socket()
+    # as torch's TCPStore does: a port whose last run's connections linger in TIME_WAIT is free to listen on
+    listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
         listener.bind((addr, port))
         listener.listen()
