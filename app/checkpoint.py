@@ -7,7 +7,7 @@ import shutil
 import signal
 import subprocess
 import sys
-from dataclasses import asdict, dataclass, fields, replace
+from dataclasses import MISSING, asdict, dataclass, fields, replace
 from pathlib import Path
 
 import numpy as np
@@ -42,6 +42,10 @@ class TrainerState:
     """The DataInfo the model was shaped for."""
     deepspeed_config: dict
     """The DeepSpeed dict the engine was built from, batch sizes resolved."""
+    pipeline_stages: int = 0
+    """Pipeline stages the model was split into (0: not split)."""
+    data_parallel_size: int = 0
+    """Replicas the data was sharded across (0, in older checkpoints: the world size)."""
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=2)
@@ -50,10 +54,10 @@ class TrainerState:
     def from_json(cls, text: str, where) -> "TrainerState":
         """The state saved as text (in where), or one line saying what is missing."""
         saved = json.loads(text)
-        missing = [f.name for f in fields(cls) if f.name not in saved]
+        missing = [f.name for f in fields(cls) if f.name not in saved and f.default is MISSING]
         if missing:
             raise UserError(f"{where} lacks {', '.join(missing)}: it was not written by this app; start a new run")
-        return cls(**{f.name: saved[f.name] for f in fields(cls)})
+        return cls(**{f.name: saved[f.name] for f in fields(cls) if f.name in saved})
 
     def at(self, step: int, epoch: int, batch: int) -> "TrainerState":
         """This run's record at a position of the loop."""
@@ -61,7 +65,8 @@ class TrainerState:
 
     def samples_into_epoch(self) -> int:
         """Samples of the epoch that every rank together had trained on when this was saved."""
-        return self.batch * self.deepspeed_config["train_micro_batch_size_per_gpu"] * self.world_size
+        replicas = self.data_parallel_size or self.world_size
+        return self.batch * self.deepspeed_config["train_micro_batch_size_per_gpu"] * replicas
 
 
 def checkpoint_root(output_dir: Path) -> Path:
@@ -192,8 +197,8 @@ def find(output_dir: Path, resume: str):
 
 
 def check_compatible(saved: TrainerState, current: TrainerState, folder: Path):
-    """Refuse a checkpoint made for another model, dataset or ZeRO stage."""
-    for key in ("model", "dataset", "zero_stage"):
+    """Refuse a checkpoint made for another model, dataset, ZeRO stage or pipeline split."""
+    for key in ("model", "dataset", "zero_stage", "pipeline_stages"):
         if getattr(saved, key) != getattr(current, key):
             raise UserError(f"checkpoint {folder} was made with {key}={getattr(saved, key)!r} but this run has "
                             f"{key}={getattr(current, key)!r}; use the same settings or start a new --output_dir")
@@ -213,6 +218,9 @@ def plan_resume(output_dir: Path, resume: str, current: TrainerState, ds_config:
             dist.print0(f"resume: no complete checkpoint in {checkpoint_root(output_dir)}, starting fresh")
         return None, None, ds_config
     check_compatible(saved, current, folder)
+    if current.pipeline_stages and saved.world_size != current.world_size:
+        raise UserError(f"checkpoint {folder} is a pipeline run of {saved.world_size} rank(s) and DeepSpeed cannot "
+                        f"reshape its per-stage optimizer state; resume it with {saved.world_size} rank(s)")
     if needs_universal(saved, current.world_size):
         dist.print0(f"resume: {folder} was saved by {saved.world_size} rank(s), this run has "
                     f"{current.world_size}: converting it to a universal checkpoint")
@@ -245,7 +253,7 @@ def make_universal(folder: Path, saved: TrainerState) -> Path:
     return target
 
 
-def load(engine, folder: Path, saved: TrainerState, world_size: int) -> tuple:
+def load(engine, folder: Path, saved: TrainerState, replicas: int) -> tuple:
     """Restore engine, optimizer, scheduler and RNG; return the (epoch, micro batch) this run continues from."""
     path, _ = engine.load_checkpoint(str(folder.parent), tag=folder.name, load_optimizer_states=True,
                                      load_lr_scheduler_states=True)
@@ -255,7 +263,7 @@ def load(engine, folder: Path, saved: TrainerState, world_size: int) -> tuple:
     rng_file = folder / f"rng_rank{dist.rank():05d}.json"
     if rng_file.is_file():  # absent for ranks that did not exist when it was saved: they keep the seed
         _set_rng_state(json.loads(rng_file.read_text()))
-    samples, span = saved.samples_into_epoch(), engine.train_micro_batch_size_per_gpu() * world_size
+    samples, span = saved.samples_into_epoch(), engine.train_micro_batch_size_per_gpu() * replicas
     if samples % span:
         dist.print0(f"resume: {samples} samples into the epoch is not a whole number of global micro "
                     f"batches of {span}; repeating the last {samples % span}")

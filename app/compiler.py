@@ -1,7 +1,9 @@
-"""torch.compile through the DeepSpeed engine (model and loss), and TF32 for fp32 CUDA runs."""
+"""The forward pass a loop runs (micro step and evaluation), with torch.compile through the DeepSpeed engine
+(model and loss), and TF32 for fp32 CUDA runs."""
 import torch
 
 from app import dist, ds_internals
+from app.metrics import Meter
 
 
 def wanted(choice: str, device: torch.device) -> bool:
@@ -64,6 +66,32 @@ class Forward:
         self.proven.add(mode)
         return result
 
+    def micro_step(self, batch, meter: Meter):
+        """One micro batch: forward, engine.backward(loss), engine.step() (an optimizer step once the
+        accumulation window is full); the loss is weighted so ranks average exactly."""
+        x, y, w = _to_device(batch, self.engine.device, self.dtype)
+        _, losses = self.logits_and_losses(x, y)
+        self.engine.backward((losses * w).sum())
+        self.engine.step()
+        real = (w > 0).to(losses.dtype)
+        meter.add(real.sum(), loss=(losses.detach() * real).sum())
+
+    def evaluate(self, loader) -> dict:
+        """Eval loss and accuracy (and the task's own extras) over every rank's shard, padding excluded."""
+        engine, task = self.engine, self.task
+        meter = Meter(["loss", "accuracy"], engine.device)
+        engine.eval()
+        with torch.no_grad():
+            for batch in loader:
+                x, y, w = _to_device(batch, engine.device, self.dtype)
+                logits, losses = self.logits_and_losses(x, y)
+                real = (w > 0).float()
+                meter.add(real.sum(), loss=(losses * real).sum(), accuracy=(task.correct(logits, y) * real).sum())
+        engine.train()
+        result = meter.reduce()
+        return {"eval_loss": result["loss"], "eval_accuracy": result["accuracy"],
+                **task.eval_metrics(result["loss"])}
+
     def _run(self, inputs, labels):
         logits = self.engine(*inputs)
         return logits, self.loss(logits, labels)
@@ -72,3 +100,11 @@ class Forward:
         """Undo compilation: the module's plain forward and the plain loss from now on."""
         ds_internals.uncompile(self.engine)
         self.loss, self.compiled = self.task.loss, False
+
+
+def _to_device(batch, device, dtype):
+    """(model inputs as a list, labels, weights) on the device; floating inputs in the engine's dtype."""
+    x, y, w = batch
+    inputs = [t.to(device, non_blocking=True) for t in (x if isinstance(x, (list, tuple)) else [x])]
+    inputs = [t.to(dtype) if t.is_floating_point() else t for t in inputs]
+    return inputs, y.to(device, non_blocking=True), w.to(device, non_blocking=True)

@@ -103,14 +103,14 @@ def check_ds_keys(ds: dict, where: str):
     known_top = recorder.read | set(BATCH_KEYS)
     for key in ds:
         if key not in known_top:
-            raise UserError(f"{where}: unknown DeepSpeed key {key!r}{_close(key, known_top)}")
+            raise UserError(f"{where}: unknown DeepSpeed key {key!r}{suggest(key, known_top)}")
     for key, sub in user_keys.items():
         section = dict.__getitem__(recorder, key)
         # Sections read key by key have a record; sections handed whole to pydantic were checked there.
         if sub and isinstance(section, ds_internals.Recorder) and section.read and not _pydantic_checked(ds, key):
             for sub_key in sub:
                 if sub_key not in section.read:
-                    raise UserError(f"{where}: unknown key {key}.{sub_key}{_close(sub_key, section.read)}")
+                    raise UserError(f"{where}: unknown key {key}.{sub_key}{suggest(sub_key, section.read)}")
 
 
 def _pydantic_checked(ds, key) -> bool:
@@ -134,14 +134,14 @@ def _section_of(ds, first):
     return None
 
 
-def _close(key, known):
+def suggest(key, known):
     match = difflib.get_close_matches(key, sorted(known), n=1)
     return f" (did you mean {match[0]!r}?)" if match else ""
 
 
 def _suggest(key, error):
     known = ds_internals.section_fields(getattr(error, "title", ""))
-    return _close(str(key), known) if known else ""
+    return suggest(str(key), known) if known else ""
 
 
 def resolve_batch_sizes(ds: dict, world_size: int, where: str) -> dict:

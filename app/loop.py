@@ -3,7 +3,6 @@ save and stop."""
 from dataclasses import dataclass
 
 from app import ds_internals
-from app.compiler import Forward
 from app.errors import UserError
 from app.metrics import Meter, RunLog, Stopwatch
 
@@ -19,7 +18,8 @@ def build_engine(model, ds_config: dict):
     except (TypeError, ValueError, AssertionError, KeyError) as e:
         text = str(e).splitlines()[0] if str(e) else type(e).__name__
         raise UserError(f"DeepSpeed could not build the engine from this config: {text}") from None
-    if engine.zero_optimization_stage() == 0 and not (engine.fp16_enabled() or engine.bfloat16_enabled()):
+    plain = engine.zero_optimization_stage() == 0 and not (engine.fp16_enabled() or engine.bfloat16_enabled())
+    if plain and not engine.pipeline_parallelism:  # a stage holds only part of the gradients: no local clip
         ds_internals.lighten_plain_step(engine)
     return engine
 
@@ -31,43 +31,6 @@ def total_steps(max_steps: int, epochs: int, batches_per_epoch: int, accumulatio
         raise UserError(f"{epochs} epoch(s) of {batches_per_epoch} micro batches make no optimizer step with "
                         f"gradient_accumulation_steps {accumulation}; raise --epochs or set --max_steps")
     return steps
-
-
-def _to_device(batch, device, dtype):
-    """(model inputs as a list, labels, weights) on the device; floating inputs in the engine's dtype."""
-    x, y, w = batch
-    inputs = [t.to(device, non_blocking=True) for t in (x if isinstance(x, (list, tuple)) else [x])]
-    inputs = [t.to(dtype) if t.is_floating_point() else t for t in inputs]
-    return inputs, y.to(device, non_blocking=True), w.to(device, non_blocking=True)
-
-
-def micro_step(forward: Forward, batch, meter: Meter):
-    """One micro batch: forward, engine.backward(loss), engine.step() (an optimizer step once the accumulation
-    window is full); the loss is weighted so ranks average exactly."""
-    engine = forward.engine
-    x, y, w = _to_device(batch, engine.device, forward.dtype)
-    _, losses = forward.logits_and_losses(x, y)
-    engine.backward((losses * w).sum())
-    engine.step()
-    real = (w > 0).to(losses.dtype)
-    meter.add(real.sum(), loss=(losses.detach() * real).sum())
-
-
-def evaluate(forward: Forward, loader) -> dict:
-    """Eval loss and accuracy (and the task's own extras) over every rank's shard, padding excluded."""
-    import torch
-    engine, task = forward.engine, forward.task
-    meter = Meter(["loss", "accuracy"], engine.device)
-    engine.eval()
-    with torch.no_grad():
-        for batch in loader:
-            x, y, w = _to_device(batch, engine.device, forward.dtype)
-            logits, losses = forward.logits_and_losses(x, y)
-            real = (w > 0).float()
-            meter.add(real.sum(), loss=(losses * real).sum(), accuracy=(task.correct(logits, y) * real).sum())
-    engine.train()
-    result = meter.reduce()
-    return {"eval_loss": result["loss"], "eval_accuracy": result["accuracy"], **task.eval_metrics(result["loss"])}
 
 
 @dataclass
@@ -101,9 +64,10 @@ class Loop:
     """Trains through the loaders by the schedule: micro steps, then at each optimizer step the log row,
     evaluation and checkpoint it calls for; stops at the last step or when every rank agrees to stop."""
 
-    def __init__(self, forward: Forward, train_loader, eval_loader, schedule: Schedule, log: RunLog,
-                 save=None, stop=None):
-        """save(step, epoch, batch) writes a checkpoint; stop.agreed() says when every rank wants to stop."""
+    def __init__(self, forward, train_loader, eval_loader, schedule: Schedule, log: RunLog, save=None, stop=None):
+        """forward: a compiler.Forward or, on a pipeline, a pipeline.PipeForward (both give micro_step and
+        evaluate); save(step, epoch, batch) writes a checkpoint; stop.agreed() says when every rank wants
+        to stop."""
         self.forward, self.engine = forward, forward.engine
         self.train_loader, self.eval_loader, self.schedule, self.log = train_loader, eval_loader, schedule, log
         self.save, self.stop = save, stop
@@ -130,7 +94,7 @@ class Loop:
         self.train_loader.batch_sampler.set_epoch(epoch, skip)
         for batch_index, batch in enumerate(self.train_loader, start=skip + 1):
             before = self.engine.global_steps
-            micro_step(self.forward, batch, self.meter)
+            self.forward.micro_step(batch, self.meter)
             if self.engine.global_steps == before:
                 continue  # inside a gradient accumulation window
             self._after_step(epoch, batch_index)
@@ -156,5 +120,5 @@ class Loop:
 
     def _evaluate(self, epoch: int):
         with self.clock.paused():  # nor does evaluation
-            self.last_eval = evaluate(self.forward, self.eval_loader)
+            self.last_eval = self.forward.evaluate(self.eval_loader)
             self.log.write_row({"step": self.engine.global_steps, "epoch": epoch, **self.last_eval})

@@ -12,7 +12,8 @@ if __package__ in (None, ""):  # run as `python app/train.py` or by a launcher: 
 import numpy as np
 import torch
 
-from app import checkpoint, compiler, config, dist, ds_config, ds_internals, launch, loop, metrics, preemption, tasks
+from app import (checkpoint, compiler, config, dist, ds_config, ds_internals, launch, loop, metrics, pipeline,
+                 preemption, tasks)
 from app.checkpoint import TrainerState
 from app.config import Settings
 from app.data.loader import build_loader
@@ -75,26 +76,26 @@ def run(settings: Settings, ds: dict, world: World, started: float) -> int:
     """One training job inside an existing process group: build, resume, fit, summarise."""
     stop = None
     try:
-        ds = ds_config.resolve_batch_sizes(ds, world.world_size, settings.deepspeed_config)
+        split = pipeline.plan(ds, world.world_size, settings.deepspeed_config)
+        replica, replicas = pipeline.data_parallel(split, world.world_size, world.rank)
+        ds = ds_config.resolve_batch_sizes(ds, replicas, settings.deepspeed_config)
         output_dir = output_dir_for(settings)
         seed_everything(settings.seed)
         task = tasks.build(settings)
         train_set, eval_set, info = task.build_data(output_dir)
         model = task.build_model(info, ds)
-        loader_args = dict(rank=world.rank, world_size=world.world_size, seed=settings.seed,
-                           num_workers=settings.num_workers, pin_memory=settings.pin_memory)
-        train_loader = build_loader(train_set, ds["train_micro_batch_size_per_gpu"], shuffle=True, **loader_args)
-        eval_loader = build_loader(eval_set, ds["train_micro_batch_size_per_gpu"], shuffle=False, **loader_args)
+        trained, save_files = split_model(model, task, settings, split)
+        train_loader, eval_loader = loaders(train_set, eval_set, ds, settings, replica, replicas)
         steps = loop.total_steps(settings.max_steps, settings.epochs, len(train_loader),
                                  ds["gradient_accumulation_steps"])
         state = TrainerState(0, 0, 0, settings.model, settings.dataset, world.world_size, ds_config.zero_stage(ds),
-                             config.settings_dict(settings), asdict(info), ds)
+                             config.settings_dict(settings), asdict(info), ds, split.stages if split else 0, replicas)
         folder, saved, ds = checkpoint.plan_resume(output_dir, settings.resume, state, ds)
-        engine = loop.build_engine(model, ds_config.fill_scheduler_length(ds, steps))
+        engine = loop.build_engine(trained, ds_config.fill_scheduler_length(ds, steps))
         state.deepspeed_config = ds  # as the engine got it: scheduler length filled, universal loading named
         say_mode(settings, world, engine, steps, output_dir)
         log_throughput = throughput_for(task, model, info, engine, settings)
-        start = checkpoint.load(engine, folder, saved, world.world_size) if folder else (0, 0)
+        start = checkpoint.load(engine, folder, saved, replicas) if folder else (0, 0)
         if engine.global_steps >= steps:
             dist.print0(f"nothing to do: the checkpoint is at step {engine.global_steps} and this run ends at "
                         f"step {steps}; raise --max_steps or --epochs to train further")
@@ -102,14 +103,32 @@ def run(settings: Settings, ds: dict, world: World, started: float) -> int:
         stop = preemption.StopRequest(settings.grace_period, world.device, world.launcher != "none")
         log = metrics.RunLog(output_dir, steps, engine.global_steps, throughput=log_throughput)
         save = lambda *at: checkpoint.save(engine, output_dir, state.at(*at), settings.keep_last,  # noqa: E731
-                                           task.save_files)
-        forward = compiler.Forward(engine, task, compiler.wanted(settings.compile, engine.device))
+                                           save_files)
+        forward = (pipeline.PipeForward if split else compiler.Forward)(
+            engine, task, compiler.wanted(settings.compile, engine.device))
         schedule = loop.Schedule(steps, settings.log_interval, settings.eval_interval, settings.save_interval)
         result = loop.Loop(forward, train_loader, eval_loader, schedule, log, save, stop).fit(start)
         return summarise(result, settings, world, engine, task, log, stop, started)
     finally:
         if stop is not None:
             stop.close()
+
+
+def split_model(model, task, settings: Settings, split) -> tuple:
+    """(the module the engine trains, what a checkpoint saves besides it): the model itself, or this rank's
+    pipeline stage of it and the layer layout that maps its files back to the model."""
+    if not split:
+        return model, task.save_files
+    module, names = pipeline.split(model, settings.model, split, task)
+    return module, lambda folder: (task.save_files(folder), pipeline.save_layout(names, folder))
+
+
+def loaders(train_set, eval_set, ds: dict, settings: Settings, replica: int, replicas: int) -> tuple:
+    """(train loader, eval loader) over this data-parallel replica's shard (the stages of a pipeline share one)."""
+    args = dict(rank=replica, world_size=replicas, seed=settings.seed, num_workers=settings.num_workers,
+                pin_memory=settings.pin_memory)
+    micro = ds["train_micro_batch_size_per_gpu"]
+    return build_loader(train_set, micro, shuffle=True, **args), build_loader(eval_set, micro, shuffle=False, **args)
 
 
 def say_mode(settings: Settings, world: World, engine, steps: int, output_dir: Path):
@@ -119,6 +138,8 @@ def say_mode(settings: Settings, world: World, engine, steps: int, output_dir: P
     tf32 = compiler.set_tf32(world.device, dtype, settings.tf32)
     dist.print0(f"mode: {world.description}; ZeRO stage {engine.zero_optimization_stage()}, "
                 f"global batch {engine.train_batch_size()}, {steps} steps -> {output_dir}")
+    if engine.pipeline_parallelism:
+        dist.print0(pipeline.describe(engine))
     dist.print0(f"precision: {precision}{'; ' + tf32 if tf32 else ''}")
     warning = ds_internals.version_note()
     if warning:
@@ -129,6 +150,7 @@ def summarise(result: dict, settings: Settings, world: World, engine, task, log,
     """Write summary.json and the plot, say how the run ended; the exit code."""
     peak = dist.all_reduce_max(torch.tensor([metrics.peak_memory_bytes(world.device)]))
     summary = {**result, "world_size": world.world_size, "zero_stage": engine.zero_optimization_stage(),
+               "pipeline_stages": engine.num_stages if engine.pipeline_parallelism else 0,
                "precision": str(compiler.input_dtype(engine)).replace("torch.", ""), "model": settings.model,
                "dataset": settings.dataset, "task": task.name, "deepspeed_config": settings.deepspeed_config,
                "launcher": world.launcher, "peak_memory_bytes": int(peak.item()),

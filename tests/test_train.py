@@ -5,10 +5,12 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO, TWO_RANK_STEPS, config_variant, read_metrics, read_summary, train, train_jobs
+from conftest import REPO, config_variant, read_metrics, read_summary, train, train_jobs
 
 CONFIGS = sorted(p.stem for p in (REPO / "ds_configs").glob("*.json"))
-STAGE = {"dp": 0, "bf16": 0, "zero1": 1, "zero2": 2, "zero3": 3, "zero2_offload": 2, "zero3_offload": 3}
+STAGE = {"dp": 0, "bf16": 0, "zero1": 1, "zero2": 2, "zero3": 3, "zero2_offload": 2, "zero3_offload": 3,
+         "pipeline": 0}
+REPLICAS = {"pipeline": 1}  # its 2 ranks are 2 stages of one replica; the others are 2 data-parallel ranks
 
 
 def test_every_config_is_covered():
@@ -24,9 +26,10 @@ def test_config_trains_with_two_ranks(name, two_rank_run):
     summary = read_summary(out)
     assert summary["world_size"] == 2 and summary["zero_stage"] == STAGE[name]
     assert summary["precision"] == ("bfloat16" if "bf16" in name else "float32")
-    assert summary["steps"] == TWO_RANK_STEPS == 2 * 23  # 1437 samples / (32 x 2 ranks) = 23 steps per epoch
+    steps = 2 * -(-1437 // (32 * REPLICAS.get(name, 2)))  # 1437 samples / (32 x 2 ranks) = 23 steps per epoch
+    assert summary["steps"] == steps and summary["pipeline_stages"] == (2 if name == "pipeline" else 0)
     assert len(eval_rows) == 2, "one evaluation per epoch"
-    assert [r["step"] for r in train_rows] == list(range(1, TWO_RANK_STEPS + 1))
+    assert [r["step"] for r in train_rows] == list(range(1, steps + 1))
     assert train_rows[-1]["loss"] < 0.6 * train_rows[0]["loss"], "the loss falls"
     assert summary["eval_accuracy"] > 0.8, summary
     assert summary["samples_per_s"] > 0 and summary["peak_memory_bytes"] > 0 and summary["wall_s"] > 0

@@ -9,11 +9,13 @@ from pathlib import Path
 
 import torch
 
-from app import checkpoint, ds_internals
+from app import checkpoint, ds_internals, pipeline
 from app.errors import UserError, report
 
 def fp32_state_dict(folder: Path) -> dict:
-    """The model's full fp32 weights from a checkpoint folder of any ZeRO stage."""
+    """The model's full fp32 weights from a checkpoint folder of any ZeRO stage or pipeline split."""
+    if (folder / pipeline.LAYOUT).is_file():  # per-layer files, named back to the unsplit model
+        return {name: tensor.float() for name, tensor in pipeline.unsplit_state_dict(folder).items()}
     if any(folder.glob("*optim_states.pt")):
         # ZeRO 1-3 (and bf16, whose fp32 master copies live in partitioned optimizer files)
         from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
