@@ -110,6 +110,19 @@ def lighten_plain_step(engine):
         engine.enable_backward_allreduce = False
 
 
+def count_every_stage_in_grad_norm(module):
+    """Make gradient clipping on a pipeline use the norm of the whole model's gradients.
+
+    DeepSpeed sums the stages' squared gradient norms over the pipeline's model-parallel group, but a
+    stage other than the first adds a parameter only when it carries `model_parallel` (Megatron's
+    mark), which PipelineModule never sets: every stage would clip by stage 0's norm alone. Each
+    stage's own parameters are marked; copies of tied ones (ds_pipe_replicated) stay counted once.
+    """
+    for param in module.parameters():
+        if not getattr(param, "ds_pipe_replicated", False):
+            param.model_parallel = True
+
+
 def engine_hooks_eager(engine):
     """Run the engine's own forward hooks outside a compiled graph.
 

@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from app import dist
+from app import dist, ds_internals
 from app.compiler import input_dtype
 from app.errors import UserError
 from app.metrics import Meter
@@ -189,10 +189,12 @@ def split(model: nn.Module, model_name: str, found: Plan, task):
                                 activation_checkpoint_interval=found.activation_checkpoint_interval)
     except (RuntimeError, NotImplementedError) as e:
         raise UserError(f"pipeline.partition {found.partition!r}: {str(e).splitlines()[0]}") from None
+    ds_internals.count_every_stage_in_grad_norm(module)
     parts = module.partitions()
-    if any(start == stop for start, stop in zip(parts, parts[1:])):
-        raise UserError(f"pipeline.partition {found.partition!r} leaves a stage of {model_name} without layers "
-                        f"(bounds {parts}); use \"uniform\" or fewer stages")
+    for stage, (start, stop) in enumerate(zip(parts, parts[1:])):
+        if not any(names[start:stop]):  # DeepSpeed's optimizer refuses a stage without weights
+            raise UserError(f"pipeline.partition {found.partition!r} leaves stage {stage} of {model_name} without "
+                            f"weights (layers {start}-{stop - 1}); use \"parameters\" or fewer stages")
     return module, names
 
 
