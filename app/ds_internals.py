@@ -123,6 +123,13 @@ def count_every_stage_in_grad_norm(module):
             param.model_parallel = True
 
 
+def forget_parallel_groups():
+    """Let the next engine of this process pick its own groups: a pipeline engine leaves its grid in DeepSpeed's
+    module-level `groups.mpu`, where a later plain engine would look up its model-parallel rank."""
+    from deepspeed.utils import groups
+    groups.mpu = None
+
+
 def engine_hooks_eager(engine):
     """Run the engine's own forward hooks outside a compiled graph.
 

@@ -112,6 +112,7 @@ def run(settings: Settings, ds: dict, world: World, started: float) -> int:
     finally:
         if stop is not None:
             stop.close()
+        ds_internals.forget_parallel_groups()  # another job may follow in this process (the tests pool them)
 
 
 def split_model(model, task, settings: Settings, split) -> tuple:

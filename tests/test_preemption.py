@@ -7,7 +7,7 @@ import time
 import psutil
 import pytest
 
-from conftest import REPO, TWO_RANK_ARGS, TWO_RANK_STEPS, read_metrics, train, train_command
+from conftest import REPO, TWO_RANK_ARGS, read_metrics, train, train_command, two_rank_steps
 
 pytestmark = pytest.mark.slow  # 2-rank runs through the deepspeed launcher, signalled and killed
 
@@ -55,10 +55,12 @@ def _saved_step(out) -> int:
     return int((out / "checkpoints" / "latest").read_text()[4:])
 
 
-def test_sigterm_to_one_rank_saves_and_resumes_exactly(tmp_path, two_rank_run):
-    whole, _ = two_rank_run("dp")
-    stopped = tmp_path / "stopped"
-    launcher = _start(stopped, *TWO_RANK_ARGS)
+@pytest.mark.parametrize("name", ["dp", "pipeline"])
+def test_sigterm_to_one_rank_saves_and_resumes_exactly(name, tmp_path, two_rank_run):
+    whole, _ = two_rank_run(name)
+    stopped, steps = tmp_path / "stopped", two_rank_steps(name)
+    config = ["--deepspeed_config", REPO / "ds_configs" / f"{name}.json", *TWO_RANK_ARGS]
+    launcher = _start(stopped, *config)
     ranks = _ranks(launcher)
     _wait_for_step(stopped, 10, launcher)
     # Hold rank 1 while the signal is queued, so it lands mid-run however fast the steps are.
@@ -68,11 +70,11 @@ def test_sigterm_to_one_rank_saves_and_resumes_exactly(tmp_path, two_rank_run):
     output = launcher.communicate(timeout=60)[0]
     assert launcher.returncode == 0, output[-3000:]
     step = _saved_step(stopped)
-    assert 10 < step < TWO_RANK_STEPS and f"stopped at step {step} on request" in output, output[-3000:]
+    assert 10 < step < steps and f"stopped at step {step} on request" in output, output[-3000:]
     assert output.count("stopped at step") == 1, "only rank 0 speaks"
-    train("deepspeed", 2, *TWO_RANK_ARGS, "--output_dir", stopped, "--resume", "auto")
+    train("deepspeed", 2, *config, "--output_dir", stopped, "--resume", "auto")
     expected, got = read_metrics(whole)[0], read_metrics(stopped)[0]
-    assert [r["step"] for r in got] == list(range(1, TWO_RANK_STEPS + 1))
+    assert [r["step"] for r in got] == list(range(1, steps + 1))
     assert [r["loss"] for r in got] == [r["loss"] for r in expected], "per-step losses identical"
 
 

@@ -5,12 +5,11 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO, config_variant, read_metrics, read_summary, train, train_jobs
+from conftest import REPO, config_variant, read_metrics, read_summary, train, train_jobs, two_rank_steps
 
 CONFIGS = sorted(p.stem for p in (REPO / "ds_configs").glob("*.json"))
 STAGE = {"dp": 0, "bf16": 0, "zero1": 1, "zero2": 2, "zero3": 3, "zero2_offload": 2, "zero3_offload": 3,
          "pipeline": 0}
-REPLICAS = {"pipeline": 1}  # its 2 ranks are 2 stages of one replica; the others are 2 data-parallel ranks
 
 
 def test_every_config_is_covered():
@@ -26,7 +25,7 @@ def test_config_trains_with_two_ranks(name, two_rank_run):
     summary = read_summary(out)
     assert summary["world_size"] == 2 and summary["zero_stage"] == STAGE[name]
     assert summary["precision"] == ("bfloat16" if "bf16" in name else "float32")
-    steps = 2 * -(-1437 // (32 * REPLICAS.get(name, 2)))  # 1437 samples / (32 x 2 ranks) = 23 steps per epoch
+    steps = two_rank_steps(name)
     assert summary["steps"] == steps and summary["pipeline_stages"] == (2 if name == "pipeline" else 0)
     assert len(eval_rows) == 2, "one evaluation per epoch"
     assert [r["step"] for r in train_rows] == list(range(1, steps + 1))
