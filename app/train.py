@@ -96,9 +96,7 @@ def run(settings: Settings, ds: dict, world: World, started: float) -> int:
         say_mode(settings, world, engine, steps, output_dir)
         log_throughput = throughput_for(task, model, info, engine, settings)
         start = checkpoint.load(engine, folder, saved, replicas) if folder else (0, 0)
-        if engine.global_steps >= steps:
-            dist.print0(f"nothing to do: the checkpoint is at step {engine.global_steps} and this run ends at "
-                        f"step {steps}; raise --max_steps or --epochs to train further")
+        if nothing_to_do(engine, steps):
             return 0
         stop = preemption.StopRequest(settings.grace_period, world.device, world.launcher != "none")
         log = metrics.RunLog(output_dir, steps, engine.global_steps, throughput=log_throughput)
@@ -113,6 +111,15 @@ def run(settings: Settings, ds: dict, world: World, started: float) -> int:
         if stop is not None:
             stop.close()
         ds_internals.forget_parallel_groups()  # another job may follow in this process (the tests pool them)
+
+
+def nothing_to_do(engine, steps: int) -> bool:
+    """True (and says so) when the checkpoint resumed from is already at or past the run's last step."""
+    if engine.global_steps < steps:
+        return False
+    dist.print0(f"nothing to do: the checkpoint is at step {engine.global_steps} and this run ends at "
+                f"step {steps}; raise --max_steps or --epochs to train further")
+    return True
 
 
 def split_model(model, task, settings: Settings, split) -> tuple:
