@@ -46,6 +46,8 @@ class TrainerState:
     """Pipeline stages the model was split into (0: not split)."""
     data_parallel_size: int = 0
     """Replicas the data was sharded across (0, in older checkpoints: the world size)."""
+    tensor_parallel_size: int = 1
+    """Ranks each layer's matmuls were sharded across (DeepSpeed AutoTP)."""
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=2)
@@ -125,9 +127,9 @@ def _fault_point(name: str, step: int):
         os.kill(os.getpid(), signal.SIGKILL)
 
 
-def save(engine, output_dir: Path, state: TrainerState, keep_last: int, extra=None):
-    """Every rank saves its shards and RNG state; rank 0 writes the state and extra(folder) files, then seals the
-    folder with a manifest."""
+def save(engine, output_dir: Path, state: TrainerState, keep_last: int, extra=None, every_rank=None):
+    """Every rank saves its shards and RNG state (and runs every_rank(engine, folder), which may be a collective); rank 0
+    writes the state and extra(folder) files, then seals the folder with a manifest."""
     root = checkpoint_root(output_dir)
     tag = f"step{state.step:08d}"
     folder = root / tag
@@ -135,6 +137,8 @@ def save(engine, output_dir: Path, state: TrainerState, keep_last: int, extra=No
         shutil.rmtree(folder)
     dist.barrier()
     engine.save_checkpoint(str(root), tag=tag, save_latest=False)
+    if every_rank is not None:
+        every_rank(engine, folder)
     _fault_point("shards", state.step)
     (folder / f"rng_rank{dist.rank():05d}.json").write_text(json.dumps(_rng_state()))
     dist.barrier()  # every rank's files are on disk before the manifest vouches for them
@@ -198,7 +202,7 @@ def find(output_dir: Path, resume: str):
 
 def check_compatible(saved: TrainerState, current: TrainerState, folder: Path):
     """Refuse a checkpoint made for another model, dataset, ZeRO stage or pipeline split."""
-    for key in ("model", "dataset", "zero_stage", "pipeline_stages"):
+    for key in ("model", "dataset", "zero_stage", "pipeline_stages", "tensor_parallel_size"):
         if getattr(saved, key) != getattr(current, key):
             raise UserError(f"checkpoint {folder} was made with {key}={getattr(saved, key)!r} but this run has "
                             f"{key}={getattr(current, key)!r}; use the same settings or start a new --output_dir")
@@ -218,9 +222,10 @@ def plan_resume(output_dir: Path, resume: str, current: TrainerState, ds_config:
             dist.print0(f"resume: no complete checkpoint in {checkpoint_root(output_dir)}, starting fresh")
         return None, None, ds_config
     check_compatible(saved, current, folder)
-    if current.pipeline_stages and saved.world_size != current.world_size:
-        raise UserError(f"checkpoint {folder} is a pipeline run of {saved.world_size} rank(s) and DeepSpeed cannot "
-                        f"reshape its per-stage optimizer state; resume it with {saved.world_size} rank(s)")
+    if (current.pipeline_stages or current.tensor_parallel_size > 1) and saved.world_size != current.world_size:
+        kind = "pipeline" if current.pipeline_stages else "tensor-parallel"
+        raise UserError(f"checkpoint {folder} is a {kind} run of {saved.world_size} rank(s) and the app cannot "
+                        f"reshape its per-stage or per-shard state; resume it with {saved.world_size} rank(s)")
     if needs_universal(saved, current.world_size):
         dist.print0(f"resume: {folder} was saved by {saved.world_size} rank(s), this run has "
                     f"{current.world_size}: converting it to a universal checkpoint")

@@ -123,6 +123,12 @@ def count_every_stage_in_grad_norm(module):
             param.model_parallel = True
 
 
+def gathered_state_dict(engine):
+    """The whole model's state dict on rank 0 (None elsewhere) from a tensor-parallel engine's shards; every rank
+    must call it. DeepSpeed's own helper, named for the 16-bit export it was written for, keeps each dtype."""
+    return engine._consolidated_16bit_state_dict()
+
+
 def forget_parallel_groups():
     """Let the next engine of this process pick its own groups: a pipeline engine leaves its grid in DeepSpeed's
     module-level `groups.mpu`, where a later plain engine would look up its model-parallel rank."""

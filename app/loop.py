@@ -19,7 +19,7 @@ def build_engine(model, ds_config: dict):
         text = str(e).splitlines()[0] if str(e) else type(e).__name__
         raise UserError(f"DeepSpeed could not build the engine from this config: {text}") from None
     plain = engine.zero_optimization_stage() == 0 and not (engine.fp16_enabled() or engine.bfloat16_enabled())
-    if plain and not engine.pipeline_parallelism:  # a stage holds only part of the gradients: no local clip
+    if plain and not engine.pipeline_parallelism and engine.autotp_size() <= 1:  # there, ranks hold parts of them
         ds_internals.lighten_plain_step(engine)
     return engine
 

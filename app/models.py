@@ -52,6 +52,10 @@ BUILTIN = {"cnn": _cnn, "mlp": _mlp}
 PRESETS = {
     "gpt2-tiny": ("gpt2", dict(n_layer=4, n_embd=256, n_head=4, n_positions=128, vocab_size=8192)),
     "gpt2-124m": ("gpt2", dict(n_layer=12, n_embd=768, n_head=12, n_positions=1024, vocab_size=50257)),
+    # a Llama-family model for tensor parallelism (AutoTP follows the plan transformers ships for llama)
+    "llama-tiny": ("llama", dict(num_hidden_layers=4, hidden_size=256, intermediate_size=512, num_attention_heads=4,
+                                 num_key_value_heads=2, max_position_embeddings=128, vocab_size=8192,
+                                 tie_word_embeddings=False)),
     "bert-tiny": ("bert", dict(num_hidden_layers=2, hidden_size=128, num_attention_heads=2, intermediate_size=512,
                                max_position_embeddings=512, vocab_size=8192)),
 }
@@ -59,8 +63,10 @@ PRESETS = {
 # 50,304 for GPT-2); the padded rows' logits are -inf, so they never win nor take probability.
 VOCAB_MULTIPLE = 64
 NO_DROPOUT = {"gpt2": dict(resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=None, eos_token_id=None),
-              "bert": dict(hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)}
-PRESET_ARCHITECTURES = {"gpt2": "GPT2LMHeadModel", "bert": "BertForSequenceClassification"}
+              "bert": dict(hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0),
+              "llama": dict(attention_dropout=0.0)}
+PRESET_ARCHITECTURES = {"gpt2": "GPT2LMHeadModel", "bert": "BertForSequenceClassification",
+                        "llama": "LlamaForCausalLM"}
 
 
 @dataclass
@@ -134,6 +140,16 @@ class HFLogits(nn.Module):
         super().__init__()
         self.hf = hf
         self.real_vocab = real_vocab  # language models with a padded vocabulary: the tokens past it are masked
+
+    @property
+    def config(self):
+        """The transformers config: DeepSpeed AutoTP reads the model family's tensor-parallel plan from it."""
+        return self.hf.config
+
+    @property
+    def _tp_plan(self):
+        """The model's own tensor-parallel plan (its output layer's entry lives only here), for AutoTP."""
+        return self.hf.__dict__.get("_tp_plan") or getattr(type(self.hf), "_tp_plan", None)
 
     def forward(self, input_ids, attention_mask=None):
         logits = self.hf(input_ids=input_ids, attention_mask=attention_mask).logits

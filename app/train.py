@@ -12,7 +12,7 @@ if __package__ in (None, ""):  # run as `python app/train.py` or by a launcher: 
 import numpy as np
 import torch
 
-from app import (checkpoint, compiler, config, dist, ds_config, ds_internals, launch, loop, metrics, pipeline,
+from app import (checkpoint, compiler, config, dist, ds_config, ds_internals, launch, loop, metrics, parallel,
                  preemption, tasks)
 from app.checkpoint import TrainerState
 from app.config import Settings
@@ -43,7 +43,7 @@ def output_dir_for(settings: Settings) -> Path:
     return path
 
 
-def throughput_for(task, model, info, engine, settings: Settings) -> metrics.Throughput:
+def throughput_for(task, flops: float, engine, settings: Settings) -> metrics.Throughput:
     """Tokens/s and model FLOP utilisation where the task has tokens; the peak is --peak_flops or a matmul
     measured now."""
     if not task.tokens_per_sample:
@@ -52,7 +52,6 @@ def throughput_for(task, model, info, engine, settings: Settings) -> metrics.Thr
     per_rank = settings.peak_flops or dist.all_reduce_sum(torch.tensor(
         [metrics.matmul_flops(engine.device, compiler.input_dtype(engine))], dtype=torch.float64)).item() / \
         dist.world_size()
-    flops = task.flops_per_sample(model, info)
     dist.print0(f"throughput: {flops / task.tokens_per_sample / 1e6:.1f} MFLOP per token trained, peak "
                 f"{per_rank / 1e9:.1f} GFLOP/s per rank ({'--peak_flops' if settings.peak_flops else 'measured'})")
     return metrics.Throughput(task.tokens_per_sample, flops, per_rank * dist.world_size())
@@ -76,34 +75,34 @@ def run(settings: Settings, ds: dict, world: World, started: float) -> int:
     """One training job inside an existing process group: build, resume, fit, summarise."""
     stop = None
     try:
-        split = pipeline.plan(ds, world.world_size, settings.deepspeed_config)
-        replica, replicas = pipeline.data_parallel(split, world.world_size, world.rank)
-        ds = ds_config.resolve_batch_sizes(ds, replicas, settings.deepspeed_config)
+        ranks = parallel.layout(ds, world.world_size, world.rank, settings.deepspeed_config)
+        ds = ds_config.resolve_batch_sizes(ds, ranks.replicas, settings.deepspeed_config)
         output_dir = output_dir_for(settings)
         seed_everything(settings.seed)
         task = tasks.build(settings)
         train_set, eval_set, info = task.build_data(output_dir)
         model = task.build_model(info, ds)
-        trained, save_files = split_model(model, task, settings, split)
-        train_loader, eval_loader = loaders(train_set, eval_set, ds, settings, replica, replicas)
+        flops = task.flops_per_sample(model, info) if task.tokens_per_sample else 0.0  # before AutoTP shards it
+        trained, save_files, every_rank = ranks.prepare(model, task, settings.model)
+        train_loader, eval_loader = loaders(train_set, eval_set, ds, settings, ranks.replica, ranks.replicas)
         steps = loop.total_steps(settings.max_steps, settings.epochs, len(train_loader),
                                  ds["gradient_accumulation_steps"])
         state = TrainerState(0, 0, 0, settings.model, settings.dataset, world.world_size, ds_config.zero_stage(ds),
-                             config.settings_dict(settings), asdict(info), ds, split.stages if split else 0, replicas)
+                             config.settings_dict(settings), asdict(info), ds,
+                             ranks.split.stages if ranks.split else 0, ranks.replicas, ranks.tensor)
         folder, saved, ds = checkpoint.plan_resume(output_dir, settings.resume, state, ds)
-        engine = loop.build_engine(trained, ds_config.fill_scheduler_length(ds, steps))
+        engine = loop.build_engine(trained, ranks.engine_config(ds_config.fill_scheduler_length(ds, steps)))
         state.deepspeed_config = ds  # as the engine got it: scheduler length filled, universal loading named
-        say_mode(settings, world, engine, steps, output_dir)
-        log_throughput = throughput_for(task, model, info, engine, settings)
-        start = checkpoint.load(engine, folder, saved, replicas) if folder else (0, 0)
+        say_mode(settings, world, engine, steps, output_dir, ranks)
+        log_throughput = throughput_for(task, flops, engine, settings)
+        start = checkpoint.load(engine, folder, saved, ranks.replicas) if folder else (0, 0)
         if nothing_to_do(engine, steps):
             return 0
         stop = preemption.StopRequest(settings.grace_period, world.device, world.launcher != "none")
         log = metrics.RunLog(output_dir, steps, engine.global_steps, throughput=log_throughput)
         save = lambda *at: checkpoint.save(engine, output_dir, state.at(*at), settings.keep_last,  # noqa: E731
-                                           save_files)
-        forward = (pipeline.PipeForward if split else compiler.Forward)(
-            engine, task, compiler.wanted(settings.compile, engine.device))
+                                           save_files, every_rank)
+        forward = ranks.forward(engine, task, compiler.wanted(settings.compile, engine.device))
         schedule = loop.Schedule(steps, settings.log_interval, settings.eval_interval, settings.save_interval)
         result = loop.Loop(forward, train_loader, eval_loader, schedule, log, save, stop).fit(start)
         return summarise(result, settings, world, engine, task, log, stop, started)
@@ -122,15 +121,6 @@ def nothing_to_do(engine, steps: int) -> bool:
     return True
 
 
-def split_model(model, task, settings: Settings, split) -> tuple:
-    """(the module the engine trains, what a checkpoint saves besides it): the model itself, or this rank's
-    pipeline stage of it and the layer layout that maps its files back to the model."""
-    if not split:
-        return model, task.save_files
-    module, names = pipeline.split(model, settings.model, split, task)
-    return module, lambda folder: (task.save_files(folder), pipeline.save_layout(names, folder))
-
-
 def loaders(train_set, eval_set, ds: dict, settings: Settings, replica: int, replicas: int) -> tuple:
     """(train loader, eval loader) over this data-parallel replica's shard (the stages of a pipeline share one)."""
     args = dict(rank=replica, world_size=replicas, seed=settings.seed, num_workers=settings.num_workers,
@@ -139,15 +129,16 @@ def loaders(train_set, eval_set, ds: dict, settings: Settings, replica: int, rep
     return build_loader(train_set, micro, shuffle=True, **args), build_loader(eval_set, micro, shuffle=False, **args)
 
 
-def say_mode(settings: Settings, world: World, engine, steps: int, output_dir: Path):
+def say_mode(settings: Settings, world: World, engine, steps: int, output_dir: Path, ranks: parallel.Layout):
     """The start-up lines: how the run is laid out, and the precision picked."""
     dtype = compiler.input_dtype(engine)
     precision = ds_config.precision_note(settings.deepspeed_config) or str(dtype)[6:]
     tf32 = compiler.set_tf32(world.device, dtype, settings.tf32)
+    batch = ranks.replicas * engine.train_micro_batch_size_per_gpu() * engine.gradient_accumulation_steps()
     dist.print0(f"mode: {world.description}; ZeRO stage {engine.zero_optimization_stage()}, "
-                f"global batch {engine.train_batch_size()}, {steps} steps -> {output_dir}")
-    if engine.pipeline_parallelism:
-        dist.print0(pipeline.describe(engine))
+                f"global batch {batch}, {steps} steps -> {output_dir}")
+    if ranks.describe(engine):
+        dist.print0(ranks.describe(engine))
     dist.print0(f"precision: {precision}{'; ' + tf32 if tf32 else ''}")
     warning = ds_internals.version_note()
     if warning:
@@ -159,6 +150,7 @@ def summarise(result: dict, settings: Settings, world: World, engine, task, log,
     peak = dist.all_reduce_max(torch.tensor([metrics.peak_memory_bytes(world.device)]))
     summary = {**result, "world_size": world.world_size, "zero_stage": engine.zero_optimization_stage(),
                "pipeline_stages": engine.num_stages if engine.pipeline_parallelism else 0,
+               "tensor_parallel_size": engine.autotp_size(),
                "precision": str(compiler.input_dtype(engine)).replace("torch.", ""), "model": settings.model,
                "dataset": settings.dataset, "task": task.name, "deepspeed_config": settings.deepspeed_config,
                "launcher": world.launcher, "peak_memory_bytes": int(peak.item()),

@@ -9,11 +9,13 @@ from pathlib import Path
 
 import torch
 
-from app import checkpoint, ds_internals, pipeline
+from app import checkpoint, ds_internals, pipeline, tensor_parallel
 from app.errors import UserError, report
 
 def fp32_state_dict(folder: Path) -> dict:
     """The model's full fp32 weights from a checkpoint folder of any ZeRO stage or pipeline split."""
+    if (folder / tensor_parallel.FULL_WEIGHTS).is_file():  # gathered from the shards when it was saved
+        return torch.load(folder / tensor_parallel.FULL_WEIGHTS, map_location="cpu", weights_only=True)
     if (folder / pipeline.LAYOUT).is_file():  # per-layer files, named back to the unsplit model
         return {name: tensor.float() for name, tensor in pipeline.unsplit_state_dict(folder).items()}
     if any(folder.glob("*optim_states.pt")):
