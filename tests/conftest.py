@@ -127,6 +127,7 @@ def config_variant(tmp_path: Path, name: str, **changes) -> Path:
 # The standard 2-rank run of a ds_config: 2 epochs of 23 steps (1,437 digits / (32 x 2 ranks)), a
 # metrics row every step and a checkpoint every 5. The end-to-end and the resume tests share it.
 TWO_RANK_ARGS = ["--epochs", 2, "--log_interval", 1, "--save_interval", 5, "--keep_last", 3]
+NOT_FOR_THE_CNN = {"tensor_parallel": "tests/test_tensor_parallel.py trains llama-tiny with it"}
 TWO_RANK_STEPS = 46  # 2 epochs of 1437 digits / (32 x 2 data-parallel ranks)
 
 
@@ -140,7 +141,7 @@ def two_rank_run(tmp_path_factory):
     """name -> (output_dir, stdout) of the standard 2-rank run of ds_configs/<name>.json: every config's run,
     made at the first call, one after another in one deepspeed launch."""
     root = tmp_path_factory.mktemp("two-rank")
-    names = sorted(p.stem for p in (REPO / "ds_configs").glob("*.json"))
+    names = sorted(p.stem for p in (REPO / "ds_configs").glob("*.json") if p.stem not in NOT_FOR_THE_CNN)
     jobs = [["--deepspeed_config", REPO / "ds_configs" / f"{name}.json", *TWO_RANK_ARGS, "--output_dir", root / name]
             for name in names]
     done = {}

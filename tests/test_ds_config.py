@@ -51,7 +51,8 @@ def _differences(a: dict, b: dict, prefix=""):
                                 "zero_optimization.overlap_comm", "optimizer.params.torch_adam",
                                 "optimizer.params.fused"}),
     ("bf16", "dp", {"bf16.enabled"}),
-    ("pipeline", "dp", {"pipeline"}),  # 2 stages, layers balanced by parameters  # bf16 always; the others "auto": bf16 on GPUs that have it
+    ("pipeline", "dp", {"pipeline"}),  # 2 stages, layers balanced by parameters
+    ("tensor_parallel", "dp", {"tensor_parallel"}),  # AutoTP across 2 ranks  # bf16 always; the others "auto": bf16 on GPUs that have it
 ])
 def test_configs_differ_only_in_what_their_names_promise(name, base, allowed):
     read = lambda n: json.loads((REPO / "ds_configs" / f"{n}.json").read_text())  # noqa: E731
