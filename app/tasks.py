@@ -65,9 +65,10 @@ class ImageClassification:
             return build_image_sets(self.settings.dataset, self.settings.data_dir, self.settings.image_size)
 
     def sample_data(self, samples: int, seq_len: int) -> tuple:
-        """(train set, DataInfo) for benchmarks: the digits, whatever the size asked."""
+        """(train set, DataInfo) for benchmarks, whatever the size asked: the digits for the built-in models,
+        3x32x32 synthetic images for torchvision classifiers."""
         from app.data.images import build_image_sets
-        return build_image_sets("digits", "data")[::2]
+        return build_image_sets("digits" if self.settings.model in models.BUILTIN else "synthetic", "data")[::2]
 
     def build_model(self, info: DataInfo, ds_config: dict) -> nn.Module:
         return models.build_model(self.settings.model, info)

@@ -13,21 +13,23 @@ ZERO_FIELDS = ("config", "stage", "parameters", "params_bytes", "grads_bytes", "
 
 @pytest.mark.slow
 def test_quick_benchmark_reports_every_field_for_every_mode(tmp_path):
-    result = run([str(BIN / "python"), "-m", "app.tools.bench", "--quick", "--configs", "dp,zero3",
+    result = run([str(BIN / "python"), "-m", "app.tools.bench", "--quick", "--configs", "dp,zero3,pipeline",
                   "--output_dir", tmp_path], timeout=300)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     report = json.loads((tmp_path / "bench.json").read_text())
     modes = {(m["mode"], m["ranks"]): m for m in report["modes"]}
     assert set(modes) == {("raw", 1), ("raw-compile", 1), ("raw-1thread", 1), ("dp", 1), ("zero3", 1), ("ddp", 2),
-                          ("dp", 2), ("zero3", 2)}
-    assert [s["mode"] for s in report["skipped"]] == ["dataparallel"], "no GPUs here"
+                          ("dp", 2), ("zero3", 2), ("pipeline", 2)}
+    assert [s["mode"] for s in report["skipped"]] == ["dataparallel", "pipeline x1"], "no GPUs; 2 stages need 2"
     for key, mode in modes.items():
         assert tuple(mode) == FIELDS, key
         assert mode["step_time_s"] > 0 and mode["samples_per_s"] > 0 and 0 < mode["mfu"], key
         assert 0 <= mode["data_wait_share"] < 1 and mode["time_to_first_step_s"] > 0, key
         assert len(mode["peak_memory_bytes"]) == mode["ranks"] and min(mode["peak_memory_bytes"]) > 0, key
         assert (mode["scaling_efficiency"] is not None) == (mode["ranks"] == 2), key
-        assert (mode["zero_state"] is not None) == (key[0] in ("dp", "zero3")), key
+        assert (mode["zero_state"] is not None) == (key[0] in ("dp", "zero3", "pipeline")), key
+        assert len(mode["param_bytes"]) == mode["ranks"] and min(mode["param_bytes"]) > 0, key
+        assert mode["global_batch"] == (16 if key[0] == "raw-1thread" else 32) and mode["speed_vs_one_device"] > 0, key
         # MFU against a matmul in the mode's own dtype; no datasheet peak for a CPU
         assert mode["dtype"] == "float32" and mode["mfu_datasheet"] is None, key
         assert mode["compiled"] == (key[0] == "raw-compile"), "--compile auto: the app runs eager on CPU"
@@ -41,6 +43,11 @@ def test_quick_benchmark_reports_every_field_for_every_mode(tmp_path):
         assert tuple(zero) == ZERO_FIELDS and zero["parameters"] == report["parameters"], key
     # ZeRO-3 splits parameters across the two ranks; plain data parallel keeps all of them on each
     assert modes[("zero3", 2)]["zero_state"]["params_bytes"] < 0.6 * modes[("dp", 2)]["zero_state"]["params_bytes"]
+    # the pipeline's two stages hold the model between them: each less than the whole, together all of it
+    pipe, whole = modes[("pipeline", 2)], modes[("dp", 1)]
+    assert pipe["pipeline_stages"] == 2 and pipe["micro_batch"] == 32, "2 ranks, 1 replica: the whole batch"
+    assert max(pipe["param_bytes"]) < whole["param_bytes"][0] == sum(pipe["param_bytes"])
+    assert "pipeline x2: " in result.stdout and "of its parameter bytes" in result.stdout
     assert (tmp_path / "bench.png").stat().st_size > 1000
     assert "ddp" in result.stdout and "zero3" in result.stdout, "the table is printed"
 
@@ -78,3 +85,26 @@ def test_ratios_and_the_headline():
     assert by[("dp", 2)]["scaling_efficiency"] == pytest.approx(1500 / (2 * 1000))
     assert by[("dp", 1)]["scaling_efficiency"] is None
     assert headline(rows) == "headline (app speed / raw PyTorch + compile + fused AdamW, 1 rank): dp 0.500"
+
+
+def test_split_configs_run_where_the_ranks_hold_them():
+    """A 2-way split skips 1 rank; at 2 ranks it is one replica, so each rank takes the whole global batch."""
+    from app.tools import bench
+    args = bench.parse(["--modes", "app", "--configs", "dp,pipeline", "--ranks", "2"])
+    groups, skipped = bench.plan(args, cores=2, gpus=0)
+    assert [(mode, batch) for mode, _, batch in groups[1]] == [("dp", 32)]
+    assert [(mode, batch) for mode, _, batch in groups[2]] == [("dp", 16), ("pipeline", 32)]
+    assert [mode for mode, _ in skipped] == ["pipeline x1"]
+
+
+def test_the_splitting_line_compares_with_one_device():
+    from app.tools.bench_report import add_ratios, splitting
+    rows = [{"mode": mode, "ranks": ranks, "step_time_s": step, "samples_per_s": rate, "pipeline_stages": stages,
+             "tensor_parallel": 1, "param_bytes": held, "peak_memory_bytes": peak}
+            for mode, ranks, step, rate, stages, held, peak in [
+                ("raw", 1, 0.010, 100.0, 1, [400], [1000]), ("dp", 1, 0.010, 100.0, 1, [400], [1000]),
+                ("pipeline", 2, 0.0107, 93.0, 2, [180, 220], [500, 600])]]
+    add_ratios(rows)
+    assert rows[2]["speed_vs_one_device"] == pytest.approx(0.93)
+    assert splitting(rows) == ["pipeline x2: 0.930x the speed of dp on one rank; per rank 55% of its parameter "
+                               "bytes, 60% of its peak memory"]

@@ -17,18 +17,20 @@ from app import dist, ds_config, launch, tasks
 from app.config import Settings
 from app.errors import UserError, report
 from app.tools.bench_modes import COMPILE_SUFFIX, build_model, build_workload, measure
-from app.tools.bench_report import TORCH_MODES, add_ratios, headline, plot, table
+from app.tools.bench_report import TORCH_MODES, add_ratios, headline, plot, splitting, table
 
-FIELDS = ("mode", "ranks", "threads_per_rank", "micro_batch", "global_batch", "dtype", "compiled", "step_time_s",
-          "samples_per_s", "tokens_per_s", "ratio_to_raw", "ratio_to_torch", "speed_vs_raw_compile", "mfu",
-          "peak_flops", "mfu_datasheet", "datasheet_flops", "data_wait_share", "time_to_first_step_s",
-          "peak_memory_bytes", "scaling_efficiency", "zero_state")
+FIELDS = ("mode", "ranks", "threads_per_rank", "micro_batch", "global_batch", "dtype", "compiled", "pipeline_stages",
+          "tensor_parallel", "step_time_s", "samples_per_s", "tokens_per_s", "ratio_to_raw", "ratio_to_torch",
+          "speed_vs_raw_compile", "speed_vs_one_device", "mfu", "peak_flops", "mfu_datasheet", "datasheet_flops",
+          "data_wait_share", "time_to_first_step_s", "peak_memory_bytes", "param_bytes", "scaling_efficiency",
+          "zero_state")
 
 
 def parse(argv=None):
     """The benchmark's flags, checked; a mistake is a UserError."""
     parser = argparse.ArgumentParser(prog="python -m app.tools.bench", description=__doc__)
-    parser.add_argument("--model", default="cnn", help="cnn, mlp or a transformers preset such as gpt2-tiny")
+    parser.add_argument("--model", default="cnn", help="cnn, mlp, a torchvision classifier such as resnet50 (on "
+                        "3x32x32 synthetic images) or a transformers preset such as gpt2-tiny or llama-tiny")
     parser.add_argument("--batch", type=int, default=0,
                         help="global batch, the same for every mode (default: 16 for text models, 32 otherwise)")
     parser.add_argument("--seq_len", type=int, default=128, help="tokens per sample for text models")
@@ -36,7 +38,8 @@ def parse(argv=None):
     parser.add_argument("--warmup", type=int, default=5, help="steps run before measuring")
     parser.add_argument("--modes", default=",".join(TORCH_MODES + ("app",)),
                         help="comma list of raw, raw-compile, raw-1thread, ddp, dataparallel, app (default: all)")
-    parser.add_argument("--configs", default="dp,zero1,zero2,zero3", help="ds_configs/ names the app mode runs")
+    parser.add_argument("--configs", default="dp,zero1,zero2,zero3",
+                        help="ds_configs/ names the app mode runs (pipeline and tensor_parallel split the model)")
     parser.add_argument("--compile", default="auto",
                         help="comma list of auto, on, off: the app modes run once per entry (name+compile when on)")
     parser.add_argument("--dtype", default="auto", choices=("auto", "fp32", "bf16"),
@@ -90,12 +93,17 @@ def plan(args, cores: int, gpus: int) -> tuple:
         skipped.append((f"{args.ranks}-rank modes", f"need {args.ranks} GPUs, this machine has {gpus}"))
     if "ddp" in args.modes and multi:
         groups[args.ranks].append(("ddp", threads(args.ranks), args.batch // args.ranks))
-    for name in args.configs:
+    for name, ds in args.configs.items():
+        split = ds.get("pipeline", {}).get("stages", 1) * ds.get("tensor_parallel", {}).get("autotp_size", 1)
         for choice in args.compile:
             mode = f"{name}+{COMPILE_SUFFIX[choice]}" if len(args.compile) > 1 or choice != "auto" else name
-            groups[1].append((mode, threads(1), args.batch))
-            if multi:
-                groups[args.ranks].append((mode, threads(args.ranks), args.batch // args.ranks))
+            for ranks in sorted({1, args.ranks} if multi else {1}):
+                replicas = ranks // split
+                if ranks % split or args.batch % max(replicas, 1):
+                    skipped.append((f"{mode} x{ranks}", f"splits the model {split} ways: needs a multiple of "
+                                                        f"{split} ranks that divides --batch {args.batch}"))
+                    continue
+                groups[ranks].append((mode, threads(ranks), args.batch // replicas))
     return {ranks: jobs for ranks, jobs in groups.items() if jobs}, skipped
 
 
@@ -153,6 +161,8 @@ def main(argv=None) -> int:
     plot(rows, args.output_dir / "bench.png")
     print(table(rows))
     print(headline(rows))
+    for line in splitting(rows):
+        print(line)
     for mode, why in skipped:
         print(f"skipped {mode}: {why}")
     print(f"wrote {args.output_dir / 'bench.json'} and {args.output_dir / 'bench.png'}", flush=True)

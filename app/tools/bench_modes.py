@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from app import compiler, dist, ds_config, ds_internals, loop, metrics, tasks
+from app import compiler, dist, ds_config, ds_internals, loop, metrics, parallel, tasks
 from app.config import Settings
 from app.data.loader import build_loader
 from app.tools.bench_report import TORCH_MODES
@@ -105,19 +105,34 @@ def run_torch(mode, args, world, work: Workload, loader, clock, total):
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         clock.tick()
-    return None, dtype, compiled
+    return None, dtype, compiled, param_bytes(model)
 
 
-def run_app(mode, args, world, work: Workload, loader, clock, total):
-    """The app's own path: the task's model, build_engine with the real ds_config, the app's Loop; returns
-    (the ZeRO state, dtype, compiled)."""
+def layout(mode, args, world) -> parallel.Layout:
+    """How the mode lays out its ranks: an app mode's ds_config may split the model into pipeline stages or
+    tensor-parallel shards, which share one replica's data; every other mode is data parallel."""
+    config = args.configs.get(mode.partition("+")[0]) if mode not in TORCH_MODES else None
+    return parallel.layout(config or {}, world.world_size, world.rank, mode)
+
+
+def param_bytes(module) -> int:
+    """Bytes of the parameters this rank holds: its stage, its shards or its ZeRO-3 partition."""
+    return sum(getattr(p, "ds_tensor", p).numel() * p.element_size() for p in module.parameters())
+
+
+def run_app(mode, args, world, work: Workload, loader, clock, total):  # long: the engine, the timed step, the Loop
+    """The app's own path: the task's model (split or sharded as its ds_config says), build_engine with the real
+    ds_config, the app's Loop; returns (the ZeRO state, dtype, compiled, parameter bytes of this rank)."""
     name, _, suffix = mode.partition("+")
     choice = {label: choice for choice, label in COMPILE_SUFFIX.items()}.get(suffix, "auto")
+    ranks = layout(mode, args, world)
     ds = ds_config.resolve_batch_sizes({**args.configs[name], "train_micro_batch_size_per_gpu": loader.batch_sampler.
-                                        batch_size, "gradient_accumulation_steps": 1}, world.world_size, name)
-    engine = loop.build_engine(build_model(work, ds), ds_config.fill_scheduler_length(ds, total))
-    eval_loader = build_loader(torch.utils.data.Subset(work.train_set, range(world.world_size)), 1, world.rank,
-                               world.world_size, False, 0)
+                                        batch_size, "gradient_accumulation_steps": 1}, ranks.replicas, name)
+    module, _, _ = ranks.prepare(build_model(work, ds), work.task, args.model)
+    engine = loop.build_engine(module, ranks.engine_config(ds_config.fill_scheduler_length(ds, total)))
+    micro = loader.batch_sampler.batch_size  # a pipeline's stages pass activations of one fixed shape
+    eval_loader = build_loader(torch.utils.data.Subset(work.train_set, range(ranks.replicas * micro)), micro,
+                               ranks.replica, ranks.replicas, False, 0)
     state, real_step = {}, engine.optimizer.step
 
     def step_and_tick(*a, **kw):  # gradients exist only inside a step; the optimizer state from step 2
@@ -127,10 +142,10 @@ def run_app(mode, args, world, work: Workload, loader, clock, total):
         clock.tick()
         return result
     engine.optimizer.step = step_and_tick
-    forward = compiler.Forward(engine, work.task, compiler.wanted(choice, engine.device))
+    forward = ranks.forward(engine, work.task, compiler.wanted(choice, engine.device))
     schedule = loop.Schedule(total, log_interval=10, eval_interval=total)
     loop.Loop(forward, TimedLoader(loader, clock), eval_loader, schedule, metrics.RunLog(None, total)).fit()
-    return state or None, compiler.input_dtype(engine), engine.is_compiled
+    return state or None, compiler.input_dtype(engine), engine.is_compiled, param_bytes(engine.module)
 
 
 def _storages(tensors) -> dict:
@@ -165,10 +180,11 @@ def measure(mode, args, world, threads, per_rank_batch, work: Workload) -> dict:
     dist.barrier()
     started = time.perf_counter()
     clock = Clock(world.device)
-    loader = build_loader(work.train_set, per_rank_batch, world.rank, world.world_size, True, 0)
+    ranks = layout(mode, args, world)
+    loader = build_loader(work.train_set, per_rank_batch, ranks.replica, ranks.replicas, True, 0)
     total = args.warmup + args.steps
     runner = run_torch if mode in TORCH_MODES else run_app
-    zero, dtype, compiled = runner(mode, args, world, work, loader, clock, total)
+    zero, dtype, compiled, held = runner(mode, args, world, work, loader, clock, total)
     ends = [started] + clock.ends
     times = [b - a for a, b in zip(ends, ends[1:])][args.warmup:]
     wait_share = sum(clock.waits[args.warmup:total]) / sum(times)
@@ -178,19 +194,21 @@ def measure(mode, args, world, threads, per_rank_batch, work: Workload) -> dict:
     mine = torch.tensor([statistics.median(times), wait_share, clock.ends[0] - started], dtype=torch.float64)
     step_time, wait_share, first_step = dist.all_reduce_max(mine).tolist()  # the slowest rank's
     peak = dist.all_reduce_sum(torch.tensor([peak], dtype=torch.float64)).item()
-    memory = torch.zeros(world.world_size, dtype=torch.float64)
-    memory[world.rank] = metrics.peak_memory_bytes(world.device)
-    memory = dist.all_reduce_sum(memory)
-    global_batch = per_rank_batch * world.world_size
+    memory = torch.zeros(2, world.world_size, dtype=torch.float64)
+    memory[:, world.rank] = torch.tensor([metrics.peak_memory_bytes(world.device), held], dtype=torch.float64)
+    memory, held = dist.all_reduce_sum(memory).tolist()
+    global_batch = per_rank_batch * ranks.replicas
     samples_per_s = global_batch / step_time
     datasheet = datasheet and datasheet * world.world_size
     return {"mode": mode, "ranks": world.world_size, "threads_per_rank": threads,
             "micro_batch": per_rank_batch, "global_batch": global_batch, "dtype": str(dtype)[6:],
-            "compiled": bool(compiled), "step_time_s": step_time,
+            "compiled": bool(compiled), "pipeline_stages": ranks.split.stages if ranks.split else 1,
+            "tensor_parallel": ranks.tensor, "step_time_s": step_time,
             "samples_per_s": samples_per_s,
             "tokens_per_s": samples_per_s * work.info.seq_len if work.info.seq_len else None,
             "mfu": samples_per_s * args.flops_per_sample / peak, "peak_flops": peak,
             "mfu_datasheet": datasheet and samples_per_s * args.flops_per_sample / datasheet,
             "datasheet_flops": datasheet,
             "data_wait_share": wait_share, "time_to_first_step_s": first_step,
-            "peak_memory_bytes": [int(m) for m in memory.tolist()], "zero_state": zero}
+            "peak_memory_bytes": [int(m) for m in memory], "param_bytes": [int(b) for b in held],
+            "zero_state": zero}

@@ -4,12 +4,25 @@ from pathlib import Path
 TORCH_MODES = ("raw", "raw-compile", "raw-1thread", "ddp", "dataparallel")
 
 
+def is_split(row) -> bool:
+    """Whether the mode splits the model: pipeline stages or tensor-parallel shards."""
+    return row.get("pipeline_stages", 1) > 1 or row.get("tensor_parallel", 1) > 1
+
+
+def one_device(rows: list):
+    """The reference a split model is measured against: the app's first unsplit mode on one rank, else raw."""
+    app = [r for r in rows if r["ranks"] == 1 and r["mode"] not in TORCH_MODES and not is_split(r)]
+    return app[0] if app else next((r for r in rows if r["mode"] == "raw" and r["ranks"] == 1), None)
+
+
 def add_ratios(rows: list):
-    """Step time against the raw loop and against torch at the same world size; weak-scaling efficiency."""
+    """Step time against the raw loop and against torch at the same world size; weak-scaling efficiency; speed
+    against one device."""
     by_mode = {(r["mode"], r["ranks"]): r for r in rows}
     raw, one_thread = by_mode.get(("raw", 1)), by_mode.get(("raw-1thread", 1))
-    best = by_mode.get(("raw-compile", 1))
+    best, single = by_mode.get(("raw-compile", 1)), one_device(rows)
     for r in rows:
+        r["speed_vs_one_device"] = r["samples_per_s"] / single["samples_per_s"] if single else None
         r["speed_vs_raw_compile"] = best["step_time_s"] / r["step_time_s"] if best and r["ranks"] == 1 else None
         torch_ref = raw if r["ranks"] == 1 else by_mode.get(("ddp", r["ranks"]))
         r["ratio_to_raw"] = r["step_time_s"] / raw["step_time_s"] if raw else None
@@ -49,20 +62,34 @@ def headline(rows: list) -> str:
         f"{r['mode']} {r['speed_vs_raw_compile']:.3f}" for r in app)
 
 
-def plot(rows: list, path: Path):
-    """Bars of throughput and of the largest rank's peak memory, one per mode."""
+def splitting(rows: list) -> list:
+    """For each split mode, the course's question: what splitting costs in speed, what it saves per rank."""
+    single = one_device(rows)
+    return [f"{r['mode']} x{r['ranks']}: {r['speed_vs_one_device']:.3f}x the speed of {single['mode']} on one "
+            f"rank; per rank {max(r['param_bytes']) / max(single['param_bytes']):.0%} of its parameter bytes, "
+            f"{max(r['peak_memory_bytes']) / max(single['peak_memory_bytes']):.0%} of its peak memory"
+            for r in rows if is_split(r) and single]
+
+
+def plot(rows: list, path: Path):  # long: three panels
+    """Bars of throughput, of the largest rank's peak memory and of its parameter bytes, one per mode; the modes
+    that split the model are drawn in their own colour, so the chart shows what splitting costs and saves."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     labels = [f"{r['mode']} x{r['ranks']}" for r in rows]
     rate = "tokens_per_s" if rows[0]["tokens_per_s"] is not None else "samples_per_s"
-    fig, (top, bottom) = plt.subplots(2, 1, figsize=(max(6, len(rows) * 0.8), 7), sharex=True)
-    top.bar(labels, [r[rate] for r in rows], color="tab:blue")
+    colours = ["tab:red" if is_split(r) else "tab:blue" for r in rows]
+    fig, (top, middle, bottom) = plt.subplots(3, 1, figsize=(max(6, len(rows) * 0.8), 9), sharex=True)
+    top.bar(labels, [r[rate] for r in rows], color=colours)
     top.set_ylabel(rate.replace("_per_s", "/s"))
-    bottom.bar(labels, [max(r["peak_memory_bytes"]) / 2**20 for r in rows], color="tab:orange")
-    bottom.set_ylabel("peak memory per rank (MiB)")
+    top.set_title("red: the model split across ranks (pipeline stages or tensor-parallel shards)", fontsize=9)
+    middle.bar(labels, [max(r["peak_memory_bytes"]) / 2**20 for r in rows], color=colours)
+    middle.set_ylabel("peak memory, largest rank (MiB)")
+    bottom.bar(labels, [max(r["param_bytes"]) / 2**20 for r in rows], color=colours)
+    bottom.set_ylabel("parameters held, largest rank (MiB)")
     bottom.tick_params(axis="x", rotation=45)
-    for ax in (top, bottom):
+    for ax in (top, middle, bottom):
         ax.grid(axis="y", alpha=0.3)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
