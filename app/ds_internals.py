@@ -129,6 +129,14 @@ def gathered_state_dict(engine):
     return engine._consolidated_16bit_state_dict()
 
 
+def drop_other_stages(module):
+    """Let go of the layers other stages hold: PipelineModule keeps every layer it was given in _layer_specs,
+    which it reads only while it partitions and ties them, so each rank would keep the whole model on the host."""
+    for index in range(len(module._layer_specs)):
+        if not module._local_start <= index < module._local_stop:
+            module._layer_specs[index] = None
+
+
 def forget_parallel_groups():
     """Let the next engine of this process pick its own groups: a pipeline engine leaves its grid in DeepSpeed's
     module-level `groups.mpu`, where a later plain engine would look up its model-parallel rank."""

@@ -187,9 +187,9 @@ def build_hf(spec: HFSpec, info: DataInfo, tokenizer, ds_config: dict) -> nn.Mod
     return HFLogits(hf, vocab_size(config) if padded else 0)
 
 
-def save_hf_files(model: nn.Module, tokenizer, folder):
+def save_hf_files(config, tokenizer, folder):
     """The config and tokenizer that make a checkpoint exportable in save_pretrained form."""
-    model.hf.config.save_pretrained(folder)
+    config.save_pretrained(folder)
     tokenizer.save_pretrained(folder)
 
 

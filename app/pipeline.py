@@ -190,6 +190,7 @@ def split(model: nn.Module, model_name: str, found: Plan, task):
     except (RuntimeError, NotImplementedError) as e:
         raise UserError(f"pipeline.partition {found.partition!r}: {str(e).splitlines()[0]}") from None
     ds_internals.count_every_stage_in_grad_norm(module)
+    ds_internals.drop_other_stages(module)
     parts = module.partitions()
     for stage, (start, stop) in enumerate(zip(parts, parts[1:])):
         if not any(names[start:stop]):  # DeepSpeed's optimizer refuses a stage without weights

@@ -91,7 +91,7 @@ class TextTask:
 
     def __init__(self, settings: Settings, spec: models.HFSpec):
         self.settings, self.spec = settings, spec
-        self.tokenizer, self.model, self.tokens_per_sample = None, None, 0
+        self.tokenizer, self.config, self.tokens_per_sample = None, None, 0
 
     def build_data(self, output_dir: Path) -> tuple:
         """(train set, eval set, DataInfo), tokenized once on the main rank and cached."""
@@ -106,8 +106,9 @@ class TextTask:
         return train_set, eval_set, info
 
     def build_model(self, info: DataInfo, ds_config: dict) -> nn.Module:
-        self.model = models.build_hf(self.spec, info, self.tokenizer, ds_config)
-        return self.model
+        model = models.build_hf(self.spec, info, self.tokenizer, ds_config)
+        self.config = model.hf.config  # not the model: a pipeline stage keeps only its own layers
+        return model
 
     def flops_per_sample(self, model: nn.Module, info: DataInfo) -> float:
         """Training FLOPs of one sample from the transformer formula (app/models.py)."""
@@ -118,7 +119,7 @@ class TextTask:
 
     def save_files(self, folder: Path):
         """The config and tokenizer that make the checkpoint exportable in save_pretrained form."""
-        models.save_hf_files(self.model, self.tokenizer, folder / HF_FILES)
+        models.save_hf_files(self.config, self.tokenizer, folder / HF_FILES)
 
 
 class CausalLM(TextTask):

@@ -84,6 +84,7 @@ def run(settings: Settings, ds: dict, world: World, started: float) -> int:
         model = task.build_model(info, ds)
         flops = task.flops_per_sample(model, info) if task.tokens_per_sample else 0.0  # before AutoTP shards it
         trained, save_files, every_rank = ranks.prepare(model, task, settings.model)
+        del model  # a pipeline stage keeps only its own layers
         train_loader, eval_loader = loaders(train_set, eval_set, ds, settings, ranks.replica, ranks.replicas)
         steps = loop.total_steps(settings.max_steps, settings.epochs, len(train_loader),
                                  ds["gradient_accumulation_steps"])
