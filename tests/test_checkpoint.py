@@ -325,6 +325,8 @@ def test_find_a_named_folder(tmp_path):
     ({"model": "mlp"}, "was made with model='cnn' but this run has model='mlp'"),
     ({"dataset": "synthetic"}, "was made with dataset='digits' but this run has dataset='synthetic'"),
     ({"zero_stage": 2}, "was made with zero_stage=0 but this run has zero_stage=2"),
+    ({"pipeline_stages": 2}, "was made with pipeline_stages=0 but this run has pipeline_stages=2"),
+    ({"tensor_parallel_size": 2}, "was made with tensor_parallel_size=1 but this run has tensor_parallel_size=2"),
 ])
 def test_a_checkpoint_of_another_model_dataset_or_stage_is_refused(change, text, tmp_path):
     with pytest.raises(UserError, match=text) as caught:
@@ -355,6 +357,19 @@ def test_plan_resume_without_a_checkpoint(tmp_path, capsys):
     assert capsys.readouterr().out == f"resume: no complete checkpoint in {tmp_path / 'checkpoints'}, starting fresh\n"
 
 
+@pytest.mark.parametrize("split", [dict(pipeline_stages=2), dict(tensor_parallel_size=2)])
+def test_a_model_parallel_run_resumes_only_on_its_own_world_size(split, tmp_path):
+    _write_checkpoint(tmp_path / "checkpoints" / "step00000004", _state(world_size=2, **split))
+    with pytest.raises(UserError, match="run of 2 rank.s. and the app cannot reshape.*resume it with 2 rank") as caught:
+        checkpoint.plan_resume(tmp_path, "auto", _state(step=0, world_size=4, **split), {})
+    _one_line(caught)
+
+
+def test_samples_into_epoch_counts_replicas_not_stages():
+    """2 stages x 2 replicas at micro batch 32: 4 micro batches into the epoch are 4 x 32 x 2 samples."""
+    assert _state(batch=4, world_size=4, pipeline_stages=2, data_parallel_size=2).samples_into_epoch() == 256
+
+
 def test_plan_resume_checks_before_anything_is_built(tmp_path):
     folder = _write_checkpoint(tmp_path / "checkpoints" / "step00000004", _state(world_size=2))
     ds = {"train_micro_batch_size_per_gpu": 32}
@@ -363,3 +378,13 @@ def test_plan_resume_checks_before_anything_is_built(tmp_path):
         (folder, _state(world_size=2), ds)
     with pytest.raises(UserError, match="was made with model='cnn' but this run has model='mlp'"):
         checkpoint.plan_resume(tmp_path, "auto", _state(model="mlp"), ds)
+
+
+def test_a_state_saved_before_model_parallelism_loads_with_its_defaults(tmp_path):
+    """Checkpoints written before the pipeline and tensor-parallel fields existed still resume."""
+    saved = json.loads(_state().to_json())
+    for key in ("pipeline_stages", "data_parallel_size", "tensor_parallel_size"):
+        del saved[key]
+    state = TrainerState.from_json(json.dumps(saved), tmp_path / STATE)
+    assert (state.pipeline_stages, state.data_parallel_size, state.tensor_parallel_size) == (0, 0, 1)
+    assert state.samples_into_epoch() == 4 * 32 * 1, "the world size stands in for the replicas"
