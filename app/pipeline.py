@@ -203,7 +203,8 @@ def describe(engine) -> str:
     """The start-up line of a pipeline run: stages, replicas, and which layers each stage holds."""
     parts = engine.module.partitions()
     bounds = ", ".join(f"{stage}: {parts[stage]}-{parts[stage + 1] - 1}" for stage in range(engine.num_stages))
-    return (f"pipeline: {engine.num_stages} stages x {engine.dp_world_size} data-parallel replica(s), "
+    stages = f"{engine.num_stages} stage{'s' if engine.num_stages > 1 else ''}"
+    return (f"pipeline: {stages} x {engine.dp_world_size} data-parallel replica(s), "
             f"{engine.gradient_accumulation_steps()} micro batches per step; layers by stage {bounds}")
 
 

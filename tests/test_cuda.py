@@ -71,3 +71,31 @@ def test_two_ranks_with_nccl(tmp_path):
 def _corpus(tmp_path):
     from conftest import write_text_rows
     return write_text_rows(tmp_path / "corpus.txt", 600)
+
+
+def test_a_one_stage_pipeline_trains_in_bf16_on_one_gpu(tmp_path):
+    """DeepSpeed's pipeline engine on CUDA (one GPU holds one stage): bf16, the tied GPT-2 split, eval."""
+    need(1)
+    from conftest import config_variant
+    config = config_variant(tmp_path, "pipeline", pipeline={"stages": 1})
+    result = gpu_train(tmp_path / "run", "--deepspeed_config", config, "--model", "gpt2-tiny",
+                       "--dataset", _corpus(tmp_path))
+    assert "pipeline: 1 stage x 1 data-parallel replica(s)" in result.stdout
+    assert "compile: pipeline stages run eager" in result.stdout
+    summary = read_summary(tmp_path / "run")
+    assert summary["precision"] == "bfloat16" and summary["pipeline_stages"] == 1
+    losses = [r["loss"] for r in read_metrics(tmp_path / "run")[0]]
+    assert losses[-1] < losses[0]
+
+
+@pytest.mark.parametrize("name, model", [("pipeline", "gpt2-tiny"), ("tensor_parallel", "llama-tiny")])
+def test_model_parallel_configs_on_two_gpus_with_nccl(name, model, tmp_path):
+    need(2)
+    result = gpu_train(tmp_path / "run", "--deepspeed_config", REPO / "ds_configs" / f"{name}.json", "--model", model,
+                       "--dataset", _corpus(tmp_path), launcher="deepspeed", nproc=2)
+    assert "nccl on cuda" in result.stdout
+    summary = read_summary(tmp_path / "run")
+    assert summary["world_size"] == 2 and summary["precision"] == "bfloat16"
+    assert summary["pipeline_stages" if name == "pipeline" else "tensor_parallel_size"] == 2
+    losses = [r["loss"] for r in read_metrics(tmp_path / "run")[0]]
+    assert losses[-1] < losses[0]
