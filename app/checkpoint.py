@@ -128,8 +128,8 @@ def _fault_point(name: str, step: int):
 
 
 def save(engine, output_dir: Path, state: TrainerState, keep_last: int, extra=None, every_rank=None):
-    """Every rank saves its shards and RNG state (and runs every_rank(engine, folder), which may be a collective); rank 0
-    writes the state and extra(folder) files, then seals the folder with a manifest."""
+    """Every rank saves its shards and RNG state (and runs every_rank(engine, folder), which may be a
+    collective); rank 0 writes the state and extra(folder) files, then seals the folder with a manifest."""
     root = checkpoint_root(output_dir)
     tag = f"step{state.step:08d}"
     folder = root / tag

@@ -183,9 +183,12 @@ def split(model: nn.Module, model_name: str, found: Plan, task):
         raise UserError(f"pipeline.stages {found.stages} is more than the {len(layers)} layers {model_name} "
                         f"splits into; use at most {len(layers)} stages")
     names = layout(model, layers)
+    # Reentrant activation checkpointing cuts the gradient of a layer whose input is token ids (it needs an
+    # input that requires grad), so a transformer checkpoints its blocks only; other models any weighted layer.
+    blocks = ["Block"] if any(isinstance(layer, Block) for layer in layers) else None
     try:
         module = PipelineModule(layers, num_stages=found.stages, loss_fn=StageLoss(task),
-                                partition_method=found.partition,
+                                partition_method=found.partition, checkpointable_layers=blocks,
                                 activation_checkpoint_interval=found.activation_checkpoint_interval)
     except (RuntimeError, NotImplementedError) as e:
         raise UserError(f"pipeline.partition {found.partition!r}: {str(e).splitlines()[0]}") from None

@@ -5,7 +5,8 @@ from pathlib import Path
 
 import pytest
 
-from conftest import NOT_FOR_THE_CNN, REPO, config_variant, read_metrics, read_summary, train, train_jobs, two_rank_steps
+from conftest import (NOT_FOR_THE_CNN, REPO, config_variant, read_metrics, read_summary, train, train_jobs,
+                      two_rank_steps)
 
 CONFIGS = sorted(p.stem for p in (REPO / "ds_configs").glob("*.json") if p.stem not in NOT_FOR_THE_CNN)
 STAGE = {"dp": 0, "bf16": 0, "zero1": 1, "zero2": 2, "zero3": 3, "zero2_offload": 2, "zero3_offload": 3,
