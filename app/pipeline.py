@@ -61,7 +61,8 @@ def plan(ds: dict, world_size: int, where: str):
                         f"gradients across the stages' replicas); use ZeRO stage 0 or 1 with \"pipeline\"")
     if world_size % found.stages:
         raise UserError(f"{where}: pipeline.stages {found.stages} does not divide the world size {world_size}; "
-                        f"launch a multiple of {found.stages} ranks (stages x data-parallel replicas)")
+                        f"launch a multiple of {found.stages} ranks (stages x data-parallel replicas), e.g. "
+                        f"`deepspeed --num_gpus {found.stages} app/train.py ...`")
     return found
 
 

@@ -22,7 +22,8 @@ def size(ds: dict, world_size: int, where: str) -> int:
         raise UserError(f"{where}: tensor_parallel.autotp_size must be a positive integer, got {degree!r}")
     if degree > 1 and world_size % degree:
         raise UserError(f"{where}: tensor_parallel.autotp_size {degree} does not divide the world size "
-                        f"{world_size}; launch a multiple of {degree} ranks")
+                        f"{world_size}; launch a multiple of {degree} ranks, e.g. "
+                        f"`deepspeed --num_gpus {degree} app/train.py ...`")
     if degree > 1 and "pipeline" in ds:
         raise UserError(f"{where}: the app runs \"pipeline\" or \"tensor_parallel\", not both at once; drop one")
     if degree > 1 and zero_stage(ds) == 3:
