@@ -138,8 +138,9 @@ def say_mode(settings: Settings, world: World, engine, steps: int, output_dir: P
     batch = ranks.replicas * engine.train_micro_batch_size_per_gpu() * engine.gradient_accumulation_steps()
     dist.print0(f"mode: {world.description}; ZeRO stage {engine.zero_optimization_stage()}, "
                 f"global batch {batch}, {steps} steps -> {output_dir}")
-    if ranks.describe(engine):
-        dist.print0(ranks.describe(engine))
+    layout = ranks.describe(engine)
+    if layout:
+        dist.print0(layout)
     dist.print0(f"precision: {precision}{'; ' + tf32 if tf32 else ''}")
     warning = ds_internals.version_note()
     if warning:

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from app import dist, ds_config, launch, tasks
+from app import dist, ds_config, launch, parallel, tasks
 from app.config import Settings
 from app.errors import UserError, report
 from app.tools.bench_modes import COMPILE_SUFFIX, build_model, build_workload, measure
@@ -94,14 +94,17 @@ def plan(args, cores: int, gpus: int) -> tuple:
     if "ddp" in args.modes and multi:
         groups[args.ranks].append(("ddp", threads(args.ranks), args.batch // args.ranks))
     for name, ds in args.configs.items():
-        split = ds.get("pipeline", {}).get("stages", 1) * ds.get("tensor_parallel", {}).get("autotp_size", 1)
         for choice in args.compile:
             mode = f"{name}+{COMPILE_SUFFIX[choice]}" if len(args.compile) > 1 or choice != "auto" else name
             for ranks in sorted({1, args.ranks} if multi else {1}):
-                replicas = ranks // split
-                if ranks % split or args.batch % max(replicas, 1):
-                    skipped.append((f"{mode} x{ranks}", f"splits the model {split} ways: needs a multiple of "
-                                                        f"{split} ranks that divides --batch {args.batch}"))
+                try:  # a config that splits the model runs only where the ranks hold the split
+                    replicas = parallel.layout(ds, ranks, 0, name).replicas
+                except UserError as e:
+                    skipped.append((f"{mode} x{ranks}", str(e)))
+                    continue
+                if args.batch % replicas:
+                    skipped.append((f"{mode} x{ranks}", f"--batch {args.batch} does not divide among {replicas} "
+                                                        f"data-parallel replicas"))
                     continue
                 groups[ranks].append((mode, threads(ranks), args.batch // replicas))
     return {ranks: jobs for ranks, jobs in groups.items() if jobs}, skipped
