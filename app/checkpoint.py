@@ -4,7 +4,6 @@ import json
 import os
 import random
 import shutil
-import signal
 import subprocess
 import sys
 from dataclasses import MISSING, asdict, dataclass, fields, replace
@@ -13,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from app import dist, ds_internals
+from app import dist, ds_internals, faults
 from app.errors import UserError
 
 MANIFEST = "manifest.json"
@@ -119,14 +118,6 @@ def _set_rng_state(saved: dict):
         torch.cuda.set_rng_state_all([torch.tensor(s, dtype=torch.uint8) for s in saved["cuda"]])
 
 
-def _fault_point(name: str, step: int):
-    """Kill this rank here when APP_KILL_AT=<name>:<step>[:<rank>] says so (the crash-safety tests use it)."""
-    wanted = os.environ.get("APP_KILL_AT", "").split(":")
-    if len(wanted) >= 2 and wanted[0] == name and int(wanted[1]) == step and \
-            (len(wanted) < 3 or int(wanted[2]) == dist.rank()):
-        os.kill(os.getpid(), signal.SIGKILL)
-
-
 def save(engine, output_dir: Path, state: TrainerState, keep_last: int, extra=None, every_rank=None):
     """Every rank saves its shards and RNG state (and runs every_rank(engine, folder), which may be a
     collective); rank 0 writes the state and extra(folder) files, then seals the folder with a manifest."""
@@ -139,7 +130,7 @@ def save(engine, output_dir: Path, state: TrainerState, keep_last: int, extra=No
     engine.save_checkpoint(str(root), tag=tag, save_latest=False)
     if every_rank is not None:
         every_rank(engine, folder)
-    _fault_point("shards", state.step)
+    faults.kill_at("shards", state.step)
     (folder / f"rng_rank{dist.rank():05d}.json").write_text(json.dumps(_rng_state()))
     dist.barrier()  # every rank's files are on disk before the manifest vouches for them
     if dist.is_main():
@@ -148,9 +139,9 @@ def save(engine, output_dir: Path, state: TrainerState, keep_last: int, extra=No
             extra(folder)
         files = sorted(p for p in folder.rglob("*") if p.is_file() and p.name != MANIFEST)
         manifest = {str(p.relative_to(folder)): {"size": p.stat().st_size, "sha256": _sha256(p)} for p in files}
-        _fault_point("manifest", state.step)
+        faults.kill_at("manifest", state.step)
         _atomic_write(folder / MANIFEST, json.dumps(manifest, indent=1))
-        _fault_point("pointer", state.step)
+        faults.kill_at("pointer", state.step)
         _atomic_write(root / LATEST, tag)  # DeepSpeed's own tools read this; it only ever names a whole checkpoint
         for old in complete_checkpoints(root)[:-keep_last] if keep_last else []:
             shutil.rmtree(old)

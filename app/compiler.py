@@ -2,7 +2,8 @@
 (model and loss), and TF32 for fp32 CUDA runs."""
 import torch
 
-from app import dist, ds_internals
+from app import dist, ds_internals, faults
+from app.errors import UserError, first_line
 from app.metrics import Meter
 
 
@@ -29,12 +30,27 @@ def input_dtype(engine) -> torch.dtype:
     return torch.float32
 
 
+def compute_dtype(engine) -> torch.dtype:
+    """The dtype the model's matmuls run in: torch_autocast's, else the weights' own."""
+    if engine.torch_autocast_enabled():
+        return engine.torch_autocast_dtype() or torch.bfloat16
+    return input_dtype(engine)
+
+
+def precision_name(engine) -> str:
+    """'bf16 autocast' (fp32 weights), 'bf16' or 'fp16' (16-bit weights), or 'fp32'."""
+    short = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}[compute_dtype(engine)]
+    return f"{short} autocast" if engine.torch_autocast_enabled() else short
+
+
 class Forward:
     """The forward pass and the task's per-sample loss a loop runs: eager, or compiled once with fixed shapes.
 
     Every micro batch has the same shape (the sampler pads the last one with weight-0 samples), so
-    each mode compiles one graph: one for training, one for evaluation (no_grad). If compiling fails
-    the first time a mode runs, it says so in one line and that run continues eager.
+    each mode compiles one graph: one for training, one for evaluation (no_grad). The first compiled
+    forward of a mode compiles its backward too, and every rank then says how it went: if any rank
+    could not compile, rank 0 names it in one line and every rank runs eager; any other error (out
+    of memory, a collective, the model itself) ends the run in one line naming the rank.
     """
 
     def __init__(self, engine, task, compile_model: bool):
@@ -45,26 +61,49 @@ class Forward:
         if compile_model:
             dist.print0(f"compile: compiling the model and its loss with torch.compile (inductor, fixed shapes) "
                         f"on {engine.device.type}; the first training and evaluation steps take longer")
-            engine.compile(backend="inductor", compile_kwargs={"dynamic": False})
+            backend = faults.compile_backend()
+            engine.compile(backend=backend, compile_kwargs={"dynamic": False})
             ds_internals.engine_hooks_eager(engine)
-            self.loss = torch.compile(task.loss, backend="inductor", dynamic=False)
+            self.loss = torch.compile(task.loss, backend=backend, dynamic=False)
             self.compiled = True
 
     def logits_and_losses(self, inputs: list, labels: torch.Tensor) -> tuple:
         """(logits, per-sample losses) of one micro batch."""
-        mode = self.engine.training
-        if not self.compiled or mode in self.proven:
+        if not self.compiled or self.engine.training in self.proven:
             return self._run(inputs, labels)
+        return self._first_compiled(inputs, labels)
+
+    def _first_compiled(self, inputs: list, labels: torch.Tensor) -> tuple:
+        """The first compiled forward of a mode, its backward compiled with it (before any gradient
+        collective), then every rank's outcome agreed on the host group."""
+        mode, result, failure = self.engine.training, None, None
         try:
-            result = self._run(inputs, labels)
-        except Exception as e:  # noqa: BLE001 (any compiler failure; a model bug reappears eager below)
-            line = next((s for s in str(e).splitlines() if s.strip()), type(e).__name__)
-            dist.print0(f"compile: ZeRO stage {self.engine.zero_optimization_stage()} could not be compiled "
-                        f"({type(e).__name__}: {line[:200]}); running eager")
-            self.eager()
-            return self._run(inputs, labels)
+            with torch._functorch.config.patch(force_non_lazy_backward_lowering=True):
+                result = self._run(inputs, labels)
+        except Exception as e:  # noqa: BLE001 (sorted below: a compiler failure, or the run's end)
+            failure = e
+        outcomes = dist.gather_objects(_outcome(failure))
+        step = "training" if mode else "evaluation"
+        fatal = [(rank, text) for rank, (kind, text) in enumerate(outcomes) if kind == "fatal"]
+        if fatal:
+            rank, text = fatal[0]
+            raise UserError(f"the first {step} step failed on rank {rank}: {text}") from None
+        refused = [(rank, text) for rank, (kind, text) in enumerate(outcomes) if kind == "compile"]
+        if refused:
+            ranks = ",".join(str(rank) for rank, _ in refused)
+            dist.print0(f"compile: ZeRO stage {self.engine.zero_optimization_stage()} could not be compiled on "
+                        f"rank {ranks} ({refused[0][1]}); every rank runs eager")
+            self.eager()  # every rank redoes this step eager: ZeRO 1-2 reduce gradients in the order they come,
+            return self._eager_retry(inputs, labels, step)  # and a compiled backward brings them in another
         self.proven.add(mode)
         return result
+
+    def _eager_retry(self, inputs: list, labels: torch.Tensor, step: str) -> tuple:
+        """This micro batch again, eager; an error now is the model's own."""
+        try:
+            return self._run(inputs, labels)
+        except Exception as e:  # noqa: BLE001 (one line, not a traceback of the compiler's attempt)
+            raise UserError(f"the first {step} step failed on rank {dist.rank()}: {_describe(e)}") from None
 
     def micro_step(self, batch, meter: Meter):
         """One micro batch: forward, engine.backward(loss), engine.step() (an optimizer step once the
@@ -93,6 +132,7 @@ class Forward:
                 **task.eval_metrics(result["loss"])}
 
     def _run(self, inputs, labels):
+        faults.out_of_memory_at(len(labels))
         logits = self.engine(*inputs)
         return logits, self.loss(logits, labels)
 
@@ -100,6 +140,35 @@ class Forward:
         """Undo compilation: the module's plain forward and the plain loss from now on."""
         ds_internals.uncompile(self.engine)
         self.loss, self.compiled = self.task.loss, False
+
+
+def _chain(error: BaseException) -> list:
+    """error and every exception it was raised from or during."""
+    chain = []
+    while error is not None and error not in chain:
+        chain.append(error)
+        error = error.__cause__ or error.__context__ or getattr(error, "inner_exception", None)
+    return chain
+
+
+def _describe(error: BaseException) -> str:
+    """'Type: first line' of the innermost exception that says what went wrong."""
+    inner = _chain(error)[-1]
+    return f"{type(inner).__name__}: {first_line(inner)[:300]}"
+
+
+def _outcome(error) -> tuple:
+    """('', '') when the compiled step ran; ('compile', why) when the compiler failed; ('fatal', why) for an
+    error that running eager would not cure: out of memory, a collective, anything outside the compiler."""
+    if error is None:
+        return "", ""
+    from torch._dynamo.exc import TorchDynamoException
+    chain = _chain(error)
+    if any(isinstance(e, torch.OutOfMemoryError) for e in chain):
+        return "fatal", f"out of memory ({_describe(error)}); lower train_micro_batch_size_per_gpu in the ds_config"
+    if any(isinstance(e, torch.distributed.DistError) for e in chain) or not isinstance(error, TorchDynamoException):
+        return "fatal", _describe(error)
+    return "compile", _describe(error)
 
 
 def _to_device(batch, device, dtype):

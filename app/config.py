@@ -60,10 +60,11 @@ class Settings:
     """'auto': continue from the newest complete checkpoint in output_dir (fresh if none); or a checkpoint path."""
     seed: int = 42
     """Seed for model initialisation and data order (identical on every rank)."""
-    num_workers: int = 0
-    """DataLoader worker processes per rank."""
-    pin_memory: bool = False
-    """Pin host memory in the DataLoader (useful on CUDA only)."""
+    num_workers: int = -1
+    """DataLoader worker processes per rank; -1 (auto): on a GPU up to 4 (a core left for training) for data
+    read or decoded per sample, 0 for data already in memory and on a CPU, whose cores train."""
+    pin_memory: str = "auto"
+    """Pinned host memory for batches, so copies to the GPU overlap compute: on, off, or auto (on with CUDA)."""
     single_process: bool = False
     """Without a launcher, stay in one process even when several GPUs are present."""
     grace_period: int = 60
@@ -82,11 +83,13 @@ class Settings:
         for name in ("epochs", "log_interval", "dist_timeout", "image_size", "grace_period"):
             if getattr(self, name) < 1:
                 raise UserError(f"--{name} must be at least 1, got {getattr(self, name)}")
-        for name in ("max_steps", "eval_interval", "num_workers", "save_interval", "keep_last", "block_size",
-                     "peak_flops"):
+        for name in ("max_steps", "eval_interval", "save_interval", "keep_last", "block_size", "peak_flops"):
             if getattr(self, name) < 0:
                 raise UserError(f"--{name} must be 0 or more, got {getattr(self, name)}")
-        for name, allowed in (("compile", ("auto", "on", "off")), ("tf32", ("on", "off"))):
+        if self.num_workers < -1:
+            raise UserError(f"--num_workers must be -1 (auto) or more, got {self.num_workers}")
+        for name, allowed in (("compile", ("auto", "on", "off")), ("tf32", ("on", "off")),
+                              ("pin_memory", ("auto", "on", "off"))):
             if getattr(self, name) not in allowed:
                 raise UserError(f"--{name} must be one of {', '.join(allowed)}, got {getattr(self, name)!r}")
         if not 0 < self.eval_fraction < 1:

@@ -1,8 +1,11 @@
 """Run time inside the process group: who this rank is, printing from the main rank, collectives, teardown.
 
+Every collective of the app goes through here (DeepSpeed's own, in app/ds_internals.py, excepted).
+
 Launch time (which launcher, its variables, the start-up rendezvous) lives in app/launch.py.
 """
 import contextlib
+import datetime
 import os
 from dataclasses import dataclass
 
@@ -46,10 +49,33 @@ def print0(*args, **kwargs):
         print(*args, **kwargs, flush=True)
 
 
+# The host group: gloo on the CPU, beside the device group (NCCL on GPUs) that carries the engine's tensors.
+# The app's own few numbers (stop votes, summary peaks, probes, checkpoint agreement) travel here, so the
+# device group never sees a CPU tensor and no bookkeeping waits on the device.
+_host = None
+
+
+def start_host_group(timeout: datetime.timedelta = None):
+    """Create the host group; every rank calls it once, right after the process group starts."""
+    global _host
+    if _many():
+        _host = dist.new_group(backend="gloo", timeout=timeout)
+
+
+def _many() -> bool:
+    return dist.is_initialized() and dist.get_world_size() > 1
+
+
+def _host_group():
+    if _host is None:
+        raise RuntimeError("the host group was not started: call dist.start_host_group() after the process group")
+    return _host
+
+
 def barrier():
-    """Wait for every rank (a no-op without a process group)."""
-    if dist.is_initialized():
-        dist.barrier()
+    """Wait for every rank, on the host group (a no-op without a process group)."""
+    if _many():
+        dist.barrier(group=_host_group())
 
 
 @contextlib.contextmanager
@@ -64,30 +90,71 @@ def main_process_first():
             barrier()
 
 
-def all_reduce_sum(tensor: torch.Tensor) -> torch.Tensor:
-    """Sum a tensor over all ranks in place and return it."""
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
-    return tensor
+def _host_reduce(values, op) -> list:
+    numbers = torch.tensor([float(v) for v in values], dtype=torch.float64)  # on the CPU, the host group's device
+    if _many():
+        dist.all_reduce(numbers, op=op, group=_host_group())
+    return numbers.tolist()
 
 
-def all_reduce_max(tensor: torch.Tensor) -> torch.Tensor:
-    """Element-wise maximum over all ranks, in place."""
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
-    return tensor
+def host_sum(values) -> list:
+    """Element-wise sums of a few Python numbers over every rank, on the host group."""
+    return _host_reduce(values, dist.ReduceOp.SUM)
+
+
+def host_max(values) -> list:
+    """Element-wise maxima of a few Python numbers over every rank, on the host group."""
+    return _host_reduce(values, dist.ReduceOp.MAX)
 
 
 def broadcast_object(obj):
-    """rank 0's obj on every rank."""
-    if dist.is_initialized() and dist.get_world_size() > 1:
+    """rank 0's obj on every rank, over the host group."""
+    if _many():
         box = [obj]
-        dist.broadcast_object_list(box, src=0)
+        dist.broadcast_object_list(box, src=0, group=_host_group())
         return box[0]
     return obj
 
 
+def gather_objects(obj) -> list:
+    """Every rank's obj, in rank order, on every rank, over the host group."""
+    if not _many():
+        return [obj]
+    gathered = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, obj, group=_host_group())
+    return gathered
+
+
+class HostVote:
+    """A yes/no vote of every rank on the host group that never waits: each call posts this rank's vote and
+    returns the result of the vote posted one call earlier (True when any rank voted yes)."""
+
+    def __init__(self):
+        self.ballot = torch.zeros(1, dtype=torch.int32)  # on the CPU: the host group's device
+        self.pending = None
+
+    def exchange(self, yes: bool) -> bool:
+        """Post this rank's vote; the previous round's outcome (without other ranks: this vote)."""
+        if not _many():
+            return yes
+        outcome = False
+        if self.pending is not None:
+            self.pending.wait()  # posted a step ago by every rank, so done by now
+            outcome = bool(self.ballot.item())
+        self.ballot.fill_(int(yes))
+        self.pending = dist.all_reduce(self.ballot, op=dist.ReduceOp.MAX, group=_host_group(), async_op=True)
+        return outcome
+
+    def finish(self):
+        """Complete the last posted round, so no collective is left in flight at teardown."""
+        if self.pending is not None:
+            self.pending.wait()
+            self.pending = None
+
+
 def teardown():
-    """Leave the process group; safe to call when none exists."""
+    """Leave the process group (and the host group); safe to call when none exists."""
+    global _host
     if dist.is_initialized():
         dist.destroy_process_group()
+    _host = None

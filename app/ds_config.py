@@ -15,9 +15,10 @@ BATCH_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_ac
 SCHEDULERS_WITH_TOTAL = ("WarmupDecayLR", "WarmupCosineLR")
 
 
-def load_ds_config(path, cuda=None) -> dict:
+def load_ds_config(path, cuda=None, bf16_ok=None) -> dict:
     """Read a DeepSpeed JSON file, resolve "auto" precision for this machine (cuda: whether it trains on a
-    CUDA device; default: whether one is visible), and refuse anything DeepSpeed would silently ignore."""
+    CUDA device, bf16_ok: whether that device has bf16; default: what is visible), and refuse anything
+    DeepSpeed would silently ignore."""
     path = Path(path)
     if not path.is_file():
         raise UserError(f"DeepSpeed config {path} not found; pass --deepspeed_config with one of "
@@ -30,39 +31,54 @@ def load_ds_config(path, cuda=None) -> dict:
         raise UserError(f"{path}: {e}") from None
     if not isinstance(ds, dict):
         raise UserError(f"{path} must hold a JSON object at the top level")
-    ds, _ = resolve_precision(ds, str(path), cuda)
+    ds, _ = resolve_precision(ds, str(path), cuda, bf16_ok)
     check_ds_keys(ds, str(path))
     return ds
 
 
-PRECISIONS = ("bf16", "fp16")
+# Sections that switch a lower precision on, in the order "auto" prefers them. torch_autocast keeps fp32 weights
+# and runs the forward in bf16 under torch.autocast (the recipe of plain PyTorch at its best); DeepSpeed's bf16
+# and fp16 sections keep 16-bit weights behind an optimizer wrapper (README "Precision").
+PRECISIONS = ("torch_autocast", "bf16", "fp16")
+DTYPE_NAMES = {"bfloat16": "bf16", "bf16": "bf16", "float16": "fp16", "fp16": "fp16", "half": "fp16"}
+
+
+def _label(ds: dict, name: str) -> str:
+    """What a precision section computes in: 'bf16 autocast', 'bf16' or 'fp16'."""
+    if name != "torch_autocast":
+        return name
+    return f"{DTYPE_NAMES.get(str(ds[name].get('dtype', 'bfloat16')).replace('torch.', ''), 'bf16')} autocast"
 
 
 def resolve_precision(ds: dict, where: str, cuda=None, bf16_ok=None) -> tuple:
     """(ds with "enabled": "auto" made true or false, a note on what was picked and why).
 
-    auto picks bf16 on a CUDA device that supports it, fp16 on one that does not (when fp16 is
-    "auto"), and fp32 on CPU, where bf16 matmuls are slower than fp32 and fp16 has no kernels.
+    auto picks the first section in PRECISIONS order that the device can run: bf16 (autocast or weights) on a
+    CUDA device that supports it, fp16 on one that does not, and fp32 on CPU, where bf16 matmuls are slower
+    than fp32 and fp16 has no kernels. A section set to true wins over every "auto".
     """
     import torch
-    autos = [name for name in PRECISIONS if isinstance(ds.get(name), dict) and ds[name].get("enabled") == "auto"]
-    for name in PRECISIONS:
-        enabled = ds.get(name, {}).get("enabled", False) if isinstance(ds.get(name), dict) else False
+    sections = [name for name in PRECISIONS if isinstance(ds.get(name), dict)]
+    for name in sections:
+        enabled = ds[name].get("enabled", False)
         if not isinstance(enabled, bool) and enabled != "auto":
             raise UserError(f"{where}: {name}.enabled must be true, false or \"auto\", got {enabled!r}")
+    autos = [name for name in sections if ds[name].get("enabled") == "auto"]
     if not autos:
         return ds, ""
     cuda = torch.cuda.is_available() if cuda is None else cuda
     bf16_ok = cuda and (torch.cuda.is_bf16_supported() if bf16_ok is None else bf16_ok)
-    pick = ("bf16" if "bf16" in autos and bf16_ok else "fp16" if "fp16" in autos and cuda else "fp32")
-    if any(ds.get(name, {}).get("enabled") is True for name in PRECISIONS):
-        pick = next(name for name in PRECISIONS if ds.get(name, {}).get("enabled") is True)
+    runs = {"bf16": bf16_ok, "fp16": cuda}
+    fixed = [name for name in sections if ds[name].get("enabled") is True]
+    pick = fixed[0] if fixed else next((name for name in autos if runs[_label(ds, name).split()[0]]), "")
     ds = copy.deepcopy(ds)
     for name in autos:
         ds[name]["enabled"] = name == pick
+        if name == pick == "torch_autocast":
+            ds[name].setdefault("dtype", "bfloat16")
     why = "no CUDA device" if not cuda else "the CUDA device supports bf16" if bf16_ok else \
         "the CUDA device has no bf16"
-    return ds, f"{pick} ({'/'.join(autos)} \"auto\": {why})"
+    return ds, f"{_label(ds, pick) if pick else 'fp32'} ({'/'.join(autos)} \"auto\": {why})"
 
 
 def precision_note(path) -> str:

@@ -110,6 +110,52 @@ def lighten_plain_step(engine):
         engine.enable_backward_allreduce = False
 
 
+# The ZeRO optimizer whose step is running, while its inner optimizer skips a bad step on the device itself.
+_deciding_on_device = []
+
+
+def skip_bad_steps_on_device(engine) -> bool:
+    """Move ZeRO 1-3's "is the gradient norm finite?" decision from the host to the device; True if done.
+
+    DeepSpeed's ZeRO optimizers ask `is_invalid_grad_norm(norm)` (a `bool()` of a device tensor: the host
+    waits for the whole backward) before every step, to skip a step whose norm is inf or NaN, and once more
+    to guard the clip. A fused torch optimizer can skip a step on the device instead, as it does for torch's
+    GradScaler: given `found_inf`, its kernel leaves the weights, moments and step count as they were. While
+    this engine's step runs, the check records the norm's verdict as `found_inf` and answers "valid" to the
+    host, so no sync is left and a bad step is still skipped. Offload's CPU Adam keeps DeepSpeed's check.
+    """
+    from deepspeed.runtime.zero import stage3, stage_1_and_2
+    optimizer = engine.optimizer
+    inner = getattr(optimizer, "optimizer", None)
+    if engine.zero_optimization_stage() == 0 or not getattr(inner, "_step_supports_amp_scaling", False):
+        return False
+    for module in (stage_1_and_2, stage3):
+        if not hasattr(module.is_invalid_grad_norm, "deepspeed_original"):
+            module.is_invalid_grad_norm = _norm_check_on_device(module.is_invalid_grad_norm)
+    step = optimizer.step
+
+    def step_deciding_on_device(*args, **kwargs):
+        _deciding_on_device.append(inner)
+        try:
+            return step(*args, **kwargs)
+        finally:
+            _deciding_on_device.pop()
+            inner.found_inf = None  # a later step outside this path (none today) must not reuse a verdict
+    optimizer.step = step_deciding_on_device
+    return True
+
+
+def _norm_check_on_device(original):
+    def is_invalid_grad_norm(norm):
+        if _deciding_on_device and torch.is_tensor(norm):
+            verdict = (~torch.isfinite(norm) | (norm < 0)).any().to(torch.float32)
+            _deciding_on_device[-1].found_inf = verdict.to(norm.device).reshape(())
+            return False
+        return original(norm)
+    is_invalid_grad_norm.deepspeed_original = original
+    return is_invalid_grad_norm
+
+
 def count_every_stage_in_grad_norm(module):
     """Make gradient clipping on a pipeline use the norm of the whole model's gradients.
 
@@ -148,13 +194,25 @@ def engine_hooks_eager(engine):
     """Run the engine's own forward hooks outside a compiled graph.
 
     They read DeepSpeed's step counters (micro_steps, ...), on which a traced hook would guard, so the
-    model would recompile at every step until torch's recompile limit turns compilation off. ZeRO-3's
-    parameter hooks on the submodules stay traced: DeepSpeed writes those for torch.compile.
+    model would recompile at every step until torch's recompile limit turns compilation off; AutoTP's
+    first-forward check of the inputs pickles them for a broadcast, which tracing cannot. ZeRO-3's hooks
+    on every submodule run eager too: traced, those after a submodule recompile once per output shape
+    until torch's recompile limit (8) turns them eager with a warning on every rank, and the one before
+    each submodule is eager in DeepSpeed itself, so the graphs end at submodule boundaries either way.
     """
     module = engine.module
-    for hooks, handle in ((module._forward_pre_hooks, engine.module_forward_pre_hook),
-                          (module._forward_hooks, engine.module_forward_post_hook)):
+    handles = [(module._forward_pre_hooks, engine.module_forward_pre_hook),
+               (module._forward_hooks, engine.module_forward_post_hook)]
+    check = getattr(engine, "first_dataloader_check", None)  # AutoTP's first-forward broadcast of the inputs
+    if check is not None and check.id in module._forward_pre_hooks:
+        handles.append((module._forward_pre_hooks, check))
+    for hooks, handle in handles:
         hooks[handle.id] = torch.compiler.disable(hooks[handle.id])
+    offload = getattr(engine.optimizer, "parameter_offload", None)  # ZeRO-3's hooks on every submodule
+    for handle in (offload.forward_hooks + offload.backward_hooks) if offload is not None else []:
+        hooks = handle.hooks_dict_ref()
+        if hooks is not None and handle.id in hooks:
+            hooks[handle.id] = torch.compiler.disable(hooks[handle.id])
 
 
 def uncompile(engine):

@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 from app import ds_internals
-from app.dist import World, barrier
+from app.dist import World, barrier, start_host_group
 from app.errors import UserError
 
 
@@ -137,9 +137,12 @@ def rank_env(rank: int, world_size: int, port: int) -> dict:
 
 
 def _relaunch():
-    """Replace this process with the deepspeed launcher running the same command on every GPU."""
-    argv = [sys.executable, "-u", "-m", "deepspeed.launcher.runner", sys.argv[0], *sys.argv[1:]]
-    sys.stdout.flush()
+    """Replace this process with the deepspeed launcher running the same command on every GPU, rank 0 listening
+    on MASTER_PORT or else on a port free now (two such runs on one machine must not both take 29500)."""
+    port = os.environ.get("MASTER_PORT") or str(free_port())
+    print(f"relaunching: rank 0 listens on 127.0.0.1:{port}", flush=True)
+    argv = [sys.executable, "-u", "-m", "deepspeed.launcher.runner", "--master_port", port, sys.argv[0],
+            *sys.argv[1:]]
     os.execv(sys.executable, argv)
 
 
@@ -160,17 +163,35 @@ def prepare_environment():
         os.environ["DS_ACCELERATOR"] = "cpu"
 
 
+# Tests only (a machine here has one GPU at most): every local rank takes cuda:0, and the device group is gloo
+# registered for CUDA alone, which refuses a CPU tensor as NCCL does (NCCL refuses two ranks on one GPU).
+SHARE_GPU = "APP_SHARE_GPU_FOR_TESTS"
+
+
+def gpu_index(local_rank: int, visible: int) -> int:
+    """The GPU a local rank takes among the visible ones, or -1 when it has none.
+
+    A launcher that binds one GPU to each task (srun --gpus-per-task=1) leaves each rank one visible
+    device, its own, whatever its local rank."""
+    return local_rank if local_rank < visible else 0 if visible == 1 else -1
+
+
 def _device(local_rank: int, local_world_size: int) -> tuple:
     """(device, backend) of this rank: its own GPU with NCCL, or the CPU (its share of the cores) with gloo."""
     if not torch.cuda.is_available():
         if "OMP_NUM_THREADS" not in os.environ:  # ranks on one node share its cores instead of fighting
             torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world_size))
         return torch.device("cpu"), "gloo"
-    if local_rank >= torch.cuda.device_count():
-        raise UserError(f"local rank {local_rank} has no GPU: this node has {torch.cuda.device_count()}; "
-                        f"start at most that many processes per node")
-    torch.cuda.set_device(local_rank)
-    return torch.device("cuda", local_rank), "nccl"
+    if os.environ.get(SHARE_GPU) == "1":
+        torch.cuda.set_device(0)
+        return torch.device("cuda", 0), "cuda:gloo"
+    count = torch.cuda.device_count()
+    index = gpu_index(local_rank, count)
+    if index < 0:
+        raise UserError(f"local rank {local_rank} has no GPU: this node shows {count} to each rank; start at "
+                        f"most {count} processes per node, or bind one GPU to each (srun --gpus-per-task=1)")
+    torch.cuda.set_device(index)
+    return torch.device("cuda", index), "nccl"
 
 
 def setup(single_process: bool = False, timeout_s: int = 600) -> World:
@@ -231,7 +252,8 @@ def _join(rank: int, world_size: int, node: tuple, backend: str, device, join_s:
     dist.init_process_group(backend, store=store, rank=rank,
                             world_size=world_size, timeout=datetime.timedelta(seconds=timeout_s),
                             # as DeepSpeed does: bind the GPU, except alone (later new_group()s would need a peer)
-                            **({"device_id": device} if device.type == "cuda" and world_size > 1 else {}))
+                            **({"device_id": device} if backend == "nccl" and world_size > 1 else {}))
+    start_host_group(datetime.timedelta(seconds=timeout_s))
     return nodes
 
 

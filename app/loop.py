@@ -21,6 +21,7 @@ def build_engine(model, ds_config: dict):
     plain = engine.zero_optimization_stage() == 0 and not (engine.fp16_enabled() or engine.bfloat16_enabled())
     if plain and not engine.pipeline_parallelism and engine.autotp_size() <= 1:  # there, ranks hold parts of them
         ds_internals.lighten_plain_step(engine)
+    ds_internals.skip_bad_steps_on_device(engine)  # ZeRO 1-3: no host sync to check the gradient norm
     return engine
 
 

@@ -33,7 +33,7 @@ class Meter:
 
     def reduce(self) -> dict:
         """Global means over every rank since the last reset, plus the global 'count'; then reset."""
-        totals = dist.all_reduce_sum(self.totals.clone()).tolist()
+        totals = dist.host_sum(self.totals.tolist())  # read on the host once per log row, summed on the host group
         self.totals.zero_()
         count = totals[-1]
         result = {name: totals[i] / count if count else float("nan") for i, name in enumerate(self.names)}
@@ -64,37 +64,56 @@ def matmul_flops(device: torch.device, dtype: torch.dtype, seconds: float = 0.5)
     """FLOP/s of square matmuls in dtype on device with this process's threads, measured for about `seconds`.
 
     It times F.linear, the kernel nn.Linear layers run: on CPU, bf16 torch.matmul takes a path ten
-    times slower than the one linear layers get, which would make utilisation look above 1.
+    times slower than the one linear layers get, which would make utilisation look above 1. On a GPU
+    the products are queued in chunks and the device synchronised once per chunk, not per product.
     """
-    n = 4096 if device.type == "cuda" else 1024
+    cuda = device.type == "cuda"
+    n, chunk = (4096, 20) if cuda else (1024, 1)
     a, b = (torch.randn(n, n, device=device).to(dtype) for _ in range(2))
     F.linear(a, b)  # warm-up: kernels chosen, memory allocated
+    _synchronize(device)
     count, start = 0, time.perf_counter()
-    while True:
-        F.linear(a, b)
-        count += 1
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        if time.perf_counter() - start >= seconds:
-            break
+    while time.perf_counter() - start < seconds:
+        for _ in range(chunk):
+            F.linear(a, b)
+        count += chunk
+        _synchronize(device)
     return 2.0 * n ** 3 * count / (time.perf_counter() - start)
 
 
-# Dense (no sparsity) tensor-core peaks from the vendors' datasheets, FLOP/s per GPU, SXM parts; fp32
-# means TF32 matmuls. Papers report MFU against these; the app's own MFU uses a measured matmul.
-DATASHEET_FLOPS = {
-    "H200": {torch.bfloat16: 989.4e12, torch.float16: 989.4e12, torch.float32: 494.7e12},
-    "H100": {torch.bfloat16: 989.4e12, torch.float16: 989.4e12, torch.float32: 494.7e12},
-    "A100": {torch.bfloat16: 312e12, torch.float16: 312e12, torch.float32: 156e12},
-}
+def _synchronize(device: torch.device):
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+# Dense (no sparsity) tensor-core peaks from the vendors' datasheets, FLOP/s per GPU, (bf16 and fp16, fp32 as
+# TF32 matmuls), by exact part: the PCIe and NVL parts of a name run slower clocks and fewer SMs than its SXM.
+# Papers report MFU against these; the app's own MFU uses a measured matmul.
+DATASHEET_PARTS = (
+    (r"H100.*NVL", (835.5e12, 417.5e12)),
+    (r"H100.*PCIe", (756.5e12, 378.0e12)),
+    (r"H100.*(SXM|HBM3)|GH200", (989.4e12, 494.7e12)),
+    (r"H200.*NVL", (835.5e12, 417.5e12)),
+    (r"H200", (989.4e12, 494.7e12)),
+    (r"A100", (312.0e12, 156.0e12)),
+)
+
+
+def datasheet_peak(name: str, dtype: torch.dtype):
+    """The dense datasheet peak of the GPU called name (torch.cuda.get_device_name) in dtype, or None when
+    the part is not known exactly."""
+    import re
+    for pattern, (half, tf32) in DATASHEET_PARTS:
+        if re.search(pattern, name):
+            return {torch.bfloat16: half, torch.float16: half, torch.float32: tf32}.get(dtype)
+    return None
 
 
 def datasheet_flops(device: torch.device, dtype: torch.dtype):
-    """The datasheet's dense peak of this GPU in dtype, or None for CPUs and GPUs not in the table."""
+    """The datasheet's dense peak of this GPU in dtype, or None for CPUs and GPUs not known exactly."""
     if device.type != "cuda":
         return None
-    name = torch.cuda.get_device_name(device)
-    return next((peaks.get(dtype) for model, peaks in DATASHEET_FLOPS.items() if model in name), None)
+    return datasheet_peak(torch.cuda.get_device_name(device), dtype)
 
 
 def peak_memory_bytes(device: torch.device) -> int:

@@ -5,8 +5,8 @@ import sys
 import threading
 
 import psutil
-import torch
-import torch.distributed as dist
+
+from app import dist
 
 # Ancestors whose command line names one of these are launchers: if one exits, nobody will wait for us.
 LAUNCHER_WORDS = ("deepspeed", "torchrun", "torch.distributed.run", "mpirun", "srun")
@@ -15,10 +15,9 @@ LAUNCHER_WORDS = ("deepspeed", "torchrun", "torch.distributed.run", "mpirun", "s
 class StopRequest:
     """Catches stop signals on this rank and agrees with the other ranks on when to stop."""
 
-    def __init__(self, grace_s: float, device: torch.device, watch_launcher: bool):
+    def __init__(self, grace_s: float, watch_launcher: bool):
         self.grace_s, self.reason, self.timer = grace_s, "", None
-        self.flag = torch.zeros(1, dtype=torch.int32, device=device)
-        self.pending, self.closed, self.watcher = None, threading.Event(), None
+        self.vote, self.closed, self.watcher = dist.HostVote(), threading.Event(), None
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, self._on_signal)
         if watch_launcher:
@@ -48,24 +47,15 @@ class StopRequest:
     def agreed(self) -> bool:
         """True on every rank at the same step once any rank has asked to stop.
 
-        Each call starts a one-number all_reduce and reads the one started a step earlier, so the
-        check never waits on the network; the stop lands one step after the request.
+        Each call posts this rank's vote on the host group (gloo, on the CPU) and reads the one posted a
+        step earlier, so the check waits neither on the network nor on the device; the stop lands one step
+        after the request.
         """
-        if not (dist.is_initialized() and dist.get_world_size() > 1):
-            return bool(self.reason)
-        stop = False
-        if self.pending is not None:
-            self.pending.wait()
-            stop = bool(self.flag.item())
-        self.flag.fill_(1 if self.reason else 0)
-        self.pending = dist.all_reduce(self.flag, op=dist.ReduceOp.MAX, async_op=True)
-        return stop
+        return self.vote.exchange(bool(self.reason))
 
     def finish(self):
-        """Complete the last started check, so no collective is left in flight at teardown."""
-        if self.pending is not None:
-            self.pending.wait()
-            self.pending = None
+        """Complete the last posted vote, so no collective is left in flight at teardown."""
+        self.vote.finish()
         self.close()
 
     def close(self):

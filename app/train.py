@@ -16,7 +16,7 @@ from app import (checkpoint, compiler, config, dist, ds_config, ds_internals, la
                  preemption, tasks)
 from app.checkpoint import TrainerState
 from app.config import Settings
-from app.data.loader import build_loader
+from app.data.loader import build_loader, feeding
 from app.dist import World
 from app.errors import UserError, report
 
@@ -49,9 +49,8 @@ def throughput_for(task, flops: float, engine, settings: Settings) -> metrics.Th
     if not task.tokens_per_sample:
         return metrics.Throughput()
     dist.barrier()  # every rank measures at once, as they will share the machine while training
-    per_rank = settings.peak_flops or dist.all_reduce_sum(torch.tensor(
-        [metrics.matmul_flops(engine.device, compiler.input_dtype(engine))], dtype=torch.float64)).item() / \
-        dist.world_size()
+    per_rank = settings.peak_flops or \
+        dist.host_sum([metrics.matmul_flops(engine.device, compiler.compute_dtype(engine))])[0] / dist.world_size()
     dist.print0(f"throughput: {flops / task.tokens_per_sample / 1e6:.1f} MFLOP per token trained, peak "
                 f"{per_rank / 1e9:.1f} GFLOP/s per rank ({'--peak_flops' if settings.peak_flops else 'measured'})")
     return metrics.Throughput(task.tokens_per_sample, flops, per_rank * dist.world_size())
@@ -85,7 +84,7 @@ def run(settings: Settings, ds: dict, world: World, started: float) -> int:
         flops = task.flops_per_sample(model, info) if task.tokens_per_sample else 0.0  # before AutoTP shards it
         trained, save_files, every_rank = ranks.prepare(model, task, settings.model)
         del model  # a pipeline stage keeps only its own layers
-        train_loader, eval_loader = loaders(train_set, eval_set, ds, settings, ranks.replica, ranks.replicas)
+        train_loader, eval_loader = loaders(train_set, eval_set, ds, settings, world, ranks)
         steps = loop.total_steps(settings.max_steps, settings.epochs, len(train_loader),
                                  ds["gradient_accumulation_steps"])
         state = TrainerState(0, 0, 0, settings.model, settings.dataset, world.world_size, ds_config.zero_stage(ds),
@@ -99,7 +98,7 @@ def run(settings: Settings, ds: dict, world: World, started: float) -> int:
         start = checkpoint.load(engine, folder, saved, ranks.replicas) if folder else (0, 0)
         if nothing_to_do(engine, steps):
             return 0
-        stop = preemption.StopRequest(settings.grace_period, world.device, world.launcher != "none")
+        stop = preemption.StopRequest(settings.grace_period, world.launcher != "none")
         log = metrics.RunLog(output_dir, steps, engine.global_steps, throughput=log_throughput)
         save = lambda *at: checkpoint.save(engine, output_dir, state.at(*at), settings.keep_last,  # noqa: E731
                                            save_files, every_rank)
@@ -122,19 +121,24 @@ def nothing_to_do(engine, steps: int) -> bool:
     return True
 
 
-def loaders(train_set, eval_set, ds: dict, settings: Settings, replica: int, replicas: int) -> tuple:
+def loaders(train_set, eval_set, ds: dict, settings: Settings, world: World, ranks: parallel.Layout) -> tuple:
     """(train loader, eval loader) over this data-parallel replica's shard (the stages of a pipeline share one)."""
-    args = dict(rank=replica, world_size=replicas, seed=settings.seed, num_workers=settings.num_workers,
-                pin_memory=settings.pin_memory)
+    workers, pin = feeding(train_set, world.device.type == "cuda", (os.cpu_count() or 1) // world.local_world_size,
+                           settings.num_workers, settings.pin_memory)
+    if workers or pin:
+        dist.print0(f"data: {workers} loader worker(s) per rank, {'pinned' if pin else 'pageable'} host memory")
+    args = dict(rank=ranks.replica, world_size=ranks.replicas, seed=settings.seed, num_workers=workers,
+                pin_memory=pin)
     micro = ds["train_micro_batch_size_per_gpu"]
     return build_loader(train_set, micro, shuffle=True, **args), build_loader(eval_set, micro, shuffle=False, **args)
 
 
 def say_mode(settings: Settings, world: World, engine, steps: int, output_dir: Path, ranks: parallel.Layout):
     """The start-up lines: how the run is laid out, and the precision picked."""
-    dtype = compiler.input_dtype(engine)
-    precision = ds_config.precision_note(settings.deepspeed_config) or str(dtype)[6:]
-    tf32 = compiler.set_tf32(world.device, dtype, settings.tf32)
+    precision = compiler.precision_name(engine)
+    note = ds_config.precision_note(settings.deepspeed_config)  # why "auto" picked it, when it did
+    precision = note if note.startswith(precision + " (") else precision
+    tf32 = compiler.set_tf32(world.device, compiler.compute_dtype(engine), settings.tf32)
     batch = ranks.replicas * engine.train_micro_batch_size_per_gpu() * engine.gradient_accumulation_steps()
     dist.print0(f"mode: {world.description}; ZeRO stage {engine.zero_optimization_stage()}, "
                 f"global batch {batch}, {steps} steps -> {output_dir}")
@@ -149,13 +153,14 @@ def say_mode(settings: Settings, world: World, engine, steps: int, output_dir: P
 
 def summarise(result: dict, settings: Settings, world: World, engine, task, log, stop, started: float) -> int:
     """Write summary.json and the plot, say how the run ended; the exit code."""
-    peak = dist.all_reduce_max(torch.tensor([metrics.peak_memory_bytes(world.device)]))
+    peak = dist.host_max([metrics.peak_memory_bytes(world.device)])[0]
     summary = {**result, "world_size": world.world_size, "zero_stage": engine.zero_optimization_stage(),
                "pipeline_stages": engine.num_stages if engine.pipeline_parallelism else 0,
                "tensor_parallel_size": engine.autotp_size(),
-               "precision": str(compiler.input_dtype(engine)).replace("torch.", ""), "model": settings.model,
+               "precision": str(compiler.compute_dtype(engine)).replace("torch.", ""),
+               "autocast": engine.torch_autocast_enabled(), "model": settings.model,
                "dataset": settings.dataset, "task": task.name, "deepspeed_config": settings.deepspeed_config,
-               "launcher": world.launcher, "peak_memory_bytes": int(peak.item()),
+               "launcher": world.launcher, "peak_memory_bytes": int(peak),
                "wall_s": time.perf_counter() - started}
     log.finish(summary)
     if result["stopped_early"]:

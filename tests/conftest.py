@@ -88,19 +88,23 @@ def train(launcher="python", nproc=1, *args, timeout=600, base_env=None):
     return result
 
 
-def train_jobs(launcher: str, nproc: int, jobs: list, timeout=900) -> list:
-    """The stdout of each of several training jobs (argument lists) run one after another in one launch
-    (tests/jobs.py): every rank's output, rank 0's first. Fails the test with the output if a job failed."""
+def train_jobs(launcher: str, nproc: int, jobs: list, timeout=900, base_env=None, codes=None) -> list:
+    """The output of each of several training jobs (argument lists, or {"argv": [...], "env": {...}}) run one
+    after another in one launch (tests/jobs.py): every rank's, rank 0's first. Fails the test with the output
+    if a job's ranks did not exit with its code in codes (default: 0 for every job)."""
     with tempfile.TemporaryDirectory() as folder:
         jobs_file = Path(folder) / "jobs.json"
-        jobs_file.write_text(json.dumps([[str(a) for a in job] for job in jobs]))
-        result = run(train_command(launcher, nproc, jobs_file, folder, script="tests/jobs.py"), timeout=timeout)
+        jobs_file.write_text(json.dumps([{"argv": [str(a) for a in job["argv"]], "env": job.get("env", {})}
+                                         if isinstance(job, dict) else [str(a) for a in job] for job in jobs]))
+        result = run(train_command(launcher, nproc, jobs_file, folder, script="tests/jobs.py"), timeout=timeout,
+                     base_env=base_env)
         assert result.returncode == 0, f"exit {result.returncode}\n{result.stdout[-4000:]}\n{result.stderr[-4000:]}"
         outputs = []
         for i in range(len(jobs)):
-            codes = [(Path(folder) / f"{i}.rank{r}.code").read_text() for r in range(nproc)]
-            assert codes == ["0"] * nproc, f"job {i} exited {codes}"
-            outputs.append("".join((Path(folder) / f"{i}.rank{r}.txt").read_text() for r in range(nproc)))
+            output = "".join((Path(folder) / f"{i}.rank{r}.txt").read_text() for r in range(nproc))
+            got = [(Path(folder) / f"{i}.rank{r}.code").read_text() for r in range(nproc)]
+            assert got == [str(codes[i] if codes else 0)] * nproc, f"job {i} exited {got}\n{output[-3000:]}"
+            outputs.append(output)
         return outputs
 
 

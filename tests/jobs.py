@@ -2,12 +2,15 @@
 
     deepspeed --num_gpus 2 tests/jobs.py <jobs.json> <report folder>
 
-jobs.json holds a list of train.py argument lists. For job i each rank writes what it printed to
-<report folder>/<i>.rank<r>.txt and its exit code to <i>.rank<r>.code, as if it had been its own launch.
+jobs.json holds a list of train.py argument lists, or of {"argv": [...], "env": {...}} for a job that needs
+variables of its own (the fault points of app/faults.py). For job i each rank writes what it printed, stdout
+and stderr, to <report folder>/<i>.rank<r>.txt and its exit code to <i>.rank<r>.code, as if it had been its
+own launch: a job that ends in a user error says its one line and exits 2, and the next job runs.
 """
 import contextlib
 import io
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -17,17 +20,34 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import torch._dynamo  # noqa: E402
 
 from app import config, dist, launch, train  # noqa: E402
+from app.errors import UserError, report as say  # noqa: E402
+
+
+@contextlib.contextmanager
+def variables(env: dict):
+    """The environment with env set, as it was afterwards."""
+    saved = {name: os.environ.get(name) for name in env}
+    os.environ.update(env)
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            os.environ.pop(name) if value is None else os.environ.__setitem__(name, value)
 
 
 def main(jobs_file: str, report: str):
     launch.prepare_environment()
-    parsed = [config.parse([str(a) for a in argv]) for argv in json.loads(Path(jobs_file).read_text())]
+    jobs = [job if isinstance(job, dict) else {"argv": job} for job in json.loads(Path(jobs_file).read_text())]
+    parsed = [(config.parse([str(a) for a in job["argv"]]), job.get("env", {})) for job in jobs]
     world = launch.setup(timeout_s=300)
     try:
-        for i, (settings, ds) in enumerate(parsed):
+        for i, ((settings, ds), env) in enumerate(parsed):
             printed = io.StringIO()
-            with contextlib.redirect_stdout(printed):
-                code = train.run(settings, ds, world, time.perf_counter())
+            with contextlib.redirect_stdout(printed), contextlib.redirect_stderr(printed), variables(env):
+                try:
+                    code = train.run(settings, ds, world, time.perf_counter())
+                except UserError as e:
+                    code = say(e)
             (Path(report) / f"{i}.rank{world.rank}.txt").write_text(printed.getvalue())
             (Path(report) / f"{i}.rank{world.rank}.code").write_text(str(code))
             torch._dynamo.reset()  # a compiled job starts from an empty compile cache, as in its own process

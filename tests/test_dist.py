@@ -1,5 +1,8 @@
-"""Run time inside the process group: who this rank is, printing from rank 0, collectives across real gloo ranks."""
+"""Run time inside the process group: who this rank is, printing from rank 0, and the app's collectives, which
+travel on the host group (gloo, CPU tensors) beside the device group, tested across real gloo ranks."""
+import datetime
 import time
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -23,7 +26,10 @@ def _collectives(rank, world, tmp):
     assert result["loss"] == pytest.approx(sum(10 * r * c for r, c in enumerate(counts)) / sum(counts))
     assert meter.reduce()["count"] == 0, "reduce resets the window"
     assert dist.broadcast_object(f"from {rank}") == "from 0"
-    assert dist.all_reduce_max(torch.tensor([rank])).item() == world - 1
+    assert dist.host_max([rank, -rank]) == [world - 1, 0]
+    assert dist.host_sum([1, rank]) == [world, sum(range(world))]
+    assert dist.gather_objects(("rank", rank)) == [("rank", r) for r in range(world)]
+    _votes(rank, world)
     marker = tmp / "first"
     with dist.main_process_first():
         if rank == 0:
@@ -34,10 +40,61 @@ def _collectives(rank, world, tmp):
     dist.teardown()
 
 
+def _votes(rank, world):
+    """The host vote answers a round late: the last rank's yes in round 1 is every rank's answer in round 2."""
+    vote = dist.HostVote()
+    assert vote.exchange(False) is False, "round 0 has no earlier round to report"
+    assert vote.exchange(rank == world - 1) is False, "round 1 reports round 0: nobody said yes"
+    assert vote.exchange(False) is True, "round 2 reports round 1"
+    assert vote.exchange(False) is False
+    vote.finish()
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("world", [2, 3])
 def test_collectives_across_ranks(world, tmp_path):
     spawn_ranks(world, _collectives, tmp_path)
+
+
+def _beside_a_device_only_group(rank, world, tmp):
+    """What NCCL does to a CPU tensor, on a CPU: a default group registered for cuda alone refuses it. The app's
+    bookkeeping (meters, votes, summaries, probes, checkpoint agreement) must never touch that group."""
+    from app import metrics, preemption, train
+    torch.distributed.init_process_group("cuda:gloo", rank=rank, world_size=world,
+                                         timeout=datetime.timedelta(seconds=60))
+    with pytest.raises(RuntimeError, match="No backend type associated with device type cpu"):
+        torch.distributed.all_reduce(torch.ones(1))  # the device group: as on NCCL, a CPU tensor is refused
+    dist.start_host_group(datetime.timedelta(seconds=60))
+    dist.barrier()
+    meter = Meter(["loss"], torch.device("cpu"))
+    meter.add(torch.tensor(2.0), loss=torch.tensor(float(rank)))
+    assert meter.reduce()["count"] == 2 * world
+    stop = preemption.StopRequest(60, watch_launcher=False)
+    assert [stop.agreed(), stop.agreed()] == [False, False]
+    stop.finish()
+    engine = SimpleNamespace(device=torch.device("cpu"), zero_optimization_stage=lambda: 2,
+                             pipeline_parallelism=False, num_stages=1, autotp_size=lambda: 1,
+                             torch_autocast_enabled=lambda: False, bfloat16_enabled=lambda: False,
+                             fp16_enabled=lambda: False)
+    task = SimpleNamespace(tokens_per_sample=16, name="causal_lm")
+    settings = SimpleNamespace(peak_flops=0.0, model="m", dataset="d", deepspeed_config="c.json")
+    throughput = train.throughput_for(task, 1e9, engine, settings)
+    assert throughput.peak_flops > 0
+    world_info = SimpleNamespace(world_size=world, launcher="deepspeed", device=torch.device("cpu"))
+    log = metrics.RunLog(tmp / "run" if rank == 0 else None, 1)
+    result = {"steps": 1, "stopped_early": False, "eval_loss": 1.0}
+    assert train.summarise(result, settings, world_info, engine, task, log, None, time.perf_counter()) == 0
+    assert dist.broadcast_object(rank) == 0 and dist.gather_objects(rank) == list(range(world))
+    dist.teardown()
+
+
+@pytest.mark.slow
+def test_bookkeeping_never_uses_the_device_group(tmp_path):
+    """Every collective the app makes outside the engine works beside a device group that takes no CPU
+    tensor (as NCCL takes none): run on 2 or more GPUs, they would otherwise crash."""
+    spawn_ranks(2, _beside_a_device_only_group, tmp_path)
+    summary = (tmp_path / "run" / "summary.json").read_text()
+    assert '"world_size": 2' in summary and '"peak_memory_bytes"' in summary
 
 
 def test_before_the_group_exists_the_launcher_variables_say_who_we_are(monkeypatch):
@@ -60,11 +117,11 @@ def test_print0_speaks_on_the_main_rank_only(monkeypatch, capsys):
 
 def test_without_a_group_the_collectives_leave_values_as_they_are():
     assert not torch.distributed.is_initialized()
-    values = torch.tensor([1.0, 5.0])
-    assert dist.all_reduce_sum(values) is values and values.tolist() == [1.0, 5.0]
-    assert dist.all_reduce_max(values) is values and values.tolist() == [1.0, 5.0]
+    assert dist.host_sum([1.0, 5.0]) == [1.0, 5.0] and dist.host_max([3, 2]) == [3.0, 2.0]
     sent = {"a": [1, 2]}
-    assert dist.broadcast_object(sent) is sent
+    assert dist.broadcast_object(sent) is sent and dist.gather_objects(sent) == [sent]
+    vote = dist.HostVote()
+    assert vote.exchange(True) is True and vote.exchange(False) is False, "alone, a vote is its own answer"
     dist.barrier()
     ran = []
     with dist.main_process_first():

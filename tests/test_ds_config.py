@@ -50,9 +50,9 @@ def _differences(a: dict, b: dict, prefix=""):
     ("zero3_offload", "zero3", {"zero_optimization.offload_optimizer", "zero_optimization.offload_param",
                                 "zero_optimization.overlap_comm", "optimizer.params.torch_adam",
                                 "optimizer.params.fused"}),
-    ("bf16", "dp", {"bf16.enabled"}),
+    ("bf16", "dp", {"torch_autocast.enabled"}),  # bf16 autocast always; the others "auto": on GPUs that have bf16
     ("pipeline", "dp", {"pipeline"}),  # 2 stages, layers balanced by parameters
-    ("tensor_parallel", "dp", {"tensor_parallel"}),  # AutoTP across 2 ranks  # bf16 always; the others "auto": bf16 on GPUs that have it
+    ("tensor_parallel", "dp", {"tensor_parallel"}),  # AutoTP across 2 ranks
 ])
 def test_configs_differ_only_in_what_their_names_promise(name, base, allowed):
     read = lambda n: json.loads((REPO / "ds_configs" / f"{n}.json").read_text())  # noqa: E731
@@ -134,9 +134,29 @@ def test_auto_precision_follows_the_device(ds, cuda, bf16_ok, want, note):
 
 def test_auto_precision_on_this_cpu_loads_as_fp32(tmp_path):
     ds = _load(tmp_path, json.loads((REPO / "ds_configs" / "zero2.json").read_text()))
-    assert ds["bf16"] == {"enabled": False}
-    assert ds_config.precision_note(REPO / "ds_configs" / "zero2.json") == 'fp32 (bf16 "auto": no CUDA device)'
+    assert ds["torch_autocast"] == {"enabled": False, "dtype": "bfloat16"}
+    assert ds_config.precision_note(REPO / "ds_configs" / "zero2.json") == \
+        'fp32 (torch_autocast "auto": no CUDA device)'
     assert ds_config.precision_note(REPO / "ds_configs" / "bf16.json") == "", "bf16.json asks for bf16 outright"
+
+
+AUTOCAST = {"train_micro_batch_size_per_gpu": 4, "torch_autocast": {"enabled": "auto", "dtype": "bfloat16"}}
+
+
+@pytest.mark.parametrize("ds, cuda, bf16_ok, want, note", [
+    (AUTOCAST, True, True, True, 'bf16 autocast (torch_autocast "auto": the CUDA device supports bf16)'),
+    (AUTOCAST, True, False, False, 'fp32 (torch_autocast "auto": the CUDA device has no bf16)'),
+    (AUTOCAST, False, False, False, 'fp32 (torch_autocast "auto": no CUDA device)'),
+    ({**AUTOCAST, "fp16": {"enabled": "auto"}}, True, False, False,
+     'fp16 (torch_autocast/fp16 "auto": the CUDA device has no bf16)'),
+    ({"train_micro_batch_size_per_gpu": 4, "torch_autocast": {"enabled": "auto", "dtype": "float16"}}, True, False,
+     True, 'fp16 autocast (torch_autocast "auto": the CUDA device has no bf16)'),
+])
+def test_auto_autocast_follows_the_device(ds, cuda, bf16_ok, want, note):
+    """The shipped configs' precision: DeepSpeed's torch_autocast section, on where the GPU runs its dtype."""
+    resolved, said = ds_config.resolve_precision(ds, "c.json", cuda=cuda, bf16_ok=bf16_ok)
+    assert resolved["torch_autocast"]["enabled"] is want and said == note
+    assert ds["torch_autocast"]["enabled"] == "auto", "the caller's dict is left as it was"
 
 
 def test_a_precision_that_is_not_a_bool_or_auto_is_one_line(tmp_path):

@@ -60,3 +60,49 @@ def test_only_ds_internals_reaches_into_deepspeed_private_modules():
         text = path.read_text()
         used = [name for name in private if name in text]
         assert not used, f"{path.relative_to(REPO)} uses {used}: move that touch point into app/ds_internals.py"
+
+
+COLLECTIVES = {"all_reduce", "all_gather", "all_gather_object", "all_gather_into_tensor", "broadcast",
+               "broadcast_object_list", "reduce", "reduce_scatter", "reduce_scatter_tensor", "gather",
+               "gather_object", "scatter", "scatter_object_list", "barrier", "all_to_all", "all_to_all_single",
+               "send", "recv", "isend", "irecv", "monitored_barrier"}
+# dist.py owns the app's collectives (host group for bookkeeping, device group for tensors); ds_internals.py
+# is where DeepSpeed's internals may need one; commcheck exists to check torch.distributed's own primitives.
+MAY_CALL_COLLECTIVES = {"app/dist.py", "app/ds_internals.py", "app/tools/commcheck.py"}
+
+
+def _torch_distributed_names(tree) -> set:
+    """Names a module binds to torch.distributed (import torch.distributed as X, from torch import distributed)."""
+    names = {"torch.distributed"}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names |= {a.asname or a.name for a in node.names if a.name == "torch.distributed"}
+        elif isinstance(node, ast.ImportFrom) and node.module == "torch":
+            names |= {a.asname or a.name for a in node.names if a.name == "distributed"}
+    return names
+
+
+def _collective_calls(path: Path) -> list:
+    tree = ast.parse(path.read_text())
+    names, found = _torch_distributed_names(tree), []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.module == "torch.distributed":
+            found += [f"imports {a.name}" for a in node.names if a.name in COLLECTIVES]
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in COLLECTIVES \
+                and ast.unparse(node.func.value) in names:
+            found.append(f"line {node.lineno}: {ast.unparse(node.func)}")
+    return found
+
+
+def test_collectives_go_through_dist_py():
+    """A collective elsewhere could hand a CPU tensor to the device group, which NCCL refuses on 2+ GPUs."""
+    wrong = {str(p.relative_to(REPO)): calls for p in _sources()
+             if str(p.relative_to(REPO)) not in MAY_CALL_COLLECTIVES and (calls := _collective_calls(p))}
+    assert not wrong, f"call app/dist.py's helpers instead: {wrong}"
+
+
+def test_the_collective_rule_sees_a_collective(tmp_path):
+    sneaky = tmp_path / "sneaky.py"
+    sneaky.write_text("import torch.distributed as d\nfrom torch import distributed\nimport torch\n"
+                      "d.all_reduce(x)\ndistributed.barrier()\ntorch.distributed.broadcast(x, 0)\nd.get_rank()\n")
+    assert len(_collective_calls(sneaky)) == 3

@@ -10,7 +10,17 @@ from conftest import REPO, assert_one_error_line, run, spawn_ranks
 
 pytestmark = pytest.mark.slow  # every test here uses checkpoints that two spawned ranks saved with DeepSpeed
 
-CONFIGS = ["dp", "zero1", "zero2", "zero3", "zero3_offload", "bf16"]
+CONFIGS = ["dp", "zero1", "zero2", "zero3", "zero3_offload", "bf16", "bf16-weights"]
+
+
+def _config(name: str) -> dict:
+    """ds_configs/<name>.json; bf16-weights is dp.json with DeepSpeed's own bf16 section (bf16 weights behind an
+    fp32 master copy) instead of bf16 autocast (fp32 weights)."""
+    from app import ds_config
+    if name != "bf16-weights":
+        return ds_config.load_ds_config(REPO / "ds_configs" / f"{name}.json")
+    dp = ds_config.load_ds_config(REPO / "ds_configs" / "dp.json")
+    return {**{k: v for k, v in dp.items() if k != "torch_autocast"}, "bf16": {"enabled": True}}
 
 
 def _save_and_record(rank, world, out):
@@ -19,7 +29,7 @@ def _save_and_record(rank, world, out):
     from app.data import DataInfo
     launch.prepare_environment()
     # loaded before the group exists, as the app does: DeepSpeed's own check then counts one rank
-    configs = {name: ds_config.load_ds_config(REPO / "ds_configs" / f"{name}.json") for name in CONFIGS}
+    configs = {name: _config(name) for name in CONFIGS}
     launch.setup(timeout_s=120)
     import deepspeed
     info = DataInfo(10, 1, 8)
@@ -63,7 +73,7 @@ def test_exported_weights_equal_the_live_weights(name, saved, tmp_path):
     assert exported.keys() == live.keys()
     for key, tensor in exported.items():
         assert tensor.dtype == torch.float32
-        if name == "bf16":  # the engine computes with bf16 copies of the exported fp32 master weights
+        if name == "bf16-weights":  # the engine computes with bf16 copies of the exported fp32 master weights
             assert torch.equal(tensor.to(torch.bfloat16), live[key]), key
         else:
             assert torch.equal(tensor, live[key]), key

@@ -2,7 +2,7 @@
 import math
 
 import torch
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader, Dataset, Subset, TensorDataset
 
 from app.errors import UserError
 
@@ -58,6 +58,21 @@ class Weighted(Dataset):
         index, weight = key
         x, y = self.dataset[index]
         return x, y, torch.tensor(weight, dtype=torch.float32)
+
+
+def feeding(dataset, cuda: bool, cores_per_rank: int, num_workers: int = -1, pin_memory: str = "auto") -> tuple:
+    """(workers, pin) for --num_workers and --pin_memory, "auto" resolved as PyTorch's performance guide advises.
+
+    On a GPU, batches go through pinned memory (their copy overlaps compute) and a dataset that reads or
+    decodes each sample gets worker processes, up to 4, leaving the training process a core; a dataset
+    already in memory (tensors) gains nothing from workers but their start-up. On a CPU the training step
+    uses every core, so neither.
+    """
+    base = dataset.dataset if isinstance(dataset, Subset) else dataset
+    in_memory = isinstance(base, TensorDataset)
+    workers = num_workers if num_workers >= 0 else \
+        min(4, max(0, cores_per_rank - 1)) if cuda and not in_memory else 0
+    return workers, (cuda if pin_memory == "auto" else pin_memory == "on")
 
 
 def build_loader(dataset, batch_size, rank, world_size, shuffle, seed, num_workers=0, pin_memory=False):

@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 
 from app import launch
-from app.dist import all_reduce_max, print0, teardown
+from app.dist import host_max, print0, teardown
 from app.errors import UserError, report
 
 
@@ -105,7 +105,7 @@ def _timed(op, tensor, world, device, iters):
         _sync(device)
         times.append(time.perf_counter() - start)
     # the slowest rank's median is what the collective cost
-    return all_reduce_max(torch.tensor([statistics.median(times)], dtype=torch.float64)).item()
+    return host_max([statistics.median(times)])[0]
 
 
 def _sync(device):

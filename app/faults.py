@@ -1,0 +1,58 @@
+"""Fault points the tests switch on through the environment, to make a chosen rank fail at a chosen moment.
+
+    APP_KILL_AT=<moment>:<step>[:<rank>]      SIGKILL at a moment of a checkpoint save (shards, manifest, pointer)
+    APP_OOM_AT=<micro batch>[:<rank>]         raise torch.OutOfMemoryError in a forward of that many samples or more
+    APP_FAIL_COMPILE=<forward|backward>[:<rank>]   make inductor refuse the model's forward or backward graph
+
+Unset (as for every user), each is a no-op.
+"""
+import os
+import signal
+
+import torch
+
+from app import dist
+
+
+def _wanted(name: str, before_rank: int = 1) -> list:
+    """The fields of fault point `name` when it is set for this rank (the field after the first before_rank
+    fields names one rank; none means every rank), else []."""
+    fields = os.environ.get(name, "").split(":")
+    if not fields[0] or (len(fields) > before_rank and int(fields[before_rank]) != dist.rank()):
+        return []
+    return fields
+
+
+def kill_at(moment: str, step: int):
+    """SIGKILL this rank here when APP_KILL_AT names this moment and step (the crash-safety tests use it)."""
+    wanted = _wanted("APP_KILL_AT", 2)
+    if wanted and wanted[0] == moment and int(wanted[1]) == step:
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def out_of_memory_at(micro_batch: int):
+    """Raise the error a device out of memory raises, when APP_OOM_AT says this micro batch is too large here."""
+    wanted = _wanted("APP_OOM_AT")
+    if wanted and micro_batch >= int(wanted[0]):
+        raise torch.OutOfMemoryError(f"out of memory: APP_OOM_AT={os.environ['APP_OOM_AT']} refuses a micro batch "
+                                     f"of {micro_batch} on rank {dist.rank()}")
+
+
+def compile_backend():
+    """What torch.compile is given: inductor, or inductor refusing the graph APP_FAIL_COMPILE names."""
+    wanted = _wanted("APP_FAIL_COMPILE")
+    if not wanted:
+        return "inductor"
+    from torch._inductor.compile_fx import compile_fx, compile_fx_inner
+    refuse_backward = wanted[0] == "backward"
+
+    def inner(graph, example_inputs, **kwargs):
+        if kwargs.get("is_backward", False) == refuse_backward:
+            raise RuntimeError(f"APP_FAIL_COMPILE: inductor refuses this {wanted[0]} graph on rank {dist.rank()}")
+        return compile_fx_inner(graph, example_inputs, **kwargs)
+
+    def backend(graph, example_inputs):
+        # graphs cached on disk by an earlier run would skip inner() and the fault with it
+        with torch._functorch.config.patch(enable_autograd_cache=False):
+            return compile_fx(graph, example_inputs, inner_compile=inner, config_patches={"fx_graph_cache": False})
+    return backend

@@ -1,0 +1,78 @@
+"""No training step waits on the device: host synchronisations counted per step (tests/host_syncs.py), the app's
+and DeepSpeed's, for every shipped ds_config in the precision it takes on a GPU (bf16), eager and compiled,
+on 1 and 2 ranks."""
+import pytest
+import torch
+
+from conftest import write_text_rows
+from host_syncs import HostSyncs, check_report, count_in_launch, counted, sync_job
+
+CONFIGS = ("dp", "zero1", "zero2", "zero3", "zero2_offload", "zero3_offload", "bf16")
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    return write_text_rows(tmp_path_factory.mktemp("text") / "corpus.txt", 600)
+
+
+@pytest.mark.slow
+def test_no_step_waits_on_the_device_with_two_ranks(tmp_path, corpus):
+    names = [(name, mode) for mode in ("off", "on") for name in CONFIGS + ("pipeline",)
+             if not (name == "pipeline" and mode == "on")]  # pipeline stages run eager
+    jobs = [sync_job(name, mode, tmp_path / f"{name}-{mode}") for name, mode in names]
+    llama = ["--model", "llama-tiny", "--dataset", corpus, "--block_size", 32]
+    jobs += [sync_job("tensor_parallel", mode, tmp_path / f"tp-{mode}", *llama) for mode in ("off", "on")]
+    reports = count_in_launch(2, jobs)
+    for (name, mode), report in zip(names, reports):
+        assert "precision: bf16 autocast" in report["output"], report["output"][-2000:]
+        assert ("compile: compiling" in report["output"]) == (mode == "on")
+        check_report(name, report)
+    eager, compiled = reports[-2:]
+    check_report("tensor_parallel", compiled)
+    # eager, transformers' own masking code asks once per forward whether the rows are packed sequences
+    model_only = {source.split(" at ")[1].split(":")[0] for _, _, source, _ in counted(eager)}
+    assert model_only == {"transformers/masking_utils.py"}, counted(eager)
+    assert all(count == 1 for _, _, _, count in counted(eager))
+
+
+@pytest.mark.slow
+def test_no_step_waits_on_the_device_with_one_rank(tmp_path):
+    names = [(name, mode) for mode in ("off", "on") for name in CONFIGS]
+    reports = count_in_launch(1, [sync_job(name, mode, tmp_path / f"{name}-{mode}") for name, mode in names])
+    for (name, mode), report in zip(names, reports):
+        check_report(name, report)
+
+
+def _sync_everywhere(x):
+    mask = x > 0
+    x.sum().item()
+    bool(x.sum() > 0)
+    float(x[0])
+    int(x[1])
+    x.tolist()
+    x.cpu()
+    x.numpy()
+    x.nonzero()
+    x[mask]
+    torch.unique(x)
+    [0, 1, 2][x[0].long()]
+
+
+def test_the_counter_sees_every_kind_of_host_sync_and_counts_by_step():
+    x = torch.tensor([1.0, 2.0, 0.0])
+    weight = torch.nn.Parameter(torch.ones(3))
+    optimizer = torch.optim.SGD([weight], lr=0.1)
+    with HostSyncs(torch.device("cpu")) as counter:
+        _sync_everywhere(x)
+        (weight * x).sum().backward()
+        optimizer.step()  # window 0 ends here
+        (weight * x * 2).sum().backward()  # plain computation: nothing to count
+        optimizer.step()
+        weight.grad.sum().item()
+        optimizer.step()
+    kinds = {source.split(" at ")[0]: count for source, count in counter.windows[0].items()}
+    assert kinds == {"item": 1, "__bool__": 1, "__float__": 1, "__int__": 1, "tolist": 1, "cpu": 1, "numpy": 1,
+                       "nonzero": 1, "__getitem__": 1, "unique": 1, "__index__": 1}, kinds
+    assert all(" at tests/test_host_syncs.py:" in source for source in counter.windows[0])
+    assert 1 not in counter.windows and sum(counter.windows[2].values()) == 1
+    assert list(counter.per_step(optimizer_steps=3, first=1)) == [1, 2]
