@@ -111,3 +111,20 @@ def test_output_dir_check(tmp_path):
     (tmp_path / "a-file").write_text("")
     assert metrics.check_output_dir(tmp_path / "a-file" / "run", overwrite=False).startswith(
         f"cannot write to output directory {tmp_path / 'a-file' / 'run'}")
+
+
+@pytest.mark.parametrize("name, bf16, tf32", [
+    ("NVIDIA H100 80GB HBM3", 989.4e12, 494.7e12),  # the SXM part
+    ("NVIDIA H100 PCIe", 756.5e12, 378.0e12),
+    ("NVIDIA H100 NVL", 835.5e12, 417.5e12),
+    ("NVIDIA H200", 989.4e12, 494.7e12),
+    ("NVIDIA H200 NVL", 835.5e12, 417.5e12),
+    ("NVIDIA A100-SXM4-80GB", 312e12, 156e12),
+    ("NVIDIA A100 80GB PCIe", 312e12, 156e12),
+    ("NVIDIA H100", None, None),  # which H100? not known exactly: no MFU against a guessed peak
+    ("NVIDIA GeForce RTX 4090", None, None),
+])
+def test_datasheet_peaks_by_exact_part(name, bf16, tf32):
+    assert metrics.datasheet_peak(name, torch.bfloat16) == bf16
+    assert metrics.datasheet_peak(name, torch.float16) == bf16
+    assert metrics.datasheet_peak(name, torch.float32) == tf32

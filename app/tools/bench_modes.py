@@ -1,10 +1,12 @@
 """What the benchmark measures: each mode's training loop on the same model, data and global batch, timed
 step by step on every rank. The app modes run the app's own loop (app/loop.py), not a copy of it."""
+import logging
 import statistics
 import time
 from dataclasses import dataclass
 
 import torch
+import torch._dynamo
 
 from app import compiler, dist, ds_config, ds_internals, loop, metrics, parallel, tasks
 from app.config import Settings
@@ -37,15 +39,27 @@ def build_model(work: Workload, ds=None):
 
 
 class Clock:
-    """Time at the end of each optimizer step, and the time each step waited for its batch."""
+    """Marks the start and the end of each optimizer step, and the time each step waited for its batch. On a GPU
+    each mark is a CUDA event, so the loop never waits for the device; times() synchronises once."""
 
     def __init__(self, device):
-        self.device, self.ends, self.waits = device, [], []
+        self.device, self.marks, self.waits = device, [], []
+        self.tick()
 
     def tick(self):
         if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-        self.ends.append(time.perf_counter())
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            self.marks.append(event)
+        else:
+            self.marks.append(time.perf_counter())
+
+    def times(self) -> list:
+        """Seconds from each mark to the next: the first is the time to the first step's end."""
+        if self.device.type == "cuda":
+            self.marks[-1].synchronize()
+            return [a.elapsed_time(b) / 1e3 for a, b in zip(self.marks, self.marks[1:])]
+        return [b - a for a, b in zip(self.marks, self.marks[1:])]
 
 
 class TimedLoader:
@@ -93,6 +107,7 @@ def run_torch(mode, args, world, work: Workload, loader, clock, total):
     clip = reference.get("gradient_clipping", 0.0)
     batches = iter(TimedLoader(loader, clock, endless=True))
     dtype = DTYPES[args.dtype]
+    compiler.set_tf32(world.device, dtype, "on")  # as the app sets it for fp32 on CUDA
     model.train()
     for _ in range(total):
         x, y, _ = next(batches)
@@ -143,9 +158,11 @@ def run_app(mode, args, world, work: Workload, loader, clock, total):  # long: t
         return result
     engine.optimizer.step = step_and_tick
     forward = ranks.forward(engine, work.task, compiler.wanted(choice, engine.device))
+    compiler.set_tf32(world.device, compiler.compute_dtype(engine), "on")  # as train.py does
     schedule = loop.Schedule(total, log_interval=10, eval_interval=total)
     loop.Loop(forward, TimedLoader(loader, clock), eval_loader, schedule, metrics.RunLog(None, total)).fit()
-    return state or None, compiler.input_dtype(engine), engine.is_compiled, param_bytes(engine.module)
+    compiled = engine.is_compiled and getattr(forward, "compiled", False)  # False once it fell back to eager
+    return state or None, compiler.compute_dtype(engine), compiled, param_bytes(engine.module)
 
 
 def _storages(tensors) -> dict:
@@ -175,35 +192,30 @@ def zero_state(engine, name) -> dict:
 
 def measure(mode, args, world, threads, per_rank_batch, work: Workload) -> dict:
     """Run one mode for warm-up + measured steps on every rank of this group; the reduced fields (rank 0 uses them)."""
-    torch.set_num_threads(threads)
-    metrics.reset_peak_memory(world.device)
-    dist.barrier()
-    started = time.perf_counter()
+    _start_mode(world, threads)
     clock = Clock(world.device)
     ranks = layout(mode, args, world)
     loader = build_loader(work.train_set, per_rank_batch, ranks.replica, ranks.replicas, True, 0)
     total = args.warmup + args.steps
     runner = run_torch if mode in TORCH_MODES else run_app
-    zero, dtype, compiled, held = runner(mode, args, world, work, loader, clock, total)
-    ends = [started] + clock.ends
-    times = [b - a for a, b in zip(ends, ends[1:])][args.warmup:]
+    with EagerFallbacks() as fallbacks:
+        zero, dtype, compiled, held = runner(mode, args, world, work, loader, clock, total)
+    times = clock.times()
+    first_step, times = times[0], times[1:][args.warmup:]
     wait_share = sum(clock.waits[args.warmup:total]) / sum(times)
     dist.barrier()  # every rank probes the matmul rate at once, as they shared the machine while training
     peak = metrics.matmul_flops(world.device, dtype, 0.1 if args.quick else 0.5)  # in the mode's own dtype
     datasheet = metrics.datasheet_flops(world.device, dtype)
-    mine = torch.tensor([statistics.median(times), wait_share, clock.ends[0] - started], dtype=torch.float64)
-    step_time, wait_share, first_step = dist.all_reduce_max(mine).tolist()  # the slowest rank's
-    peak = dist.all_reduce_sum(torch.tensor([peak], dtype=torch.float64)).item()
-    memory = torch.zeros(2, world.world_size, dtype=torch.float64)
-    memory[:, world.rank] = torch.tensor([metrics.peak_memory_bytes(world.device), held], dtype=torch.float64)
-    memory, held = dist.all_reduce_sum(memory).tolist()
+    step_time, wait_share, first_step = dist.host_max([statistics.median(times), wait_share, first_step])
+    peak = dist.host_sum([peak])[0]
+    memory, held = _each_rank(world, metrics.peak_memory_bytes(world.device)), _each_rank(world, held)
     global_batch = per_rank_batch * ranks.replicas
     samples_per_s = global_batch / step_time
     datasheet = datasheet and datasheet * world.world_size
     return {"mode": mode, "ranks": world.world_size, "threads_per_rank": threads,
             "micro_batch": per_rank_batch, "global_batch": global_batch, "dtype": str(dtype)[6:],
-            "compiled": bool(compiled), "pipeline_stages": ranks.split.stages if ranks.split else 1,
-            "tensor_parallel": ranks.tensor, "step_time_s": step_time,
+            "compiled": bool(compiled) and not fallbacks.model_frames, "pipeline_stages": ranks.split.stages if
+            ranks.split else 1, "tensor_parallel": ranks.tensor, "step_time_s": step_time,
             "samples_per_s": samples_per_s,
             "tokens_per_s": samples_per_s * work.info.seq_len if work.info.seq_len else None,
             "mfu": samples_per_s * args.flops_per_sample / peak, "peak_flops": peak,
@@ -212,3 +224,42 @@ def measure(mode, args, world, threads, per_rank_batch, work: Workload) -> dict:
             "data_wait_share": wait_share, "time_to_first_step_s": first_step,
             "peak_memory_bytes": [int(m) for m in memory], "param_bytes": [int(b) for b in held],
             "zero_state": zero}
+
+
+def _start_mode(world, threads: int):
+    """Start a mode as if in its own process: its threads, an empty compile cache (no recompile limit carried
+    over), torch's TF32 defaults (the mode then sets TF32 as the app would), a fresh memory peak."""
+    torch.set_num_threads(threads)
+    torch._dynamo.reset()
+    if world.device.type == "cuda":
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = False, True
+    metrics.reset_peak_memory(world.device)
+    dist.barrier()
+
+
+def _each_rank(world, value: float) -> list:
+    """value of every rank, in rank order."""
+    mine = [0.0] * world.world_size
+    mine[world.rank] = value
+    return dist.host_sum(mine)
+
+
+class EagerFallbacks(logging.Handler):
+    """Collects the frames of the model that torch.compile gave up on during a mode (its recompile limit), so a
+    mode that ran eager is not reported compiled; DeepSpeed's own hooks do not count."""
+
+    def __init__(self):
+        super().__init__(logging.WARNING)
+        self.model_frames = []
+
+    def emit(self, record):
+        text = record.getMessage()
+        if "recompile_limit" in text and "deepspeed" not in text:
+            self.model_frames.append(text.splitlines()[1].strip() if "\n" in text else text)
+
+    def __enter__(self):
+        logging.getLogger("torch._dynamo").addHandler(self)
+        return self
+
+    def __exit__(self, *exc):
+        logging.getLogger("torch._dynamo").removeHandler(self)
