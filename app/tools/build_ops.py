@@ -1,18 +1,42 @@
-"""Build DeepSpeed's JIT ops once during set-up, so the first training run starts in seconds."""
-import time
+"""Build the DeepSpeed JIT ops the shipped ds_configs use, once during set-up, so the first run starts in seconds.
 
-# The ops our ds_configs use: Adam on the accelerator, Adam on the CPU (offload), and on CPU the
-# shared-memory communication op that deepspeed.init_distributed loads.
-OPS = ("FusedAdamBuilder", "CPUAdamBuilder", "ShareMemCommBuilder")
+Each op compiles on first use (30-90 s here, a CUDA build on a GPU machine): building one no config uses
+would only slow every fresh set-up down.
+"""
+import json
+import time
+from pathlib import Path
+
+CONFIGS = Path(__file__).resolve().parents[2] / "ds_configs"
+
+
+def ops_for(ds: dict, accelerator: str) -> set:
+    """The op builders a DeepSpeed dict loads on an accelerator ('cpu' or 'cuda')."""
+    ops = set()
+    zero = ds.get("zero_optimization") or {}
+    optimizer = ds.get("optimizer") or {}
+    adam = optimizer.get("type", "").lower() in ("adam", "adamw")
+    if (zero.get("offload_optimizer") or {}).get("device") in ("cpu", "nvme"):
+        ops.add("CPUAdamBuilder")  # DeepSpeedCPUAdam runs the step on the host
+    elif adam and not optimizer.get("params", {}).get("torch_adam", False):
+        ops.add("FusedAdamBuilder")  # DeepSpeed's own Adam kernel; "torch_adam": true takes torch's
+    if accelerator == "cpu":
+        ops.add("ShareMemCommBuilder")  # deepspeed.init_distributed loads it for its CPU all-reduce
+    return ops
+
+
+def shipped_ops(accelerator: str) -> set:
+    """Every op the files in ds_configs/ load on this accelerator."""
+    return set().union(*(ops_for(json.loads(p.read_text()), accelerator) for p in CONFIGS.glob("*.json")))
 
 
 def main():
-    """Load (compiling where not cached) each op this machine's accelerator offers."""
+    """Load (compiling where not cached) each op the shipped configs use on this machine's accelerator."""
     from app.launch import prepare_environment
     prepare_environment()
     from deepspeed.accelerator import get_accelerator
     accelerator = get_accelerator()
-    for name in OPS:
+    for name in sorted(shipped_ops(accelerator.device_name())):
         builder_class = accelerator.get_op_builder(name)
         if builder_class is None:
             continue

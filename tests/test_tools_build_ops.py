@@ -1,0 +1,20 @@
+"""Set-up builds the DeepSpeed ops the shipped configs load, and no other (each is a minute of compiling)."""
+import json
+
+from app.tools.build_ops import ops_for, shipped_ops
+from conftest import REPO
+
+
+def test_the_shipped_configs_need_cpu_adam_and_on_a_cpu_the_shared_memory_all_reduce():
+    assert shipped_ops("cpu") == {"CPUAdamBuilder", "ShareMemCommBuilder"}
+    assert shipped_ops("cuda") == {"CPUAdamBuilder"}, "torch's fused AdamW needs no DeepSpeed kernel"
+
+
+def test_which_config_loads_which_op():
+    dp = json.loads((REPO / "ds_configs" / "dp.json").read_text())
+    assert ops_for(dp, "cuda") == set()
+    deepspeed_adam = {**dp, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}}
+    assert ops_for(deepspeed_adam, "cuda") == {"FusedAdamBuilder"}
+    offload = json.loads((REPO / "ds_configs" / "zero3_offload.json").read_text())
+    assert ops_for(offload, "cuda") == {"CPUAdamBuilder"}
+    assert ops_for({"optimizer": {"type": "SGD"}}, "cpu") == {"ShareMemCommBuilder"}
