@@ -1,11 +1,13 @@
-"""The CUDA paths, run when the machine has a GPU: auto device, auto precision, every ZeRO stage, compile, NCCL."""
+"""The CUDA paths, run when the machine has a GPU: auto device, auto precision, every ZeRO stage, compile, no
+host sync in a step, NCCL, and two ranks sharing one GPU behind a device group that refuses CPU tensors."""
 import functools
 import subprocess
 import sys
 
 import pytest
 
-from conftest import REPO, cuda_env, read_metrics, read_summary, train
+from conftest import REPO, cuda_env, read_metrics, read_summary, train, train_jobs
+from host_syncs import check_report, count_in_launch, sync_job
 
 pytestmark = pytest.mark.slow  # a subprocess asks for the GPUs; the tests train on them through app/train.py
 
@@ -32,7 +34,7 @@ def test_one_gpu_auto_mode_compiles_and_picks_bf16(tmp_path):
     need(1)
     result = gpu_train(tmp_path / "run")
     assert "mode: no launcher and one GPU: plain single-device training on cuda:0" in result.stdout
-    assert 'precision: bf16 (bf16 "auto": the CUDA device supports bf16)' in result.stdout
+    assert 'precision: bf16 autocast (torch_autocast "auto": the CUDA device supports bf16)' in result.stdout
     assert "compile: compiling the model and its loss" in result.stdout and "could not be compiled" not in result.stdout
     summary = read_summary(tmp_path / "run")
     assert summary["precision"] == "bfloat16" and summary["peak_memory_bytes"] > 0
@@ -54,7 +56,7 @@ def test_every_zero_stage_trains_in_bf16_on_one_gpu(name, tmp_path):
 def test_fp32_on_cuda_uses_tf32_unless_turned_off(tmp_path):
     need(1)
     fp32 = tmp_path / "fp32.json"
-    fp32.write_text((REPO / "ds_configs" / "dp.json").read_text().replace('"auto"', "false"))
+    fp32.write_text((REPO / "ds_configs" / "dp.json").read_text().replace('"enabled": "auto"', '"enabled": false'))
     on = gpu_train(tmp_path / "on", "--deepspeed_config", fp32, "--compile", "off")
     off = gpu_train(tmp_path / "off", "--deepspeed_config", fp32, "--compile", "off", "--tf32", "off")
     assert "precision: float32; TF32 matmuls" in on.stdout
@@ -99,3 +101,44 @@ def test_model_parallel_configs_on_two_gpus_with_nccl(name, model, tmp_path):
     assert summary["pipeline_stages" if name == "pipeline" else "tensor_parallel_size"] == 2
     losses = [r["loss"] for r in read_metrics(tmp_path / "run")[0]]
     assert losses[-1] < losses[0]
+
+
+def test_no_training_step_synchronises_the_gpu(tmp_path):
+    """The host-sync harness on CUDA, with torch.cuda.set_sync_debug_mode("error") over the counted steps: any
+    synchronising CUDA call there, DeepSpeed's CUDA-only branches included, fails the run."""
+    need(1)
+    names = [(name, mode) for mode in ("off", "on") for name in ("dp", "zero1", "zero2", "zero3", "bf16")]
+    reports = count_in_launch(1, [sync_job(name, mode, tmp_path / f"{name}-{mode}") for name, mode in names],
+                              "--cuda_errors", base_env=cuda_env())
+    for (name, mode), report in zip(names, reports):
+        check_report(name, report)
+
+
+SHARED = {"APP_SHARE_GPU_FOR_TESTS": "1"}  # both ranks on cuda:0, the device group gloo for CUDA alone
+
+
+def test_two_ranks_share_one_gpu_behind_a_device_only_group(tmp_path):
+    """The multi-rank CUDA paths on a one-GPU machine: a CPU tensor handed to the device group fails there as
+    on NCCL, so summaries, throughput probes, stop votes and checkpoints must all keep to the host group."""
+    need(1)
+    corpus = _corpus(tmp_path)
+    names = ("dp", "zero1", "zero2", "zero3")
+    jobs = [["--deepspeed_config", REPO / "ds_configs" / f"{name}.json", "--model", "gpt2-tiny", "--dataset", corpus,
+             "--max_steps", 8, "--log_interval", 2, "--save_interval", 4, "--output_dir", tmp_path / name]
+            for name in names]
+    outputs = train_jobs("deepspeed", 2, jobs, base_env={**cuda_env(), **SHARED})
+    for name, output in zip(names, outputs):
+        assert "cuda:gloo on cuda" in output, output[-2000:]
+        summary = read_summary(tmp_path / name)
+        assert summary["world_size"] == 2 and summary["precision"] == "bfloat16" and summary["tokens_per_s"] > 0
+        losses = [r["loss"] for r in read_metrics(tmp_path / name)[0]]
+        assert losses[-1] < losses[0], name
+
+
+def test_two_ranks_sharing_one_gpu_make_no_host_sync(tmp_path):
+    need(1)
+    names = [(name, mode) for mode in ("off", "on") for name in ("dp", "zero1", "zero2", "zero3")]
+    reports = count_in_launch(2, [sync_job(name, mode, tmp_path / f"{name}-{mode}") for name, mode in names],
+                              base_env={**cuda_env(), **SHARED})
+    for (name, mode), report in zip(names, reports):
+        check_report(name, report)

@@ -55,3 +55,17 @@ def test_loader_yields_inputs_labels_and_weights():
 def test_empty_dataset_is_a_user_error():
     with pytest.raises(UserError, match="empty"):
         loader.ShardSampler(0, 4)
+
+
+def test_auto_feeding_pins_and_adds_workers_only_where_a_gpu_waits_on_the_data():
+    from torch.utils.data import Subset, TensorDataset
+    from app.data.loader import feeding
+    tensors = TensorDataset(torch.zeros(8, 2), torch.zeros(8))
+    decoded = [(i, i) for i in range(8)]  # any dataset that builds each sample when asked
+    assert feeding(tensors, cuda=True, cores_per_rank=8) == (0, True), "in memory: no workers to feed it"
+    assert feeding(Subset(tensors, [0, 1]), cuda=True, cores_per_rank=8) == (0, True)
+    assert feeding(decoded, cuda=True, cores_per_rank=8) == (4, True)
+    assert feeding(decoded, cuda=True, cores_per_rank=2) == (1, True), "one core stays with the training step"
+    assert feeding(decoded, cuda=False, cores_per_rank=8) == (0, False), "on a CPU the step uses every core"
+    assert feeding(decoded, cuda=True, cores_per_rank=8, num_workers=2, pin_memory="off") == (2, False)
+    assert feeding(tensors, cuda=False, cores_per_rank=8, num_workers=0, pin_memory="on") == (0, True)

@@ -91,3 +91,9 @@ def test_rank_env_is_what_a_launcher_gives_a_rank_of_one_machine():
     assert env == {"RANK": "1", "WORLD_SIZE": "3", "LOCAL_RANK": "1", "LOCAL_SIZE": "3", "MASTER_ADDR": "127.0.0.1",
                    "MASTER_PORT": "12345"}
     assert launch.detect_launcher(env) == "deepspeed", "ranks started with it look like the deepspeed launcher's"
+
+
+@pytest.mark.parametrize("local_rank, visible, index", [(0, 8, 0), (3, 8, 3), (3, 1, 0), (1, 1, 0), (2, 2, -1)])
+def test_each_local_rank_takes_its_gpu_or_the_one_it_was_bound_to(local_rank, visible, index):
+    """srun --gpus-per-task=1 shows each task one GPU: local rank 3 takes it, not a missing cuda:3."""
+    assert launch.gpu_index(local_rank, visible) == index
