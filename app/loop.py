@@ -4,7 +4,8 @@ from dataclasses import dataclass
 
 from app import ds_internals
 from app.errors import UserError
-from app.metrics import Meter, RunLog, Stopwatch
+from app.metrics import Meter, Stopwatch
+from app.runlog import RunLog
 
 
 def build_engine(model, ds_config: dict):

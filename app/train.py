@@ -13,7 +13,7 @@ import numpy as np
 import torch
 
 from app import (checkpoint, compiler, config, dist, ds_config, ds_internals, launch, loop, metrics, parallel,
-                 preemption, tasks)
+                 preemption, runlog, tasks)
 from app.checkpoint import TrainerState
 from app.config import Settings
 from app.data.loader import build_loader, feeding
@@ -36,7 +36,7 @@ def output_dir_for(settings: Settings) -> Path:
         settings.output_dir = str(Path(settings.resume).resolve().parent.parent)  # <run>/checkpoints/<tag>
     name = settings.output_dir or f"runs/{settings.dataset}-{settings.model}-{time.strftime('%Y%m%d-%H%M%S')}"
     path = Path(dist.broadcast_object(name))
-    problem = dist.broadcast_object(metrics.check_output_dir(path, settings.overwrite, bool(settings.resume))
+    problem = dist.broadcast_object(runlog.check_output_dir(path, settings.overwrite, bool(settings.resume))
                                     if dist.is_main() else "")
     if problem:
         raise UserError(problem)
@@ -99,7 +99,7 @@ def run(settings: Settings, ds: dict, world: World, started: float) -> int:
         if nothing_to_do(engine, steps):
             return 0
         stop = preemption.StopRequest(settings.grace_period, world.launcher != "none")
-        log = metrics.RunLog(output_dir, steps, engine.global_steps, throughput=log_throughput)
+        log = runlog.RunLog(output_dir, steps, engine.global_steps, throughput=log_throughput)
         save = lambda *at: checkpoint.save(engine, output_dir, state.at(*at), settings.keep_last,  # noqa: E731
                                            save_files, every_rank)
         forward = ranks.forward(engine, task, compiler.wanted(settings.compile, engine.device))

@@ -59,7 +59,7 @@ def test_collectives_across_ranks(world, tmp_path):
 def _beside_a_device_only_group(rank, world, tmp):
     """What NCCL does to a CPU tensor, on a CPU: a default group registered for cuda alone refuses it. The app's
     bookkeeping (meters, votes, summaries, probes, checkpoint agreement) must never touch that group."""
-    from app import metrics, preemption, train
+    from app import preemption, runlog, train
     torch.distributed.init_process_group("cuda:gloo", rank=rank, world_size=world,
                                          timeout=datetime.timedelta(seconds=60))
     with pytest.raises(RuntimeError, match="No backend type associated with device type cpu"):
@@ -81,7 +81,7 @@ def _beside_a_device_only_group(rank, world, tmp):
     throughput = train.throughput_for(task, 1e9, engine, settings)
     assert throughput.peak_flops > 0
     world_info = SimpleNamespace(world_size=world, launcher="deepspeed", device=torch.device("cpu"))
-    log = metrics.RunLog(tmp / "run" if rank == 0 else None, 1)
+    log = runlog.RunLog(tmp / "run" if rank == 0 else None, 1)
     result = {"steps": 1, "stopped_early": False, "eval_loss": 1.0}
     assert train.summarise(result, settings, world_info, engine, task, log, None, time.perf_counter()) == 0
     assert dist.broadcast_object(rank) == 0 and dist.gather_objects(rank) == list(range(world))

@@ -80,7 +80,7 @@ class StopAt:
 def _fit(total, start, at_step, stop_at, intervals):
     """(rows, saves, result) of Loop.fit over 10 samples in micro batches of 4 (3 per epoch, the last padded)."""
     import torch
-    from app import metrics, tasks
+    from app import runlog, tasks
     from app.compiler import Forward
     from app.config import Settings
     from app.data.loader import build_loader
@@ -91,7 +91,7 @@ def _fit(total, start, at_step, stop_at, intervals):
     torch.manual_seed(0)
     engine = loop.build_engine(torch.nn.Linear(2, 3), dict(LOOP_CONFIG))
     engine.global_steps = at_step  # as a checkpoint load leaves it
-    log, saves = metrics.RunLog(None, total), []
+    log, saves = runlog.RunLog(None, total), []
     log.write_row = log.rows.append  # keep the rows in memory: no output_dir
     stop = StopAt(stop_at, engine) if stop_at else None
     forward = Forward(engine, tasks.ImageClassification(Settings()), compile_model=False)

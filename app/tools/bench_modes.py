@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import torch
 import torch._dynamo
 
-from app import compiler, dist, ds_config, ds_internals, loop, metrics, parallel, tasks
+from app import compiler, dist, ds_config, ds_internals, loop, metrics, parallel, runlog, tasks
 from app.config import Settings
 from app.data.loader import build_loader
 from app.tools.bench_report import TORCH_MODES
@@ -160,7 +160,7 @@ def run_app(mode, args, world, work: Workload, loader, clock, total):  # long: t
     forward = ranks.forward(engine, work.task, compiler.wanted(choice, engine.device))
     compiler.set_tf32(world.device, compiler.compute_dtype(engine), "on")  # as train.py does
     schedule = loop.Schedule(total, log_interval=10, eval_interval=total)
-    loop.Loop(forward, TimedLoader(loader, clock), eval_loader, schedule, metrics.RunLog(None, total)).fit()
+    loop.Loop(forward, TimedLoader(loader, clock), eval_loader, schedule, runlog.RunLog(None, total)).fit()
     compiled = engine.is_compiled and getattr(forward, "compiled", False)  # False once it fell back to eager
     return state or None, compiler.compute_dtype(engine), compiled, param_bytes(engine.module)
 
