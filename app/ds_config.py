@@ -24,7 +24,9 @@ def load_ds_config(path, cuda=None, bf16_ok=None) -> dict:
         raise UserError(f"DeepSpeed config {path} not found; pass --deepspeed_config with one of "
                         f"{', '.join(sorted(p.name for p in (REPO / 'ds_configs').glob('*.json')))} in ds_configs/")
     try:
-        ds = json.loads(path.read_text(), object_pairs_hook=_no_duplicate_keys)
+        ds = json.loads(path.read_bytes().decode("utf-8"), object_pairs_hook=_no_duplicate_keys)
+    except UnicodeDecodeError:
+        raise UserError(f"{path} is not a text file (not UTF-8): pass the DeepSpeed JSON file") from None
     except json.JSONDecodeError as e:
         raise UserError(f"{path} is not valid JSON: {e.msg} at line {e.lineno} column {e.colno}") from None
     except ValueError as e:
@@ -32,6 +34,7 @@ def load_ds_config(path, cuda=None, bf16_ok=None) -> dict:
     if not isinstance(ds, dict):
         raise UserError(f"{path} must hold a JSON object at the top level")
     ds, _ = resolve_precision(ds, str(path), cuda, bf16_ok)
+    check_value_types(ds, str(path))
     check_ds_keys(ds, str(path))
     return ds
 
@@ -113,7 +116,9 @@ def check_ds_keys(ds: dict, where: str):
         err = e.errors()[0]
         loc = ".".join(str(p) for p in err["loc"])
         section = _section_of(ds, err["loc"][0]) or e.title
-        raise UserError(f"{where}: {section}.{loc}: {err['msg'].lower()}{_suggest(err['loc'][-1], e)}") from None
+        given = f", got {err['input']!r}" if err["type"] != "extra_forbidden" and "input" in err else ""
+        raise UserError(f"{where}: {section}.{loc}: {err['msg'].lower()}{given}{_suggest(err['loc'][-1], e)}") \
+            from None
     except Exception as e:  # DeepSpeed's own config errors are plain exceptions with a sentence
         raise UserError(f"{where}: DeepSpeed rejected the config: {str(e).splitlines()[0]}") from None
     known_top = recorder.read | set(BATCH_KEYS)
@@ -127,6 +132,43 @@ def check_ds_keys(ds: dict, where: str):
             for sub_key in sub:
                 if sub_key not in section.read:
                     raise UserError(f"{where}: unknown key {key}.{sub_key}{suggest(sub_key, section.read)}")
+
+
+# Top-level keys DeepSpeed gives no typed default for, but reads as numbers.
+NUMBERS = {"steps_per_print": int}
+
+
+def _number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _numeric_text(value) -> bool:
+    try:
+        float(value)
+        return isinstance(value, str)
+    except (TypeError, ValueError):
+        return False
+
+
+def check_value_types(ds: dict, where: str):
+    """Name the key whose value has the wrong type: DeepSpeed reads top-level settings and optimizer and
+    scheduler parameters without checking them, and fails later with a comparison error that names none."""
+    defaults = ds_internals.scalar_defaults()
+    for key, value in ds.items():
+        expected = NUMBERS.get(key) or type(defaults.get(key))
+        wrong = (expected is bool and not isinstance(value, bool)) or \
+            (expected in (int, float) and not _number(value)) or (expected is int and isinstance(value, float))
+        if key in BATCH_KEYS or not wrong:
+            continue
+        kind = {bool: "true or false", int: "a whole number", float: "a number"}.get(expected, expected.__name__)
+        raise UserError(f"{where}: {key} must be {kind}, got {value!r}" +
+                        (" (a string: drop the quotes)" if _numeric_text(value) else ""))
+    for section in ("optimizer", "scheduler"):
+        params = (ds.get(section) or {}).get("params") or {}
+        for key, value in params.items() if isinstance(params, dict) else ():
+            if _numeric_text(value) or (isinstance(value, list) and any(_numeric_text(v) for v in value)):
+                raise UserError(f"{where}: {section}.params.{key} must be a number, got {value!r} (a string: "
+                                f"drop the quotes)")
 
 
 def _pydantic_checked(ds, key) -> bool:
@@ -157,7 +199,7 @@ def suggest(key, known):
 
 def _suggest(key, error):
     known = ds_internals.section_fields(getattr(error, "title", ""))
-    return suggest(str(key), known) if known else ""
+    return suggest(str(key), known) if known and str(key) not in known else ""
 
 
 def resolve_batch_sizes(ds: dict, world_size: int, where: str) -> dict:

@@ -81,6 +81,17 @@ def parse_config(ds: dict):
     return DeepSpeedConfig(ds)
 
 
+def scalar_defaults() -> dict:
+    """{top-level key: DeepSpeed's default} for its scalar settings that have one (runtime/constants.py)."""
+    from deepspeed.runtime import constants
+    found = {}
+    for name, key in vars(constants).items():
+        default = getattr(constants, f"{name}_DEFAULT", None) if isinstance(key, str) else None
+        if isinstance(default, (bool, int, float, str)):
+            found[key] = default
+    return found
+
+
 def section_fields(model_title: str) -> set:
     """The field names of DeepSpeed's pydantic config model called model_title (ZeRO and precision sections)."""
     import deepspeed.runtime.precision_config as precision
@@ -252,13 +263,29 @@ def zero_tensors(engine) -> dict:
     elif stage == 3:
         grads = [optimizer.grad_partitions_flat_buffer]
     else:
-        grads = [g for group in optimizer.averaged_gradients.values() for g in group]
+        grads = [g for group in optimizer.averaged_gradients.values() for g in group or ()]  # None between steps
     inner = getattr(optimizer, "optimizer", optimizer)
     moments = [t for state in inner.state.values() for t in state.values()]
     # DeepSpeed's ZeRO optimizers keep an fp32 master partition even when training in fp32
     masters = getattr(optimizer, "single_partition_of_fp32_groups", None) or \
         getattr(optimizer, "fp32_partitioned_groups_flat", [])
     return {"params": params, "grads": grads, "moments": moments, "masters": list(masters)}
+
+
+def storages(tensors) -> dict:
+    """Bytes of each distinct storage behind tensors, by address (views of one flat buffer count once)."""
+    return {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+            for t in tensors if isinstance(t, torch.Tensor) and t.numel()}
+
+
+def state_bytes(engine, first: bool) -> int:
+    """Bytes a checkpoint takes of this rank (first: data-parallel rank 0): under ZeRO 1-3 its partition of the
+    optimizer state, under ZeRO-3 its partition of the weights too; what every rank holds whole (the weights
+    below ZeRO-3, all of the optimizer state under ZeRO 0) is saved once, by the first rank."""
+    stage, tensors = engine.zero_optimization_stage(), zero_tensors(engine)
+    own = {**(storages(tensors["params"]) if stage == 3 or first else {}),
+           **(storages(tensors["moments"]) | storages(tensors["masters"]) if stage > 0 or first else {})}
+    return sum(own.values())
 
 
 def module_states(folder) -> dict:

@@ -15,6 +15,8 @@ def report(error: Exception) -> int:
     ended them by then (it does once rank 0 exits), so one mistake is one line, not one per rank.
     """
     rank = int(os.environ.get("RANK", "0"))
+    # a DataLoader worker's error comes back wrapped in its traceback: its last line is the one that matters
+    error = (str(error).strip().splitlines() or [""])[-1].removeprefix(f"{UserError.__module__}.UserError: ")
     if rank != 0:
         time.sleep(3)
         print(f"[rank {rank}] error: {error}", file=sys.stderr, flush=True)

@@ -2,12 +2,13 @@
 and hub names (hf_spec, then build_hf)."""
 import copy
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 from torch import nn
 
 from app.data import DataInfo
-from app.errors import UserError
+from app.errors import UserError, first_line
 
 
 def _cnn(info: DataInfo) -> nn.Module:
@@ -96,7 +97,6 @@ def hf_spec(name: str):
     if name in BUILTIN:  # before importing torchvision, which takes seconds
         return None
     import torchvision
-    from pathlib import Path
     if name in torchvision.models.list_models(module=torchvision.models):
         return None
     from transformers import AutoConfig
@@ -108,7 +108,11 @@ def hf_spec(name: str):
     elif Path(name).is_dir():
         if not (Path(name) / "config.json").is_file():
             raise UserError(f"model folder {name} has no config.json; pass a folder written by save_pretrained")
-        config, source = AutoConfig.from_pretrained(name), name
+        try:
+            config, source = AutoConfig.from_pretrained(name), name
+        except (OSError, ValueError, KeyError) as e:
+            raise UserError(f"{Path(name) / 'config.json'} cannot be read ({first_line(e)}): the folder may be "
+                            f"damaged or cut short; write it again with save_pretrained, or copy it again") from None
     else:
         try:
             config, source = AutoConfig.from_pretrained(name), name
@@ -178,13 +182,31 @@ def build_hf(spec: HFSpec, info: DataInfo, tokenizer, ds_config: dict) -> nn.Mod
         alive = HfDeepSpeedConfig(ds_config)  # noqa: F841 (transformers holds only a weak reference)
     cls = hf_class(info.task)
     if spec.pretrained:
-        hf = cls.from_pretrained(spec.pretrained, config=config,  # a new classifier head may differ in size
-                                 ignore_mismatched_sizes=info.task == "sequence_classification")
+        from safetensors import SafetensorError
+        try:
+            hf = cls.from_pretrained(spec.pretrained, config=config,  # a new classifier head may differ in size
+                                     ignore_mismatched_sizes=info.task == "sequence_classification")
+        except (OSError, ValueError, RuntimeError, SafetensorError) as e:  # however the file format says it
+            raise UserError(f"{folder_files(spec.pretrained, WEIGHT_FILES)} cannot be read ({first_line(e)}): the "
+                            f"folder may be damaged or cut short; write it again with save_pretrained, or copy it "
+                            f"again") from None
     else:
         hf = cls.from_config(config)
     hf.config.architectures = [type(hf).__name__]
     padded = info.task == "causal_lm" and vocab_size(config) < config.vocab_size
     return HFLogits(hf, vocab_size(config) if padded else 0)
+
+
+WEIGHT_FILES = ("*.safetensors", "*.bin", "*.safetensors.index.json", "*.bin.index.json")
+
+
+def folder_files(folder, patterns) -> str:
+    """The files of folder that match patterns, for a line naming what could not be read: folder/name, or
+    folder (name, name), or the folder alone when none is there."""
+    found = sorted({p.name for pattern in patterns for p in Path(folder).glob(pattern)})
+    if len(found) == 1:
+        return str(Path(folder) / found[0])
+    return f"{folder} ({', '.join(found)})" if found else str(folder)
 
 
 def save_hf_files(config, tokenizer, folder):

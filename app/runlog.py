@@ -1,11 +1,13 @@
 """Everything the main rank writes for a run: the progress bar or log lines, metrics.csv, TensorBoard, summary.json
 and the loss plot; and whether an output folder may take a run."""
+import contextlib
 import csv
 import json
 import sys
 from pathlib import Path
 
 from app import dist
+from app.errors import UserError
 from app.metrics import Throughput
 
 CSV_FIELDS = ["step", "epoch", "loss", "lr", "samples_per_s", "tokens_per_s", "mfu", "eval_loss", "eval_accuracy",
@@ -21,7 +23,7 @@ class RunLog:
         """Start metrics afresh, or (resumed_step > 0) keep the rows up to that step and append. show_progress:
         True draws the bar, False prints plain lines, None (default) draws it only on a terminal."""
         self.active = dist.is_main() and output_dir is not None
-        self.output_dir = output_dir
+        self.output_dir, self.resumed = output_dir, bool(resumed_step)
         self.throughput = throughput or Throughput()
         self.rows = []
         if not self.active:
@@ -79,6 +81,21 @@ class RunLog:
         """A line for the user that does not break the progress bar."""
         if self.active:
             self.bar.write(text, file=sys.stdout) if not self.plain else print(text, flush=True)
+
+    @contextlib.contextmanager
+    def discarded_on_user_error(self, has_checkpoint):
+        """Around the training of a fresh run: if it ends in a user's error (damaged data, a full disk) before
+        any checkpoint exists, its files go, so the same command can run again once the cause is fixed."""
+        try:
+            yield
+        except UserError:
+            if self.active and not self.resumed and not has_checkpoint():
+                self.bar.close()
+                self.tb.close()
+                self.csv_file.close()
+                for path in [self.output_dir / "metrics.csv", *(self.output_dir / "tensorboard").glob("events.*")]:
+                    path.unlink(missing_ok=True)
+            raise
 
     def finish(self, summary: dict):
         """Write summary.json and loss.png, close every file."""

@@ -60,9 +60,13 @@ class ImageClassification:
 
     def build_data(self, output_dir: Path) -> tuple:
         """(train set, eval set, DataInfo)."""
-        from app.data.images import build_image_sets
+        from app.data.images import build_image_sets, unreadable_images
         with dist.main_process_first():  # rank 0 downloads, the others then read its files
-            return build_image_sets(self.settings.dataset, self.settings.data_dir, self.settings.image_size)
+            sets = build_image_sets(self.settings.dataset, self.settings.data_dir, self.settings.image_size)
+        problem = dist.broadcast_object(unreadable_images(*sets[:2]) if dist.is_main() else "")  # before any write
+        if problem:
+            raise UserError(problem)
+        return sets
 
     def sample_data(self, samples: int, seq_len: int) -> tuple:
         """(train set, DataInfo) for benchmarks, whatever the size asked: the digits for the built-in models,

@@ -13,8 +13,8 @@ import numpy as np
 import torch
 
 from app import (checkpoint, compiler, config, dist, ds_config, ds_internals, launch, loop, metrics, parallel,
-                 preemption, runlog, tasks)
-from app.checkpoint import TrainerState
+                 preemption, resume, runlog, tasks)
+from app.checkpoint import TrainerState, checkpoint_root
 from app.config import Settings
 from app.data.loader import build_loader, feeding
 from app.dist import World
@@ -32,8 +32,8 @@ def output_dir_for(settings: Settings) -> Path:
     """The run's output directory: the flag, or a fresh timestamped one chosen by rank 0."""
     if settings.resume == "auto" and not settings.output_dir:
         raise UserError("--resume auto continues the run in --output_dir; pass the same --output_dir as that run")
-    if settings.resume and settings.resume != "auto" and not settings.output_dir:
-        settings.output_dir = str(Path(settings.resume).resolve().parent.parent)  # <run>/checkpoints/<tag>
+    if settings.resume and settings.resume != "auto" and not settings.output_dir:  # <run>/checkpoints/<tag>
+        settings.output_dir = str(resume.checkpoint_folder(settings.resume).resolve().parent.parent)
     name = settings.output_dir or f"runs/{settings.dataset}-{settings.model}-{time.strftime('%Y%m%d-%H%M%S')}"
     path = Path(dist.broadcast_object(name))
     problem = dist.broadcast_object(runlog.check_output_dir(path, settings.overwrite, bool(settings.resume))
@@ -70,7 +70,7 @@ def main(argv=None) -> int:
         dist.teardown()
 
 
-def run(settings: Settings, ds: dict, world: World, started: float) -> int:
+def run(settings: Settings, ds: dict, world: World, started: float) -> int:  # long: the job's steps in order
     """One training job inside an existing process group: build, resume, fit, summarise."""
     stop = None
     try:
@@ -90,12 +90,12 @@ def run(settings: Settings, ds: dict, world: World, started: float) -> int:
         state = TrainerState(0, 0, 0, settings.model, settings.dataset, world.world_size, ds_config.zero_stage(ds),
                              config.settings_dict(settings), asdict(info), ds,
                              ranks.split.stages if ranks.split else 0, ranks.replicas, ranks.tensor)
-        folder, saved, ds = checkpoint.plan_resume(output_dir, settings.resume, state, ds)
+        folder, saved, ds = resume.plan_resume(output_dir, settings.resume, state, ds)
         engine = loop.build_engine(trained, ranks.engine_config(ds_config.fill_scheduler_length(ds, steps)))
         state.deepspeed_config = ds  # as the engine got it: scheduler length filled, universal loading named
         say_mode(settings, world, engine, steps, output_dir, ranks)
         log_throughput = throughput_for(task, flops, engine, settings)
-        start = checkpoint.load(engine, folder, saved, ranks.replicas) if folder else (0, 0)
+        start = resume.load(engine, folder, saved, ranks.replicas) if folder else (0, 0)
         if nothing_to_do(engine, steps):
             return 0
         stop = preemption.StopRequest(settings.grace_period, world.launcher != "none")
@@ -104,7 +104,8 @@ def run(settings: Settings, ds: dict, world: World, started: float) -> int:
                                            save_files, every_rank)
         forward = ranks.forward(engine, task, compiler.wanted(settings.compile, engine.device))
         schedule = loop.Schedule(steps, settings.log_interval, settings.eval_interval, settings.save_interval)
-        result = loop.Loop(forward, train_loader, eval_loader, schedule, log, save, stop).fit(start)
+        with log.discarded_on_user_error(lambda: checkpoint.complete_checkpoints(checkpoint_root(output_dir))):
+            result = loop.Loop(forward, train_loader, eval_loader, schedule, log, save, stop).fit(start)
         return summarise(result, settings, world, engine, task, log, stop, started)
     finally:
         if stop is not None:

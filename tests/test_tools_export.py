@@ -106,3 +106,16 @@ def test_export_refuses_to_overwrite_and_non_checkpoints(saved, tmp_path):
     result = run([sys.executable, "-m", "app.tools.export", tmp_path, tmp_path / "x.safetensors"])
     assert result.returncode != 0
     assert_one_error_line(result.stderr, "is not a complete checkpoint")
+
+
+def test_export_takes_a_run_folder_and_names_a_damaged_manifest(saved, tmp_path):
+    result = run([sys.executable, "-m", "app.tools.export", saved / "zero1", tmp_path / "run.safetensors"])
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.startswith(f"exporting the newest complete checkpoint of {saved / 'zero1'}: step00000003")
+    damaged = tmp_path / "damaged"
+    subprocess.run(["cp", "-r", str(saved / "dp"), str(damaged)], check=True)
+    manifest = damaged / "checkpoints" / "step00000003" / "manifest.json"
+    manifest.write_text(manifest.read_text()[:50])
+    result = run([sys.executable, "-m", "app.tools.export", damaged, tmp_path / "x.safetensors"])
+    assert result.returncode == 2 and not (tmp_path / "x.safetensors").exists()
+    assert_one_error_line(result.stderr, "is damaged: manifest.json cannot be read", "start a new --output_dir")

@@ -7,7 +7,7 @@ import torch
 from torch.utils.data import TensorDataset
 
 from app.data import DataInfo
-from app.errors import UserError
+from app.errors import UserError, first_line
 
 
 def _digits(data_dir, image_size):
@@ -77,8 +77,8 @@ def _torchvision(name, data_dir, image_size):
     cls = getattr(torchvision.datasets, cls_name)
     tf = transforms.Compose([transforms.ToTensor(), transforms.Normalize(mean, std)])
     try:
-        train = cls(data_dir, train=True, transform=tf, download=False)
-    except RuntimeError:
+        train = _open_torchvision(cls, data_dir, tf, folder, train=True)
+    except FileNotFoundError:
         if os.environ.get("HF_HUB_OFFLINE") == "1":
             raise UserError(f"{cls_name} is not in {Path(data_dir) / folder} and HF_HUB_OFFLINE=1 forbids downloading "
                             f"it; put the dataset files there or unset HF_HUB_OFFLINE while online") from None
@@ -87,8 +87,34 @@ def _torchvision(name, data_dir, image_size):
         except Exception as e:
             raise UserError(f"{cls_name} is not in {Path(data_dir) / folder} and could not be downloaded "
                             f"({type(e).__name__}); put the dataset files there or run once while online") from None
-    eval_set = cls(data_dir, train=False, transform=tf, download=False)
+    eval_set = _open_torchvision(cls, data_dir, tf, folder, train=False)
     return train, eval_set, DataInfo(len(train.classes), channels, size)
+
+
+def _open_torchvision(cls, data_dir, tf, folder, train: bool):
+    """cls's split from data_dir; FileNotFoundError when it is not there, one line when its files are damaged."""
+    try:
+        return cls(data_dir, train=train, transform=tf, download=False)
+    except RuntimeError as e:
+        if "not found" in str(e).lower():
+            raise FileNotFoundError(folder) from None
+        error = e
+    except Exception as e:  # noqa: BLE001 (a file cut short fails inside torchvision's reader as anything)
+        error = e
+    where = _file_being_read(error, Path(data_dir) / folder) or f"the {cls.__name__} files in {Path(data_dir) / folder}"
+    raise UserError(f"{where} cannot be read ({first_line(error)}): it may be damaged or cut short; delete "
+                    f"{Path(data_dir) / folder} so the dataset is downloaded again, or copy it again") from None
+
+
+def _file_being_read(error: BaseException, folder: Path) -> str:
+    """The file under folder that a reader was reading when it raised error (a path among its frames' locals)."""
+    tb, found = error.__traceback__, ""
+    while tb is not None:
+        for value in tb.tb_frame.f_locals.values():
+            if isinstance(value, (str, Path)) and str(value).startswith(str(folder)) and Path(value).is_file():
+                found = str(value)
+        tb = tb.tb_next
+    return found
 
 
 def _imagefolder(data_dir, image_size):
@@ -103,12 +129,12 @@ def _imagefolder(data_dir, image_size):
     tf = transforms.Compose([transforms.Resize(image_size), transforms.CenterCrop(image_size), transforms.ToTensor(),
                              transforms.Normalize((0.5, 0.5, 0.5), (0.25, 0.25, 0.25))])
     try:
-        train = torchvision.datasets.ImageFolder(str(train_dir), transform=tf)
+        train = torchvision.datasets.ImageFolder(str(train_dir), transform=tf, loader=open_image)
     except (FileNotFoundError, RuntimeError) as e:
         raise UserError(f"ImageFolder {train_dir}: {e}") from None
     val_dir = next((root / d for d in ("val", "test") if (root / d).is_dir()), None)
     if val_dir is not None:
-        eval_set = torchvision.datasets.ImageFolder(str(val_dir), transform=tf)
+        eval_set = torchvision.datasets.ImageFolder(str(val_dir), transform=tf, loader=open_image)
     else:
         order = torch.randperm(len(train), generator=torch.Generator().manual_seed(0)).tolist()
         cut = max(1, len(order) // 10)
@@ -116,6 +142,36 @@ def _imagefolder(data_dir, image_size):
         train = torch.utils.data.Subset(train, order[cut:])
     classes = len(train.classes) if hasattr(train, "classes") else len(train.dataset.classes)
     return train, eval_set, DataInfo(classes, 3, image_size)
+
+
+def open_image(path: str):
+    """An image file as RGB; one line naming the file when it is not a readable image."""
+    from PIL import Image
+    try:
+        with open(path, "rb") as f:
+            return Image.open(f).convert("RGB")
+    except (OSError, ValueError, SyntaxError) as e:  # PIL's not-an-image and cut-short errors are OSErrors
+        raise UserError(f"{path} is not a readable image ({first_line(e)}); replace or remove it") from None
+
+
+def unreadable_images(*datasets) -> str:
+    """'' when every file of the image folders behind datasets is an image whose structure checks out (PIL's
+    verify: a PNG's chunks and checksums, a JPEG's header; no pixel is decoded), else the line naming the first
+    that is not. Other datasets: ''."""
+    from concurrent.futures import ThreadPoolExecutor
+    from PIL import Image
+    bases = {id(base): base for base in (getattr(d, "dataset", d) for d in datasets)}.values()
+    paths = [path for base in bases for path, _ in getattr(base, "samples", [])]
+
+    def problem(path):
+        try:
+            with Image.open(path) as image:
+                image.verify()
+                return ""
+        except (OSError, ValueError, SyntaxError) as e:
+            return f"{path} is not a readable image ({first_line(e)}); replace or remove it"
+    with ThreadPoolExecutor(8) as pool:  # file reads: threads overlap their waits
+        return next((said for said in pool.map(problem, paths) if said), "")
 
 
 BUILDERS = {

@@ -4,7 +4,7 @@ from pathlib import Path
 from app import dist
 from app.errors import UserError, first_line
 from app.config import Settings
-from app.models import HFSpec, vocab_size
+from app.models import HFSpec, folder_files, vocab_size
 
 BOS = "<|endoftext|>"  # the locally built tokenizers' one separator: document end, and first token of a row
 PAD = "<pad>"
@@ -65,8 +65,9 @@ def build_tokenizer(choice: str, model_source: str, vocab_size: int, texts):
     try:
         tokenizer = AutoTokenizer.from_pretrained(choice or model_source)
     except Exception as e:
-        raise UserError(f"cannot load the tokenizer of {choice or model_source} ({first_line(e)}); pass "
-                        f"--tokenizer with a folder saved by save_pretrained, 'bytes' or 'bpe'") from None
+        raise UserError(f"cannot load the tokenizer in {folder_files(choice or model_source, TOKENIZER_FILES)} "
+                        f"({first_line(e)}); it may be damaged or cut short: save it again, or pass --tokenizer "
+                        f"with a folder saved by save_pretrained, 'bytes' or 'bpe'") from None
     if len(tokenizer) < 2 or not _has_tokenizer(choice or model_source):
         raise UserError(f"{choice or model_source} holds no usable tokenizer; pass a folder saved by "
                         f"save_pretrained, or --tokenizer bytes or bpe")

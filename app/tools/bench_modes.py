@@ -165,24 +165,18 @@ def run_app(mode, args, world, work: Workload, loader, clock, total):  # long: t
     return state or None, compiler.compute_dtype(engine), compiled, param_bytes(engine.module)
 
 
-def _storages(tensors) -> dict:
-    """Bytes of each distinct storage behind tensors, by address (views of one flat buffer count once)."""
-    return {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
-            for t in tensors if isinstance(t, torch.Tensor) and t.numel()}
-
-
 def zero_state(engine, name) -> dict:
     """Per-rank bytes of parameters, gradients and optimizer state, read from the engine's tensors, beside
     the ZeRO paper's formula adapted to fp32 (params 4, grads 4, Adam moments 8 bytes per parameter)."""
     stage, n = engine.zero_optimization_stage(), dist.world_size()
     psi = sum(getattr(p, "ds_numel", p.numel()) for p in engine.module.parameters())
     tensors = ds_internals.zero_tensors(engine)
-    params = _storages(tensors["params"])
-    master = {k: v for k, v in _storages(tensors["masters"]).items() if k not in params}
+    params = ds_internals.storages(tensors["params"])
+    master = {k: v for k, v in ds_internals.storages(tensors["masters"]).items() if k not in params}
     shares = (4 / n if stage >= 3 else 4, 4 / n if stage >= 2 else 4, 8 / n if stage >= 1 else 8)
     formula = sum(shares) * psi
-    held = {"params_bytes": params, "grads_bytes": _storages(tensors["grads"]),
-            "optimizer_bytes": _storages(tensors["moments"]), "master_copy_bytes": master}
+    held = {"params_bytes": params, "grads_bytes": ds_internals.storages(tensors["grads"]),
+            "optimizer_bytes": ds_internals.storages(tensors["moments"]), "master_copy_bytes": master}
     held = {key: sum(value.values()) for key, value in held.items()}
     measured = sum(held.values())
     return {"config": name, "stage": stage, "parameters": psi, **held, "measured_bytes": measured,

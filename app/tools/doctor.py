@@ -76,7 +76,7 @@ def read_hosts(args) -> dict:
         import torch
         return {"localhost": args.num_gpus if args.num_gpus > 0 else max(1, torch.cuda.device_count())}
     if not Path(args.hostfile).is_file():
-        raise UserError(f"hostfile {args.hostfile} not found")
+        raise UserError(f"hostfile {args.hostfile} {'is a folder' if Path(args.hostfile).is_dir() else 'not found'}")
     logger.setLevel(logging.CRITICAL)  # its parser logs the whole file before raising; the row says it
     try:
         pool = runner.fetch_hostfile(args.hostfile)

@@ -1,4 +1,4 @@
-"""Export a checkpoint's fp32 weights: python -m app.tools.export <checkpoint> <out.safetensors | folder>.
+"""Export a checkpoint's fp32 weights: python -m app.tools.export <run or checkpoint> <out.safetensors | folder>.
 
 A .safetensors file holds the plain state dict; a folder (transformers models) gets save_pretrained form.
 """
@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch
 
-from app import checkpoint, ds_internals, pipeline, tensor_parallel
+from app import checkpoint, ds_internals, pipeline, resume, tensor_parallel
 from app.errors import UserError, report
 
 def fp32_state_dict(folder: Path) -> dict:
@@ -44,7 +44,10 @@ def save_pretrained(folder: Path, state: dict, task: str, out: Path):
 def export(folder: Path, out: Path) -> dict:
     """Verify the checkpoint, then write its fp32 weights to out with the run's record as metadata."""
     from safetensors.torch import save_file
-    saved = checkpoint.verify(folder)
+    named, folder = folder, resume.checkpoint_folder(folder)
+    if folder != named:
+        print(f"exporting the newest complete checkpoint of {named}: {folder.name}", flush=True)
+    saved = resume.verify(folder)
     if out.exists():
         raise UserError(f"{out} already exists; pick a new output path")
     task = saved.data_info.get("task", "image_classification")
@@ -65,7 +68,8 @@ def export(folder: Path, out: Path) -> dict:
 def main(argv=None) -> int:
     """Command-line entry point; returns the exit code."""
     parser = argparse.ArgumentParser(prog="python -m app.tools.export", description=__doc__)
-    parser.add_argument("checkpoint", type=Path, help="a checkpoint folder, e.g. <output_dir>/checkpoints/step00000100")
+    parser.add_argument("checkpoint", type=Path, help="a run folder (its newest complete checkpoint) or a checkpoint "
+                                                      "folder, e.g. <output_dir>/checkpoints/step00000100")
     parser.add_argument("out", type=Path, help="the .safetensors file to write, or (transformers models) a folder "
                                                "to write in save_pretrained form")
     args = parser.parse_args(argv)

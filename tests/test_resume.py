@@ -1,0 +1,279 @@
+"""Resume in one process: the trainer state's record, hand-written checkpoint folders verified against their
+manifests, the checkpoint to continue from, and what may change across a resume."""
+import hashlib
+import json
+
+import pytest
+
+from app import checkpoint, resume
+from app.checkpoint import MANIFEST, STATE, TrainerState
+from app.errors import UserError
+
+
+def _state(**changes) -> TrainerState:
+    """What a 1-rank digits CNN run under ds_configs/dp.json records at step 4 (micro batch 4 of epoch 0)."""
+    values = dict(step=4, epoch=0, batch=4, model="cnn", dataset="digits", world_size=1, zero_stage=0,
+                  settings={"model": "cnn", "dataset": "digits", "seed": 42, "max_steps": 6},
+                  data_info={"num_classes": 10, "in_channels": 1, "image_size": 8, "task": "image_classification",
+                             "vocab_size": 0, "seq_len": 0},
+                  deepspeed_config={"train_micro_batch_size_per_gpu": 32, "gradient_accumulation_steps": 1,
+                                    "train_batch_size": 32, "zero_optimization": {"stage": 0}})
+    return TrainerState(**{**values, **changes})
+
+
+SHARDS = {"mp_rank_00_model_states.pt": b"weights " * 64, "rng_rank00000.json": b'{"torch": [1, 2, 3]}',
+          "hf/config.json": b'{"model_type": "gpt2"}'}
+
+
+def _write_checkpoint(folder, state=None, state_text=None, manifest=True):
+    """A checkpoint folder as save() leaves it: the shards, trainer_state.json, then manifest.json listing every
+    file (relative name -> size and sha256)."""
+    folder.mkdir(parents=True)
+    for name, data in SHARDS.items():
+        (folder / name).parent.mkdir(parents=True, exist_ok=True)
+        (folder / name).write_bytes(data)
+    (folder / STATE).write_text(state_text if state_text is not None else (state or _state()).to_json())
+    if manifest:
+        files = sorted(p for p in folder.rglob("*") if p.is_file())
+        listed = {str(p.relative_to(folder)): {"size": len(p.read_bytes()),
+                                               "sha256": hashlib.sha256(p.read_bytes()).hexdigest()} for p in files}
+        (folder / MANIFEST).write_text(json.dumps(listed, indent=1))
+    return folder
+
+
+def _one_line(caught) -> str:
+    message = str(caught.value)
+    assert message and "\n" not in message, message
+    return message
+
+
+def test_trainer_state_round_trips_through_json():
+    state = _state(step=15, epoch=1, batch=7)
+    saved = json.loads(state.to_json())
+    assert saved["step"] == 15 and saved["settings"]["seed"] == 42
+    assert saved["deepspeed_config"]["train_batch_size"] == 32
+    assert TrainerState.from_json(state.to_json(), "x") == state
+
+
+def test_a_state_file_lacking_fields_is_one_line_naming_them(tmp_path):
+    old = {"step": 4, "epoch": 0, "batch": 4, "model": "cnn", "dataset": "digits", "world_size": 1, "zero_stage": 0}
+    with pytest.raises(UserError) as caught:
+        TrainerState.from_json(json.dumps(old), "run/checkpoints/step00000004/trainer_state.json")
+    message = _one_line(caught)
+    assert message.startswith("run/checkpoints/step00000004/trainer_state.json lacks settings, data_info, "
+                              "deepspeed_config"), message
+    assert "not written by this app" in message
+    # the same through verify(): the manifest vouches for the file, but it is not a whole record
+    folder = _write_checkpoint(tmp_path / "step00000004", state_text=json.dumps(old))
+    with pytest.raises(UserError, match="trainer_state.json lacks settings, data_info, deepspeed_config") as caught:
+        resume.verify(folder)
+    assert str(folder / STATE) in _one_line(caught)
+
+
+def test_at_moves_the_position_and_keeps_the_record():
+    state = _state()
+    later = state.at(10, 1, 3)
+    assert (later.step, later.epoch, later.batch) == (10, 1, 3)
+    assert (state.step, state.epoch, state.batch) == (4, 0, 4), "the run's own record is left as it was"
+    assert (later.model, later.settings, later.deepspeed_config) == \
+        (state.model, state.settings, state.deepspeed_config)
+
+
+@pytest.mark.parametrize("batch, micro, world, samples", [(0, 32, 1, 0), (4, 32, 1, 128), (3, 4, 2, 24),
+                                                          (5, 8, 3, 120)])
+def test_samples_into_epoch_counts_every_rank(batch, micro, world, samples):
+    state = _state(batch=batch, world_size=world, deepspeed_config={"train_micro_batch_size_per_gpu": micro})
+    assert state.samples_into_epoch() == samples
+
+
+def test_verify_returns_the_saved_state_of_a_whole_checkpoint(tmp_path):
+    state = _state(step=20, epoch=1, batch=3, world_size=2, zero_stage=2)
+    saved = resume.verify(_write_checkpoint(tmp_path / "step00000020", state))
+    assert isinstance(saved, TrainerState) and saved == state
+    assert (saved.step, saved.world_size, saved.zero_stage) == (20, 2, 2)
+
+
+def test_verify_refuses_a_folder_without_a_manifest(tmp_path):
+    folder = _write_checkpoint(tmp_path / "step00000004", manifest=False)
+    with pytest.raises(UserError, match=f"{folder} is not a complete checkpoint \\(no manifest.json\\)") as caught:
+        resume.verify(folder)
+    _one_line(caught)
+
+
+@pytest.mark.parametrize("name, damage, problem", [
+    ("mp_rank_00_model_states.pt", "delete", "is missing"),
+    ("mp_rank_00_model_states.pt", "truncate", "does not match its manifest"),
+    ("mp_rank_00_model_states.pt", "append", "does not match its manifest"),
+    ("rng_rank00000.json", "same size, other bytes", "does not match its manifest"),
+    ("hf/config.json", "same size, other bytes", "does not match its manifest"),
+    ("trainer_state.json", "same size, other bytes", "does not match its manifest"),
+])
+def test_verify_names_a_missing_or_changed_file(name, damage, problem, tmp_path):
+    folder = _write_checkpoint(tmp_path / "step00000004")
+    path = folder / name
+    data = path.read_bytes()
+    if damage == "delete":
+        path.unlink()
+    elif damage == "truncate":
+        path.write_bytes(data[:10])
+    elif damage == "append":
+        path.write_bytes(data + b"\0")
+    else:  # the size still matches: only the sha256 tells
+        path.write_bytes(data[:5] + bytes([data[5] ^ 1]) + data[6:])
+    with pytest.raises(UserError) as caught:
+        resume.verify(folder)
+    assert _one_line(caught) == f"checkpoint {folder} is damaged: {name} {problem}; start a new --output_dir"
+
+
+@pytest.mark.parametrize("name", [MANIFEST, STATE])
+@pytest.mark.parametrize("damage", ["cut short", "not text", "not an object", "a folder"])
+def test_a_checkpoint_json_file_cut_short_or_of_another_kind_is_one_line(name, damage, tmp_path):
+    """The files the manifest cannot vouch for: itself, and (if the manifest is rewritten to match) the state."""
+    root = tmp_path / "run" / "checkpoints"
+    older = _write_checkpoint(root / "step00000002", _state(step=2))
+    folder = _write_checkpoint(root / "step00000004")
+    path = folder / name
+    if damage == "cut short":
+        path.write_text(path.read_text()[:40])
+    elif damage == "not text":
+        path.write_bytes(b"\x89PNG\x00\xff" * 8)
+    elif damage == "not an object":
+        path.write_text("[1, 2, 3]" if name == STATE else "null")
+    else:
+        path.unlink()
+        path.mkdir()
+    if name == STATE:  # a manifest that vouches for the damaged state file
+        listed = json.loads((folder / MANIFEST).read_text())
+        listed.pop(STATE)
+        (folder / MANIFEST).write_text(json.dumps(listed))
+    with pytest.raises(UserError) as caught:
+        resume.verify(folder)
+    line = _one_line(caught)
+    if not (name == MANIFEST and damage == "a folder"):  # no manifest file: not a complete checkpoint at all
+        assert line.startswith(f"checkpoint {folder} is damaged: {name} "), line
+    assert f"--resume {older}" in line or "is not a complete checkpoint" in line, line
+
+
+def test_find_without_resume_or_checkpoints_starts_fresh(tmp_path):
+    assert resume.find(tmp_path / "new-run", "auto") == (None, None), "no checkpoints folder at all"
+    (tmp_path / "run" / "checkpoints").mkdir(parents=True)
+    assert resume.find(tmp_path / "run", "auto") == (None, None), "an empty checkpoints folder"
+    _write_checkpoint(tmp_path / "run" / "checkpoints" / "step00000004", manifest=False)
+    assert resume.find(tmp_path / "run", "auto") == (None, None), "only a save killed before its manifest"
+    _write_checkpoint(tmp_path / "run" / "checkpoints" / "step00000002")
+    assert resume.find(tmp_path / "run", "") == (None, None), "no --resume: checkpoints are not looked at"
+
+
+def test_find_auto_picks_the_newest_complete_checkpoint(tmp_path):
+    root = tmp_path / "run" / "checkpoints"
+    for step in (5, 10, 9):
+        _write_checkpoint(root / f"step{step:08d}", _state(step=step))
+    _write_checkpoint(root / "step00000015", _state(step=15), manifest=False)  # killed half-way
+    folder, saved = resume.find(tmp_path / "run", "auto")
+    assert folder == root / "step00000010" and saved.step == 10
+    assert checkpoint.complete_checkpoints(root) == [root / f"step{s:08d}" for s in (5, 9, 10)]
+
+
+def test_find_auto_does_not_fall_back_past_a_damaged_newest_checkpoint(tmp_path):
+    root = tmp_path / "run" / "checkpoints"
+    _write_checkpoint(root / "step00000005", _state(step=5))
+    _write_checkpoint(root / "step00000010", _state(step=10))
+    (root / "step00000010" / "mp_rank_00_model_states.pt").unlink()
+    with pytest.raises(UserError, match="step00000010 is damaged: mp_rank_00_model_states.pt is missing"):
+        resume.find(tmp_path / "run", "auto")
+
+
+def test_find_a_named_folder(tmp_path):
+    folder = _write_checkpoint(tmp_path / "run" / "checkpoints" / "step00000004")
+    assert resume.find(tmp_path / "elsewhere", str(folder)) == (folder, _state())
+    with pytest.raises(UserError, match=f"--resume {tmp_path / 'nope'}: no such folder") as caught:
+        resume.find(tmp_path / "run", str(tmp_path / "nope"))
+    _one_line(caught)
+    (tmp_path / "plain").mkdir()
+    with pytest.raises(UserError, match="is not a complete checkpoint"):
+        resume.find(tmp_path / "run", str(tmp_path / "plain"))
+
+
+def test_a_run_folder_names_its_newest_complete_checkpoint(tmp_path, capsys):
+    root = tmp_path / "run" / "checkpoints"
+    for step in (2, 4):
+        _write_checkpoint(root / f"step{step:08d}", _state(step=step))
+    _write_checkpoint(root / "step00000006", _state(step=6), manifest=False)  # a save cut short
+    for named in (tmp_path / "run", root):
+        assert resume.checkpoint_folder(named) == root / "step00000004"
+        assert resume.find(tmp_path / "other", str(named))[1].step == 4
+        assert f"resume: the newest complete checkpoint of {named} is step00000004" in capsys.readouterr().out
+    assert resume.checkpoint_folder(root / "step00000002") == root / "step00000002", "a checkpoint is itself"
+    (root / "step00000002" / MANIFEST).unlink()
+    (root / "step00000004" / MANIFEST).unlink()
+    with pytest.raises(UserError, match="holds no complete checkpoint"):
+        resume.checkpoint_folder(tmp_path / "run")
+
+
+@pytest.mark.parametrize("change, text", [
+    ({"model": "mlp"}, "was made with model='cnn' but this run has model='mlp'"),
+    ({"dataset": "synthetic"}, "was made with dataset='digits' but this run has dataset='synthetic'"),
+    ({"zero_stage": 2}, "was made with zero_stage=0 but this run has zero_stage=2"),
+    ({"pipeline_stages": 2}, "was made with pipeline_stages=0 but this run has pipeline_stages=2"),
+    ({"tensor_parallel_size": 2}, "was made with tensor_parallel_size=1 but this run has tensor_parallel_size=2"),
+])
+def test_a_checkpoint_of_another_model_dataset_or_stage_is_refused(change, text, tmp_path):
+    with pytest.raises(UserError, match=text) as caught:
+        resume.check_compatible(_state(), _state(**change), tmp_path / "step00000004")
+    assert _one_line(caught).startswith(f"checkpoint {tmp_path / 'step00000004'} was made with")
+
+
+def test_what_may_change_across_a_resume():
+    """Position, world size, flags and the DeepSpeed dict may differ: those are what a resumed run changes."""
+    current = _state(step=0, epoch=0, batch=0, world_size=4, settings={"max_steps": 100},
+                     deepspeed_config={"train_micro_batch_size_per_gpu": 8})
+    resume.check_compatible(_state(), current, "step00000004")
+
+
+@pytest.mark.parametrize("stage, saved_world, world, needed", [
+    (0, 2, 1, False),  # stage 0: every rank holds everything, any world size loads it
+    (1, 2, 2, False), (1, 2, 1, True), (2, 1, 2, True), (3, 2, 3, True), (3, 4, 4, False),
+])
+def test_needs_universal_only_for_partitioned_state_on_another_world_size(stage, saved_world, world, needed):
+    assert resume.needs_universal(_state(zero_stage=stage, world_size=saved_world), world) is needed
+
+
+def test_plan_resume_without_a_checkpoint(tmp_path, capsys):
+    ds = {"train_micro_batch_size_per_gpu": 32}
+    assert resume.plan_resume(tmp_path, "", _state(), ds) == (None, None, ds)
+    assert capsys.readouterr().out == ""
+    assert resume.plan_resume(tmp_path, "auto", _state(), ds) == (None, None, ds)
+    assert capsys.readouterr().out == f"resume: no complete checkpoint in {tmp_path / 'checkpoints'}, starting fresh\n"
+
+
+@pytest.mark.parametrize("split", [dict(pipeline_stages=2), dict(tensor_parallel_size=2)])
+def test_a_model_parallel_run_resumes_only_on_its_own_world_size(split, tmp_path):
+    _write_checkpoint(tmp_path / "checkpoints" / "step00000004", _state(world_size=2, **split))
+    with pytest.raises(UserError, match="run of 2 rank.s. and the app cannot reshape.*resume it with 2 rank") as caught:
+        resume.plan_resume(tmp_path, "auto", _state(step=0, world_size=4, **split), {})
+    _one_line(caught)
+
+
+def test_samples_into_epoch_counts_replicas_not_stages():
+    """2 stages x 2 replicas at micro batch 32: 4 micro batches into the epoch are 4 x 32 x 2 samples."""
+    assert _state(batch=4, world_size=4, pipeline_stages=2, data_parallel_size=2).samples_into_epoch() == 256
+
+
+def test_plan_resume_checks_before_anything_is_built(tmp_path):
+    folder = _write_checkpoint(tmp_path / "checkpoints" / "step00000004", _state(world_size=2))
+    ds = {"train_micro_batch_size_per_gpu": 32}
+    # ZeRO stage 0 saved by 2 ranks loads on 1 as it is: no conversion, the dict unchanged
+    assert resume.plan_resume(tmp_path, "auto", _state(step=0, world_size=1), ds) == \
+        (folder, _state(world_size=2), ds)
+    with pytest.raises(UserError, match="was made with model='cnn' but this run has model='mlp'"):
+        resume.plan_resume(tmp_path, "auto", _state(model="mlp"), ds)
+
+
+def test_a_state_saved_before_model_parallelism_loads_with_its_defaults(tmp_path):
+    """Checkpoints written before the pipeline and tensor-parallel fields existed still resume."""
+    saved = json.loads(_state().to_json())
+    for key in ("pipeline_stages", "data_parallel_size", "tensor_parallel_size"):
+        del saved[key]
+    state = TrainerState.from_json(json.dumps(saved), tmp_path / STATE)
+    assert (state.pipeline_stages, state.data_parallel_size, state.tensor_parallel_size) == (0, 0, 1)
+    assert state.samples_into_epoch() == 4 * 32 * 1, "the world size stands in for the replicas"
