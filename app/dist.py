@@ -1,6 +1,6 @@
 """Run time inside the process group: who this rank is, printing from the main rank, collectives, teardown.
 
-Every collective of the app goes through here (DeepSpeed's own, in app/ds_internals.py, excepted).
+Every collective of the app goes through here (DeepSpeed's own, in app/ds_internals/, excepted).
 
 Launch time (which launcher, its variables, the start-up rendezvous) lives in app/launch.py.
 """

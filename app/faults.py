@@ -1,6 +1,7 @@
 """Fault points the tests switch on through the environment, to make a chosen rank fail at a chosen moment.
 
-    APP_KILL_AT=<moment>:<step>[:<rank>]      SIGKILL at a moment of a checkpoint save (shards, manifest, pointer)
+    APP_KILL_AT=<moment>:<step>[:<rank>]      SIGKILL at a moment of a checkpoint save (shards, manifest, pointer),
+                                              in a first attempt only (not in a restarted one)
     APP_OOM_AT=<micro batch>[:<rank>]         raise torch.OutOfMemoryError in a forward of that many samples or more
     APP_FAIL_COMPILE=<forward|backward>[:<rank>]   make inductor refuse the model's forward or backward graph
 
@@ -24,9 +25,11 @@ def _wanted(name: str, before_rank: int = 1) -> list:
 
 
 def kill_at(moment: str, step: int):
-    """SIGKILL this rank here when APP_KILL_AT names this moment and step (the crash-safety tests use it)."""
+    """SIGKILL this rank here when APP_KILL_AT names this moment and step (the crash-safety tests use it); only
+    in a first attempt, so a run restarted by torchrun --max_restarts or app.tools.restart gets past it."""
+    restarted = any(os.environ.get(name, "0") != "0" for name in ("TORCHELASTIC_RESTART_COUNT", "APP_RESTART_COUNT"))
     wanted = _wanted("APP_KILL_AT", 2)
-    if wanted and wanted[0] == moment and int(wanted[1]) == step:
+    if wanted and not restarted and wanted[0] == moment and int(wanted[1]) == step:
         os.kill(os.getpid(), signal.SIGKILL)
 
 

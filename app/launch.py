@@ -212,12 +212,12 @@ def setup(single_process: bool = False, timeout_s: int = 600) -> World:
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("LOCAL_SIZE", "1")))
     device, backend = _device(local_rank, local_world_size)
-    deepspeed.utils.logger.setLevel(logging.WARNING if rank == 0 else logging.ERROR)
+    ds_internals.quiet_deepspeed(rank)
     node = node_of(launcher)
     nodes = _join(rank, world_size, node, backend, device, min(timeout_s, JOIN_TIMEOUT_S), timeout_s)
-    # DeepSpeed adopts the process group _join started
-    deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False, verbose=False,
-                               timeout=datetime.timedelta(seconds=timeout_s))
+    with ds_internals.op_loads_quiet():  # DeepSpeed adopts the process group _join started
+        deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False, verbose=False,
+                                   timeout=datetime.timedelta(seconds=timeout_s))
     if device.type == "cpu" and local_world_size == world_size:
         barrier()  # every rank has mapped every segment
         ds_internals.drop_shm_names(rank)

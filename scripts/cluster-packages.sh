@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The Debian packages the multi-node tests run for real (pdsh, sshd, OpenMPI, Slurm, munge), installed once
-# when missing (--check: only say which are missing). Their maintainer scripts are kept from starting daemons: the tests start their own on loopback.
+# when missing, as root; as another user it says so and the tests that need them skip (--check: only say which
+# are missing, exit 1). Their maintainer scripts are kept from starting daemons: the tests start their own on loopback.
 set -euo pipefail
 declare -A PACKAGES=([/usr/bin/pdsh]=pdsh [/usr/sbin/sshd]=openssh-server [/usr/bin/ssh]=openssh-client
                      [/usr/bin/mpirun]=openmpi-bin [/usr/sbin/slurmctld]=slurm-wlm [/usr/sbin/munged]=munge)
@@ -10,12 +11,13 @@ for binary in "${!PACKAGES[@]}"; do
 done
 [ ${#missing[@]} -eq 0 ] && exit 0
 if [ "${1:-}" = --check ]; then
-    echo "the multi-node tests need ${missing[*]}: run \`make cluster-packages\` (as root) first" >&2
+    echo "needs ${missing[*]}: \`sudo make cluster-packages\` installs them (make test does, as root)" >&2
     exit 1
 fi
-if [ "$(id -u)" != 0 ]; then
-    echo "error: the multi-node tests need ${missing[*]}; run as root or: sudo apt-get install ${missing[*]}" >&2
-    exit 2
+if [ "$(id -u)" != 0 ]; then  # the rest of the suite runs; the multi-node tests skip, saying this
+    echo "note: the multi-node tests need ${missing[*]}, which only root installs: they are skipped;" \
+         "\`sudo make cluster-packages\` installs them" >&2
+    exit 0
 fi
 policy=/usr/sbin/policy-rc.d
 added=0

@@ -20,11 +20,12 @@ DOWN_HOST = "127.0.0.3"
 
 
 def require_packages():
-    """Fail, saying how to fix it, when a package the cluster needs is missing (`make test` installs them)."""
+    """When a package the cluster needs is missing: skip, saying the command that installs it, for a user who
+    cannot install it; fail as root, for whom `make test` installs them (as in CI)."""
     done = subprocess.run(["bash", str(REPO / "scripts" / "cluster-packages.sh"), "--check"], capture_output=True,
                           text=True)
     if done.returncode:
-        pytest.fail(done.stderr.strip())
+        (pytest.fail if os.geteuid() == 0 else pytest.skip)(f"the multi-node tests {done.stderr.strip()}")
 
 
 def wait_for(ready, what, timeout=30):

@@ -1,0 +1,29 @@
+"""Every place the app touches DeepSpeed's private internals, in this package.
+
+Each function here relies on something DeepSpeed does not promise to keep: attribute names of its engine and
+optimizers, the shape of its launcher's arguments, file names it picks, the lines it logs. They were written
+against WRITTEN_FOR; `version_note()` says in one line what to do when another version is installed.
+"""
+from app.ds_internals.config import Recorder, parse_config, scalar_defaults, section_fields
+from app.ds_internals.engine import (count_every_stage_in_grad_norm, drop_other_stages, engine_hooks_eager,
+                                     forget_parallel_groups, gathered_state_dict, lighten_plain_step,
+                                     replay_cpu_adam_steps, skip_bad_steps_on_device, uncompile)
+from app.ds_internals.launcher import drop_shm_names, launcher_world_info, op_loads_quiet, quiet_deepspeed
+from app.ds_internals.state import module_states, state_bytes, storages, zero_tensors
+
+WRITTEN_FOR = "0.19.8"
+__all__ = ["Recorder", "parse_config", "scalar_defaults", "section_fields", "count_every_stage_in_grad_norm",
+           "drop_other_stages", "engine_hooks_eager", "forget_parallel_groups", "gathered_state_dict",
+           "lighten_plain_step", "replay_cpu_adam_steps", "skip_bad_steps_on_device", "uncompile", "drop_shm_names",
+           "launcher_world_info", "op_loads_quiet", "quiet_deepspeed", "module_states", "state_bytes", "storages",
+           "zero_tensors", "version_note", "WRITTEN_FOR"]
+
+
+def version_note() -> str:
+    """'' on the DeepSpeed version this package was written for, else one line saying what to do."""
+    import deepspeed
+    if deepspeed.__version__ == WRITTEN_FOR:
+        return ""
+    return (f"warning: DeepSpeed {deepspeed.__version__} is installed but app/ds_internals/ was written for "
+            f"{WRITTEN_FOR}; install deepspeed=={WRITTEN_FOR} (requirements.txt), or check each function in "
+            f"app/ds_internals/ against this version")

@@ -1,0 +1,53 @@
+"""DeepSpeed's config parser: what it reads, its sections' fields, its defaults."""
+
+
+class Recorder(dict):
+    """A dict that remembers which keys DeepSpeed's config parser looked at."""
+
+    def __init__(self, data):
+        super().__init__({k: Recorder(v) if isinstance(v, dict) else v for k, v in data.items()})
+        self.read = set()
+
+    def __getitem__(self, key):
+        self.read.add(key)
+        return super().__getitem__(key)
+
+    def get(self, key, default=None):
+        self.read.add(key)
+        return super().get(key, default)
+
+    def __contains__(self, key):
+        self.read.add(key)
+        return super().__contains__(key)
+
+
+def parse_config(ds: dict):
+    """Run DeepSpeed's own config parser on ds (in place: a Recorder records what it read), batch sizes made
+    consistent for one rank."""
+    from deepspeed.runtime.config import DeepSpeedConfig
+    micro, accum = ds.get("train_micro_batch_size_per_gpu"), ds.get("gradient_accumulation_steps", 1)
+    if isinstance(micro, int) and isinstance(accum, int):
+        dict.__setitem__(ds, "train_batch_size", micro * accum)
+    return DeepSpeedConfig(ds)
+
+
+def scalar_defaults() -> dict:
+    """{top-level key: DeepSpeed's default} for its scalar settings that have one (runtime/constants.py)."""
+    from deepspeed.runtime import constants
+    found = {}
+    for name, key in vars(constants).items():
+        default = getattr(constants, f"{name}_DEFAULT", None) if isinstance(key, str) else None
+        if isinstance(default, (bool, int, float, str)):
+            found[key] = default
+    return found
+
+
+def section_fields(model_title: str) -> set:
+    """The field names of DeepSpeed's pydantic config model called model_title (ZeRO and precision sections)."""
+    import deepspeed.runtime.precision_config as precision
+    import deepspeed.runtime.zero.config as zero
+    for module in (zero, precision):
+        for cls in vars(module).values():
+            if getattr(cls, "__name__", None) == model_title and hasattr(cls, "model_fields"):
+                return set(cls.model_fields)
+    return set()

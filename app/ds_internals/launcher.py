@@ -1,0 +1,62 @@
+"""DeepSpeed's launcher and start-up: the hosts it was given, its shared-memory segments, its log lines."""
+import base64
+import contextlib
+import json
+import os
+
+import psutil
+
+
+def launcher_world_info() -> dict:
+    """{host: slots} in hostfile order, as deepspeed's launch.py (our parent) was given it; {} otherwise."""
+    with contextlib.suppress(psutil.Error, ValueError):
+        for arg in psutil.Process().parent().cmdline():
+            if arg.startswith("--world_info="):
+                return json.loads(base64.urlsafe_b64decode(arg.split("=", 1)[1]))
+    return {}
+
+
+def drop_shm_names(rank: int):
+    """Remove the name of this rank's /dev/shm segment; call once every rank of the node has mapped them all.
+
+    On CPU, DeepSpeed's comm backend gives each rank of an all-local group a 69 MB shared-memory
+    segment (for its inference all-reduce) and never removes it: every run would leave them behind
+    until /dev/shm fills the machine's memory. The mappings stay valid after the name is gone.
+    """
+    path = f"/dev/shm/deepspeed_allreduce_buffer_{os.getuid()}_{os.environ.get('MASTER_ADDR')}_" \
+           f"{os.environ.get('MASTER_PORT')}_{rank}"
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(path)
+
+
+# DeepSpeed's lines that tell a user nothing; the rest of its warnings stay. APP_DEEPSPEED_LOG=info shows them all.
+NOISE = ("Attempting to get learning rate from scheduler before it has started", "built successfully")
+
+
+def quiet_deepspeed(rank: int):
+    """DeepSpeed's logger on this rank: warnings on rank 0 (errors elsewhere) without its NOISE, unless the user
+    asks for its own lines with APP_DEEPSPEED_LOG=<level> (debug, info, warning)."""
+    import logging
+    from deepspeed.utils import logger
+    asked = os.environ.get("APP_DEEPSPEED_LOG", "").upper()
+    logger.setLevel(getattr(logging, asked, None) or (logging.WARNING if rank == 0 else logging.ERROR))
+    if not asked:
+        logger.addFilter(lambda record: not any(part in record.getMessage() for part in NOISE))
+
+
+@contextlib.contextmanager
+def op_loads_quiet():
+    """Keep the line DeepSpeed prints each time it loads a compiled op ("... built successfully") off stdout,
+    unless APP_DEEPSPEED_LOG is set or the load fails (then all it printed is shown)."""
+    import io
+    import sys
+    if os.environ.get("APP_DEEPSPEED_LOG"):
+        yield
+        return
+    printed = io.StringIO()
+    try:
+        with contextlib.redirect_stdout(printed):
+            yield
+    except BaseException:
+        sys.stdout.write(printed.getvalue())
+        raise

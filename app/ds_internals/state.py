@@ -1,0 +1,46 @@
+"""What an engine holds and saves, by tensor: parameters, gradients, moments, fp32 masters."""
+import torch
+
+
+def zero_tensors(engine) -> dict:
+    """This rank's parameter, gradient, optimizer-moment and fp32 master tensors, as lists, by what they are.
+
+    Read inside an optimizer step (gradients exist only there), from the ZeRO optimizers' own buffers.
+    """
+    stage, optimizer = engine.zero_optimization_stage(), engine.optimizer
+    module_params = list(engine.module.parameters())
+    params = [p.ds_tensor if stage == 3 else p for p in module_params]
+    if stage == 0:
+        grads = [p.grad for p in module_params]
+    elif stage == 3:
+        grads = [optimizer.grad_partitions_flat_buffer]
+    else:
+        grads = [g for group in optimizer.averaged_gradients.values() for g in group or ()]  # None between steps
+    inner = getattr(optimizer, "optimizer", optimizer)
+    moments = [t for state in inner.state.values() for t in state.values()]
+    # DeepSpeed's ZeRO optimizers keep an fp32 master partition even when training in fp32
+    masters = getattr(optimizer, "single_partition_of_fp32_groups", None) or \
+        getattr(optimizer, "fp32_partitioned_groups_flat", [])
+    return {"params": params, "grads": grads, "moments": moments, "masters": list(masters)}
+
+
+def storages(tensors) -> dict:
+    """Bytes of each distinct storage behind tensors, by address (views of one flat buffer count once)."""
+    return {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+            for t in tensors if isinstance(t, torch.Tensor) and t.numel()}
+
+
+def state_bytes(engine, first: bool) -> int:
+    """Bytes a checkpoint takes of this rank (first: data-parallel rank 0): under ZeRO 1-3 its partition of the
+    optimizer state, under ZeRO-3 its partition of the weights too; what every rank holds whole (the weights
+    below ZeRO-3, all of the optimizer state under ZeRO 0) is saved once, by the first rank."""
+    stage, tensors = engine.zero_optimization_stage(), zero_tensors(engine)
+    own = {**(storages(tensors["params"]) if stage == 3 or first else {}),
+           **(storages(tensors["moments"]) | storages(tensors["masters"]) if stage > 0 or first else {})}
+    return sum(own.values())
+
+
+def module_states(folder) -> dict:
+    """The whole module's state dict from a ZeRO stage 0 checkpoint folder (DeepSpeed's own file name for it)."""
+    states = torch.load(folder / "mp_rank_00_model_states.pt", map_location="cpu", weights_only=True)
+    return states["module"]
