@@ -5,7 +5,7 @@ import difflib
 import json
 from pathlib import Path
 
-from app import ds_internals
+from app import activations, ds_internals
 from app.errors import UserError
 
 REPO = Path(__file__).resolve().parent.parent
@@ -35,6 +35,7 @@ def load_ds_config(path, cuda=None, bf16_ok=None) -> dict:
         raise UserError(f"{path} must hold a JSON object at the top level")
     ds, _ = resolve_precision(ds, str(path), cuda, bf16_ok)
     check_value_types(ds, str(path))
+    activations.check(ds, str(path))
     check_ds_keys(ds, str(path))
     return ds
 

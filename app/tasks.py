@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from app import dist, models
+from app import activations, dist, models
 from app.checkpoint import HF_FILES
 from app.config import Settings
 from app.data import DataInfo
@@ -75,7 +75,7 @@ class ImageClassification:
         return build_image_sets("digits" if self.settings.model in models.BUILTIN else "synthetic", "data")[::2]
 
     def build_model(self, info: DataInfo, ds_config: dict) -> nn.Module:
-        return models.build_model(self.settings.model, info)
+        return activations.apply(models.build_model(self.settings.model, info), ds_config)
 
     def flops_per_sample(self, model: nn.Module, info: DataInfo) -> float:
         """Training FLOPs of one sample, counted on a forward and backward pass."""
@@ -112,7 +112,7 @@ class TextTask:
     def build_model(self, info: DataInfo, ds_config: dict) -> nn.Module:
         model = models.build_hf(self.spec, info, self.tokenizer, ds_config)
         self.config = model.hf.config  # not the model: a pipeline stage keeps only its own layers
-        return model
+        return activations.apply(model, ds_config)
 
     def flops_per_sample(self, model: nn.Module, info: DataInfo) -> float:
         """Training FLOPs of one sample from the transformer formula (app/models.py)."""

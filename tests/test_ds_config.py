@@ -52,6 +52,7 @@ def _differences(a: dict, b: dict, prefix=""):
                                 "optimizer.params.fused"}),
     ("bf16", "dp", {"torch_autocast.enabled"}),  # bf16 autocast always; the others "auto": on GPUs that have bf16
     ("pipeline", "dp", {"pipeline"}),  # 2 stages, layers balanced by parameters
+    ("activation_checkpointing", "dp", {"activation_checkpointing"}),  # every model's blocks recompute
     ("tensor_parallel", "dp", {"tensor_parallel"}),  # AutoTP across 2 ranks
 ])
 def test_configs_differ_only_in_what_their_names_promise(name, base, allowed):

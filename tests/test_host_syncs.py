@@ -8,7 +8,7 @@ from conftest import write_text_rows
 from host_syncs import HostSyncs, check_report, count_in_launch, counted, sync_job
 
 # bf16.json is dp.json with bf16 autocast on everywhere: as a GPU resolves them, the same run, counted once
-CONFIGS = ("dp", "zero1", "zero2", "zero3", "zero2_offload", "zero3_offload")
+CONFIGS = ("dp", "zero1", "zero2", "zero3", "zero2_offload", "zero3_offload", "activation_checkpointing")
 
 
 @pytest.fixture(scope="module")

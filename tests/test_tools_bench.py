@@ -13,13 +13,14 @@ ZERO_FIELDS = ("config", "stage", "parameters", "params_bytes", "grads_bytes", "
 
 @pytest.mark.slow
 def test_quick_benchmark_reports_every_field_for_every_mode(tmp_path):
-    result = run([str(BIN / "python"), "-m", "app.tools.bench", "--quick", "--configs", "dp,zero3,pipeline",
-                  "--output_dir", tmp_path], timeout=300)
+    result = run([str(BIN / "python"), "-m", "app.tools.bench", "--quick", "--configs",
+                  "dp,zero3,pipeline,activation_checkpointing", "--output_dir", tmp_path], timeout=300)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     report = json.loads((tmp_path / "bench.json").read_text())
     modes = {(m["mode"], m["ranks"]): m for m in report["modes"]}
     assert set(modes) == {("raw", 1), ("raw-compile", 1), ("raw-1thread", 1), ("dp", 1), ("zero3", 1), ("ddp", 2),
-                          ("dp", 2), ("zero3", 2), ("pipeline", 2)}
+                          ("dp", 2), ("zero3", 2), ("pipeline", 2), ("activation_checkpointing", 1),
+                          ("activation_checkpointing", 2)}
     assert [s["mode"] for s in report["skipped"]] == ["dataparallel", "pipeline x1"], "no GPUs; 2 stages need 2"
     for key, mode in modes.items():
         assert tuple(mode) == FIELDS, key
@@ -27,7 +28,8 @@ def test_quick_benchmark_reports_every_field_for_every_mode(tmp_path):
         assert 0 <= mode["data_wait_share"] < 1 and mode["time_to_first_step_s"] > 0, key
         assert len(mode["peak_memory_bytes"]) == mode["ranks"] and min(mode["peak_memory_bytes"]) > 0, key
         assert (mode["scaling_efficiency"] is not None) == (mode["ranks"] == 2), key
-        assert (mode["zero_state"] is not None) == (key[0] in ("dp", "zero3", "pipeline")), key
+        assert (mode["zero_state"] is not None) == (key[0] in ("dp", "zero3", "pipeline", "activation_checkpointing")), key
+        assert mode["activation_checkpointing"] == (key[0] == "activation_checkpointing"), key
         assert len(mode["param_bytes"]) == mode["ranks"] and min(mode["param_bytes"]) > 0, key
         assert mode["global_batch"] == (16 if key[0] == "raw-1thread" else 32) and mode["speed_vs_one_device"] > 0, key
         # MFU against a matmul in the mode's own dtype; no datasheet peak for a CPU
@@ -48,6 +50,7 @@ def test_quick_benchmark_reports_every_field_for_every_mode(tmp_path):
     assert pipe["pipeline_stages"] == 2 and pipe["micro_batch"] == 32, "2 ranks, 1 replica: the whole batch"
     assert max(pipe["param_bytes"]) < whole["param_bytes"][0] == sum(pipe["param_bytes"])
     assert "pipeline x2: " in result.stdout and "of its parameter bytes" in result.stdout
+    assert "activation_checkpointing x1: activation checkpointing runs at " in result.stdout, "its cost, its saving"
     assert (tmp_path / "bench.png").stat().st_size > 1000
     assert "ddp" in result.stdout and "zero3" in result.stdout, "the table is printed"
 

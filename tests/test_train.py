@@ -10,7 +10,7 @@ from conftest import (NOT_FOR_THE_CNN, REPO, config_variant, read_metrics, read_
 
 CONFIGS = sorted(p.stem for p in (REPO / "ds_configs").glob("*.json") if p.stem not in NOT_FOR_THE_CNN)
 STAGE = {"dp": 0, "bf16": 0, "zero1": 1, "zero2": 2, "zero3": 3, "zero2_offload": 2, "zero3_offload": 3,
-         "pipeline": 0}
+         "pipeline": 0, "activation_checkpointing": 0}
 
 
 def test_every_config_is_covered():

@@ -17,11 +17,11 @@ from app import dist, ds_config, launch, parallel, tasks
 from app.config import Settings
 from app.errors import UserError, report
 from app.tools.bench_modes import COMPILE_SUFFIX, build_model, build_workload, measure
-from app.tools.bench_report import TORCH_MODES, add_ratios, headline, plot, splitting, table
+from app.tools.bench_report import TORCH_MODES, add_ratios, checkpointing, headline, plot, splitting, table
 
 FIELDS = ("mode", "ranks", "threads_per_rank", "micro_batch", "global_batch", "dtype", "compiled", "pipeline_stages",
-          "tensor_parallel", "step_time_s", "samples_per_s", "tokens_per_s", "ratio_to_raw", "ratio_to_torch",
-          "speed_vs_raw_compile", "speed_vs_one_device", "mfu", "peak_flops", "mfu_datasheet", "datasheet_flops",
+          "tensor_parallel", "activation_checkpointing", "step_time_s", "samples_per_s", "tokens_per_s", "ratio_to_raw",
+          "ratio_to_torch", "speed_vs_raw_compile", "speed_vs_one_device", "mfu", "peak_flops", "mfu_datasheet", "datasheet_flops",
           "data_wait_share", "time_to_first_step_s", "peak_memory_bytes", "param_bytes", "scaling_efficiency",
           "zero_state")
 
@@ -164,7 +164,7 @@ def main(argv=None) -> int:
     plot(rows, args.output_dir / "bench.png")
     print(table(rows))
     print(headline(rows))
-    for line in splitting(rows):
+    for line in splitting(rows) + checkpointing(rows):
         print(line)
     for mode, why in skipped:
         print(f"skipped {mode}: {why}")

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import torch
 import torch._dynamo
 
-from app import compiler, dist, ds_config, ds_internals, loop, metrics, parallel, runlog, tasks
+from app import activations, compiler, dist, ds_config, ds_internals, loop, metrics, parallel, runlog, tasks
 from app.config import Settings
 from app.data.loader import build_loader
 from app.tools.bench_report import TORCH_MODES
@@ -162,6 +162,7 @@ def run_app(mode, args, world, work: Workload, loader, clock, total):  # long: t
     schedule = loop.Schedule(total, log_interval=10, eval_interval=total)
     loop.Loop(forward, TimedLoader(loader, clock), eval_loader, schedule, runlog.RunLog(None, total)).fit()
     compiled = engine.is_compiled and getattr(forward, "compiled", False)  # False once it fell back to eager
+    ds_internals.forget_parallel_groups()  # a pipeline's grid would be the next mode's
     return state or None, compiler.compute_dtype(engine), compiled, param_bytes(engine.module)
 
 
@@ -210,6 +211,7 @@ def measure(mode, args, world, threads, per_rank_batch, work: Workload) -> dict:
             "micro_batch": per_rank_batch, "global_batch": global_batch, "dtype": str(dtype)[6:],
             "compiled": bool(compiled) and not fallbacks.model_frames, "pipeline_stages": ranks.split.stages if
             ranks.split else 1, "tensor_parallel": ranks.tensor, "step_time_s": step_time,
+            "activation_checkpointing": activations.SECTION in (args.configs.get(mode.partition("+")[0]) or {}),
             "samples_per_s": samples_per_s,
             "tokens_per_s": samples_per_s * work.info.seq_len if work.info.seq_len else None,
             "mfu": samples_per_s * args.flops_per_sample / peak, "peak_flops": peak,

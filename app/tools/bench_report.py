@@ -71,6 +71,21 @@ def splitting(rows: list) -> list:
             for r in rows if is_split(r) and single]
 
 
+def checkpointing(rows: list) -> list:
+    """For each mode that checkpoints activations: what it saves in peak memory and costs in speed against the
+    plain data-parallel mode (dp) at the same ranks and compile setting."""
+    plain = {(r["ranks"], r["compiled"]): r for r in rows if r["mode"].partition("+")[0] == "dp"}
+    lines = []
+    for r in rows:
+        base = plain.get((r["ranks"], r["compiled"]))
+        if r.get("activation_checkpointing") and base:
+            lines.append(f"{r['mode']} x{r['ranks']}: activation checkpointing runs at "
+                         f"{base['step_time_s'] / r['step_time_s']:.3f}x the speed of {base['mode']} and peaks at "
+                         f"{max(r['peak_memory_bytes']) / max(base['peak_memory_bytes']):.0%} of its memory "
+                         f"({(max(base['peak_memory_bytes']) - max(r['peak_memory_bytes'])) / 2**20:,.0f} MB saved)")
+    return lines
+
+
 def plot(rows: list, path: Path):  # long: three panels
     """Bars of throughput, of the largest rank's peak memory and of its parameter bytes, one per mode; the modes
     that split the model are drawn in their own colour, so the chart shows what splitting costs and saves."""

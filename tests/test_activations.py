@@ -1,0 +1,98 @@
+"""Activation checkpointing: which blocks each model family recomputes, that recomputing changes nothing a user
+would see (the same per-step losses under every ZeRO stage, batch-norm statistics kept), and its one switch."""
+import copy
+
+import pytest
+import torch
+
+from app import activations, ds_config, models
+from app.data import DataInfo
+from app.errors import UserError
+from conftest import REPO, config_variant, read_metrics, train_jobs, write_text_rows
+
+
+def _hf(name):
+    from app.models import HFLogits, hf_class, hf_spec
+    spec = hf_spec(name)
+    return HFLogits(hf_class(spec.task).from_config(spec.config))
+
+
+@pytest.mark.parametrize("name, count, kind", [
+    ("cnn", 4, {"Conv2d", "Linear"}),  # no blocks: each layer with weights
+    ("mlp", 2, {"Linear"}),
+    ("resnet18", 8, {"BasicBlock"}),
+    ("mobilenet_v3_small", 11, {"InvertedResidual"}),
+    ("gpt2-tiny", 4, {"GPT2Block"}),
+    ("llama-tiny", 4, {"LlamaDecoderLayer"}),
+    ("bert-tiny", 2, {"BertLayer"}),  # not its embeddings, which BERT also names as not to be split
+])
+def test_each_model_family_checkpoints_its_blocks(name, count, kind):
+    model = _hf(name) if "-" in name else models.build_model(name, DataInfo(10, 3, 32))
+    found = activations.blocks(model)
+    assert len(found) == count and {type(m).__name__ for m in found} == kind
+
+
+@pytest.mark.parametrize("name", ["cnn", "resnet18"])
+def test_recomputing_gives_the_same_gradients_names_and_batch_norm_statistics(name):
+    torch.manual_seed(0)
+    plain = models.build_model(name, DataInfo(10, 3, 32))
+    checkpointed = copy.deepcopy(plain)
+    assert len(activations.checkpoint_blocks(checkpointed)) > 1
+    assert list(checkpointed.state_dict()) == list(plain.state_dict()), "the same names: checkpoints load either way"
+    x, y = torch.randn(4, 3, 32, 32), torch.randint(0, 10, (4,))
+    for model in (plain, checkpointed):
+        torch.nn.functional.cross_entropy(model(x), y).backward()
+    assert all(torch.equal(a.grad, b.grad) for a, b in zip(plain.parameters(), checkpointed.parameters()))
+    assert all(torch.equal(a, b) for a, b in zip(plain.buffers(), checkpointed.buffers())), \
+        "the recomputation does not update running statistics a second time"
+
+
+@pytest.mark.parametrize("section, message", [
+    ({"cpu_checkpointing": True}, "activation_checkpointing.cpu_checkpointing is an option of DeepSpeed's own"),
+    ({"partition_activations": True}, "leave partition_activations at False"),
+    ([], "activation_checkpointing must be an object"),
+])
+def test_options_the_app_cannot_honour_are_one_line(section, message, tmp_path):
+    with pytest.raises(UserError, match=message):
+        ds_config.load_ds_config(config_variant(tmp_path, "dp", activation_checkpointing=section))
+    with pytest.raises(UserError, match="a pipeline checkpoints its layers itself"):
+        ds_config.load_ds_config(config_variant(tmp_path, "pipeline", activation_checkpointing={}))
+
+
+STAGES = ("dp", "zero1", "zero2", "zero3")
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """(name, stage, checkpointed) -> (per-step losses, output) of 2 ranks, one after another in one launch."""
+    tmp = tmp_path_factory.mktemp("activations")
+    corpus = write_text_rows(tmp / "corpus.txt", 300)
+    models_ = {"cnn": ["--max_steps", 8], "resnet18": ["--dataset", "synthetic", "--max_steps", 4],
+               "gpt2-tiny": ["--dataset", corpus, "--block_size", 32, "--max_steps", 6]}
+    cases = [(model, stage, on) for model in models_ for stage in (STAGES if model == "cnn" else ("zero3",))
+             for on in (False, True)]
+    jobs = []
+    for model, stage, on in cases:
+        config = config_variant(tmp, stage, **({"activation_checkpointing": {}} if on else {}))
+        config = config.rename(tmp / f"{model}-{stage}-{on}.json")
+        jobs.append(["--deepspeed_config", config, "--model", model, *models_[model], "--log_interval", 1,
+                     "--output_dir", tmp / f"{model}-{stage}-{on}"])
+    outputs = train_jobs("deepspeed", 2, jobs)
+    return {case: ([r["loss"] for r in read_metrics(tmp / f"{case[0]}-{case[1]}-{case[2]}")[0]], output)
+            for case, output in zip(cases, outputs)}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model, stage", [("cnn", s) for s in STAGES] + [("resnet18", "zero3"), ("gpt2-tiny", "zero3")])
+def test_checkpointed_runs_give_the_losses_of_plain_ones(model, stage, runs):
+    """fp32, 2 ranks: per-step losses with and without activation checkpointing agree within 1e-6."""
+    plain, _ = runs[(model, stage, False)]
+    checkpointed, output = runs[(model, stage, True)]
+    assert "activation checkpointing: " in output and "recompute their activations" in output
+    assert len(plain) == len(checkpointed) > 1
+    assert max(abs(a - b) for a, b in zip(plain, checkpointed)) < 1e-6, list(zip(plain, checkpointed))
+
+
+def test_the_shipped_config_turns_it_on():
+    ds = ds_config.load_ds_config(REPO / "ds_configs" / "activation_checkpointing.json")
+    assert ds[activations.SECTION] == {}
