@@ -44,3 +44,17 @@ def module_states(folder) -> dict:
     """The whole module's state dict from a ZeRO stage 0 checkpoint folder (DeepSpeed's own file name for it)."""
     states = torch.load(folder / "mp_rank_00_model_states.pt", map_location="cpu", weights_only=True)
     return states["module"]
+
+
+def deepspeed_estimate(stage: int, offload: bool, offload_params: bool, total: int, largest_layer: int,
+                       gpus: int):
+    """GPU bytes per rank that DeepSpeed's own estimator gives for ZeRO 2 or 3 (it has none for 0 and 1), or None.
+    It assumes fp16 weights and Adam, and counts no activations."""
+    if stage == 2:
+        from deepspeed.runtime.zero.stage_1_and_2 import estimate_zero2_model_states_mem_needs
+        return estimate_zero2_model_states_mem_needs(total, gpus, 1, cpu_offload=offload)[1]
+    if stage == 3:
+        from deepspeed.runtime.zero.stage3 import estimate_zero3_model_states_mem_needs
+        return estimate_zero3_model_states_mem_needs(total, largest_layer, gpus, 1, cpu_offload=offload,
+                                                     cpu_offload_params=offload_params)[1]
+    return None

@@ -1,0 +1,190 @@
+"""Will it fit? The memory plan of a model under each ds_config before the run: per rank, the weights, gradients,
+optimizer state and fp32 masters on the GPU and on the host, the activations a sample adds, the predicted peak,
+the largest micro batch that fits, and the fastest config that fits. No GPU and no download needed.
+
+    python -m app.tools.plan --model gpt2-124m --world_size 8 --micro_batch 16 --gpu_memory 80GB
+"""
+import argparse
+import re
+import sys
+from pathlib import Path
+
+import torch
+
+from app import activations, ds_config, ds_internals, models, plan, tasks
+from app.config import Settings
+from app.data import DataInfo
+from app.errors import UserError, report
+
+# Fastest first, with what each costs to save its memory: the recommendation is the first that fits.
+ORDER = {"dp": "nothing is partitioned: the least communication",
+         "zero1": "partitions the optimizer state and fp32 masters over the ranks, communicating as much as dp",
+         "zero2": "partitions the gradients too (a reduce-scatter in place of the all-reduce)",
+         "activation_checkpointing": "keeps dp's layout and computes each block's activations twice",
+         "zero3": "partitions the weights too, gathering them layer by layer (half as much communication again)",
+         "zero2_offload": "moves the optimizer state and its step to the CPU (host memory; slower steps)",
+         "zero3_offload": "moves the weights and optimizer state to the CPU (the slowest)"}
+NOT_PLANNED = {"bf16": "dp.json with bf16 autocast always: on a GPU, the same as dp",
+               "pipeline": "splits the layers over the ranks: its stages' bytes are the bench's parameter bytes",
+               "tensor_parallel": "shards each layer over the ranks: its shards' bytes are the bench's parameter bytes"}
+UNITS = {"": 1e9, "b": 1, "kb": 1e3, "mb": 1e6, "gb": 1e9, "tb": 1e12, "kib": 2**10, "mib": 2**20, "gib": 2**30,
+         "tib": 2**40, "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40}
+
+
+def memory_size(text: str) -> int:
+    """Bytes of '80GB', '80GiB', '81920MiB', '80' (GB)."""
+    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", text or "")
+    if not match or match.group(2).lower() not in UNITS or float(match.group(1)) <= 0:
+        raise UserError(f"--gpu_memory {text!r} is not a memory size; write it like 80GB, 80GiB or 81920MiB")
+    return int(float(match.group(1)) * UNITS[match.group(2).lower()])
+
+
+def parse(argv=None):
+    parser = argparse.ArgumentParser(prog="python -m app.tools.plan", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="cnn", help="as train.py takes it: a preset, a torchvision classifier, "
+                        "a save_pretrained folder (its config.json is enough) or a hub name")
+    parser.add_argument("--deepspeed_config", default="", help="one ds_config (default: every shipped one)")
+    parser.add_argument("--world_size", type=int, default=0, help="data-parallel ranks (default: the GPUs here, "
+                        "at least 1)")
+    parser.add_argument("--micro_batch", type=int, default=0, help="samples per rank and micro step (default: "
+                        "the config's train_micro_batch_size_per_gpu)")
+    parser.add_argument("--seq_len", type=int, default=0, help="text: tokens per sample (default: the model's "
+                        "positions, at most 1024)")
+    parser.add_argument("--image_size", type=int, default=0,
+                        help="images: side in pixels (default: 224 for torchvision models, 8 for cnn and mlp)")
+    parser.add_argument("--gpu_memory", default="", help="memory of one GPU, e.g. 80GB (default: this GPU's)")
+    args = parser.parse_args(argv)
+    if min(args.world_size, args.micro_batch, args.seq_len, args.image_size) < 0:
+        raise UserError("--world_size, --micro_batch, --seq_len and --image_size must be 1 or more")
+    if args.gpu_memory:
+        args.gpu_memory = memory_size(args.gpu_memory)
+    elif torch.cuda.is_available():
+        args.gpu_memory = torch.cuda.get_device_properties(0).total_memory
+    else:
+        raise UserError("no GPU here to read the memory of: pass --gpu_memory, e.g. --gpu_memory 80GB")
+    args.world_size = args.world_size or max(1, torch.cuda.device_count())
+    return args
+
+
+def workload(args):
+    """(build() of the model, inputs(micro) -> (inputs, labels), the task's loss) from the model's shape alone."""
+    task = tasks.build(Settings(model=args.model))
+    if task.name == "image_classification":
+        builtin = args.model in models.BUILTIN
+        side, channels, classes = args.image_size or (8 if builtin else 224), 1 if builtin else 3, 10 if builtin else 1000
+        info = DataInfo(classes, channels, side)
+        return (lambda: task.build_model(info, {}),
+                lambda b: ([torch.randn(b, channels, side, side)], torch.randint(classes, (b,))), task.loss)
+    from app.data.tokenizers import byte_tokenizer
+    task.tokenizer, task.spec.pretrained = byte_tokenizer(), ""  # the shape is enough: a config.json alone plans
+    vocab, seq = models.vocab_size(task.spec.config), args.seq_len or min(task.spec.max_positions or 1024, 1024)
+    classify = task.name == "sequence_classification"
+    info = DataInfo(2 if classify else 0, task=task.name, vocab_size=vocab, seq_len=seq)
+
+    def inputs(b):
+        ids = torch.randint(min(vocab, 256), (b, seq))
+        return ([ids, torch.ones_like(ids)], torch.randint(2, (b,))) if classify else ([ids], ids)
+    return (lambda: task.build_model(info, {})), inputs, task.loss
+
+
+def configs(args) -> dict:
+    """{name: DeepSpeed dict as a GPU with bf16 resolves it} of the configs to plan."""
+    paths = [Path(args.deepspeed_config)] if args.deepspeed_config else \
+        [p for p in (ds_config.REPO / "ds_configs").glob("*.json") if p.stem not in NOT_PLANNED]
+    found = {}
+    for path in sorted(paths, key=lambda p: list(ORDER).index(p.stem) if p.stem in ORDER else len(ORDER)):
+        name = str(path) if args.deepspeed_config else path.stem
+        found[name] = ds_config.load_ds_config(path, cuda=True, bf16_ok=True)
+    return found
+
+
+def measure(args, named: dict) -> dict:
+    """{name: Plan} of each config: one fake forward and backward per precision and checkpointing asked."""
+    build, inputs, loss = workload(args)
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    with FakeTensorMode():
+        model = build()
+        sizes = [p.numel() for p in model.parameters()]
+        largest = max((sum(p.numel() for p in b.parameters()) for b in activations.blocks(model)), default=0)
+    cache, plans = {}, {}
+    for name, ds in named.items():
+        checkpointed = activations.SECTION in ds
+        dtype = torch.bfloat16 if any((ds.get(s) or {}).get("enabled") is True
+                                      for s in ("torch_autocast", "bf16")) else None
+        if (dtype, checkpointed) not in cache:
+            one, two = (plan.activation_bytes(build, inputs, loss, micro, dtype, checkpointed) for micro in (1, 2))
+            cache[dtype, checkpointed] = (two - one, 2 * one - two)
+        plans[name] = plan.plan(name, ds, args.world_size, sizes, largest, cache[dtype, checkpointed])
+        plans[name].largest_layer = largest
+    return plans
+
+
+def _gb(count) -> str:
+    return "-" if count is None else f"{count / 1e9:,.2f}"
+
+
+def table(args, named: dict, plans: dict) -> list:
+    """The lines of the plan: one row per config, then the recommendation."""
+    first = next(iter(plans.values()))
+    budget = plan.USABLE * args.gpu_memory
+    lines = [f"model {args.model}: {first.parameters / 1e6:,.1f}M parameters; {args.world_size} data-parallel "
+             f"rank(s); GPU {args.gpu_memory / 1e9:,.1f} GB, of which a run may use {budget / 1e9:,.1f}; in GB per rank",
+             f"{'config':<25}{'weights':>8}{'grads':>8}{'optim':>8}{'masters':>8}{'working':>8}{'host':>8}"
+             f"{'act/sample':>11}{'micro':>6}{'peak':>8}{'fits':>6}{'largest':>8}{'DS est.':>8}"]
+    fitting = []
+    for name, p in plans.items():
+        ds = named[name]
+        micro = args.micro_batch or (ds.get("train_micro_batch_size_per_gpu") if isinstance(
+            ds.get("train_micro_batch_size_per_gpu"), int) else 0)
+        peak = p.peak(micro) if micro else None
+        fits = peak is not None and peak <= budget
+        zero = ds.get("zero_optimization") or {}
+        estimate = ds_internals.deepspeed_estimate(
+            zero.get("stage", 0), bool((zero.get("offload_optimizer") or {}).get("device")),
+            bool((zero.get("offload_param") or {}).get("device")), p.parameters, p.largest_layer, args.world_size)
+        d = p.device
+        lines.append(f"{name:<25}{_gb(d.get('weights', 0)):>8}{_gb(d['gradients']):>8}{_gb(d.get('optimizer', 0)):>8}"
+                     f"{_gb(d.get('masters', 0)):>8}{_gb(d['working']):>8}{_gb(sum(p.host.values())):>8}"
+                     f"{_gb(p.per_sample):>11}{micro or '-':>6}{_gb(peak):>8}{('yes' if fits else 'no') if micro else '-':>6}"
+                     f"{p.largest_micro(args.gpu_memory):>8}{_gb(estimate):>8}")
+        if fits and name in ORDER:
+            fitting.append((list(ORDER).index(name), name, peak))
+    lines.append(recommend(sorted(fitting), plans, budget, args))
+    return lines
+
+
+def recommend(fitting: list, plans: dict, budget: float, args) -> str:
+    """The fastest config that fits, and why the faster ones do not."""
+    if not fitting:
+        best = max(plans.values(), key=lambda p: p.largest_micro(args.gpu_memory))
+        return (f"recommended: none fits this micro batch; {best.config} holds the most, up to "
+                f"{best.largest_micro(args.gpu_memory)} sample(s) per micro batch: lower the micro batch and raise "
+                f"gradient_accumulation_steps, add ranks, or a GPU with more memory")
+    _, name, peak = fitting[0]
+    faster = [n for n in list(ORDER)[:list(ORDER).index(name)] if n in plans]
+    over = "; ".join(f"{n} would peak at {plans[n].peak(args.micro_batch or 1) / 1e9:,.1f}" for n in faster)
+    return (f"recommended: {name}, peaking at {peak / 1e9:,.1f} of {budget / 1e9:,.1f} GB: {ORDER[name]}"
+            + (f" ({over})" if over else ""))
+
+
+def main(argv=None) -> int:
+    """Print the plan; returns the exit code."""
+    from app.launch import prepare_environment
+    prepare_environment()
+    try:
+        args = parse(argv)
+        named = configs(args)
+        plans = measure(args, named)
+    except UserError as e:
+        return report(e)
+    for line in table(args, named, plans):
+        print(line)
+    skipped = [f"{n} ({why})" for n, why in NOT_PLANNED.items() if not args.deepspeed_config]
+    if skipped:
+        print("not planned: " + "; ".join(skipped))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
