@@ -108,7 +108,7 @@ class Forward:
     def micro_step(self, batch, meter: Meter):
         """One micro batch: forward, engine.backward(loss), engine.step() (an optimizer step once the
         accumulation window is full); the loss is weighted so ranks average exactly."""
-        x, y, w = _to_device(batch, self.engine.device, self.dtype)
+        x, y, w = to_device(batch, self.engine.device, self.dtype)
         _, losses = self.logits_and_losses(x, y)
         self.engine.backward((losses * w).sum())
         self.engine.step()
@@ -122,7 +122,7 @@ class Forward:
         engine.eval()
         with torch.no_grad():
             for batch in loader:
-                x, y, w = _to_device(batch, engine.device, self.dtype)
+                x, y, w = to_device(batch, engine.device, self.dtype)
                 logits, losses = self.logits_and_losses(x, y)
                 real = (w > 0).float()
                 meter.add(real.sum(), loss=(losses * real).sum(), accuracy=(task.correct(logits, y) * real).sum())
@@ -171,7 +171,7 @@ def _outcome(error) -> tuple:
     return "compile", _describe(error)
 
 
-def _to_device(batch, device, dtype):
+def to_device(batch, device, dtype):
     """(model inputs as a list, labels, weights) on the device; floating inputs in the engine's dtype."""
     x, y, w = batch
     inputs = [t.to(device, non_blocking=True) for t in (x if isinstance(x, (list, tuple)) else [x])]

@@ -11,6 +11,7 @@ from app.errors import UserError
 REPO = Path(__file__).resolve().parent.parent
 DEFAULT_DS_CONFIG = REPO / "ds_configs" / "dp.json"
 BATCH_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
+MICRO = "train_micro_batch_size_per_gpu"
 # Schedulers whose length DeepSpeed needs up front; the app fills it from the run's step count.
 SCHEDULERS_WITH_TOTAL = ("WarmupDecayLR", "WarmupCosineLR")
 
@@ -103,13 +104,17 @@ def _no_duplicate_keys(pairs):
 def check_ds_keys(ds: dict, where: str):
     """Fail on keys DeepSpeed does not know, at the top level and inside sections."""
     from pydantic import ValidationError
+    auto = _check_auto_micro(ds, where)
     for key in BATCH_KEYS:
         value = ds.get(key)
-        if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+        if value is not None and not (auto and key == MICRO) and \
+                (not isinstance(value, int) or isinstance(value, bool) or value < 1):
             raise UserError(f"{where}: {key} must be a positive integer, got {value!r}")
-    if "train_micro_batch_size_per_gpu" not in ds and "train_batch_size" not in ds:
+    if MICRO not in ds and "train_batch_size" not in ds:
         raise UserError(f"{where}: set train_micro_batch_size_per_gpu (and gradient_accumulation_steps)")
-    recorder = ds_internals.Recorder(copy.deepcopy(ds))
+    # DeepSpeed's parser needs numbers: a micro batch "auto" is checked as one global batch of micro batches of 1
+    recorder = ds_internals.Recorder({**copy.deepcopy(ds), **({MICRO: 1, "gradient_accumulation_steps":
+                                                               ds["train_batch_size"]} if auto else {})})
     user_keys = {k: set(v) if isinstance(v, dict) else None for k, v in ds.items()}
     try:
         ds_internals.parse_config(recorder)
@@ -172,6 +177,19 @@ def check_value_types(ds: dict, where: str):
                                 f"drop the quotes)")
 
 
+def _check_auto_micro(ds: dict, where: str) -> bool:
+    """Whether the micro batch is "auto" (found at start, app/autobatch.py); one line for what cannot go with it."""
+    if ds.get(MICRO) != "auto":
+        return False
+    if not isinstance(ds.get("train_batch_size"), int) or isinstance(ds.get("train_batch_size"), bool):
+        raise UserError(f"{where}: train_micro_batch_size_per_gpu \"auto\" finds the largest micro batch that fits "
+                        f"and keeps the global batch: set train_batch_size to that global batch")
+    if "gradient_accumulation_steps" in ds:
+        raise UserError(f"{where}: with train_micro_batch_size_per_gpu \"auto\", gradient_accumulation_steps follows "
+                        f"from the micro batch found (train_batch_size / micro batch / data-parallel ranks): drop it")
+    return True
+
+
 def _pydantic_checked(ds, key) -> bool:
     """True when DeepSpeed validates section `key` with a model that forbids unknown fields."""
     from pydantic import ValidationError
@@ -204,9 +222,15 @@ def _suggest(key, error):
 
 
 def resolve_batch_sizes(ds: dict, world_size: int, where: str) -> dict:
-    """Fill in the batch triple for this world size, or explain which numbers cannot agree."""
+    """Fill in the batch triple for this world size, or explain which numbers cannot agree. A micro batch "auto"
+    stays so (app/autobatch.py finds it), once the global batch is known to split over the world size."""
     ds = copy.deepcopy(ds)
     total, micro = ds.get("train_batch_size"), ds.get("train_micro_batch_size_per_gpu")
+    if micro == "auto":
+        if total % world_size:
+            raise UserError(f"{where}: train_batch_size {total} cannot be split over {world_size} data-parallel "
+                            f"rank(s): no micro batch makes it; make it a multiple of {world_size}")
+        return ds
     accum = ds.get("gradient_accumulation_steps")
     if micro is None:
         accum = accum or 1

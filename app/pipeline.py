@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from app import dist, ds_internals
+from app import dist, ds_internals, faults
 from app.compiler import input_dtype
 from app.errors import UserError
 from app.metrics import Meter
@@ -246,6 +246,7 @@ class PipeForward:
 
     def micro_step(self, batch, meter: Meter):
         """Add a micro batch; once a whole batch is gathered, run the pipeline's schedule over it."""
+        faults.out_of_memory_at(len(batch[1]))
         self.pending.append(self._batch(batch))
         if len(self.pending) == self.engine.gradient_accumulation_steps():
             self.engine.module.loss_fn.meter = meter

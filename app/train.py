@@ -12,8 +12,8 @@ if __package__ in (None, ""):  # run as `python app/train.py` or by a launcher: 
 import numpy as np
 import torch
 
-from app import (checkpoint, compiler, config, dist, ds_config, ds_internals, launch, loop, metrics, parallel,
-                 preemption, resume, runlog, tasks)
+from app import (autobatch, checkpoint, compiler, config, dist, ds_config, ds_internals, launch, loop, metrics,
+                 parallel, preemption, resume, runlog, tasks)
 from app.checkpoint import TrainerState, checkpoint_root
 from app.config import Settings
 from app.data.loader import build_loader, feeding
@@ -80,6 +80,8 @@ def run(settings: Settings, ds: dict, world: World, started: float) -> int:  # l
         seed_everything(settings.seed)
         task = tasks.build(settings)
         train_set, eval_set, info = task.build_data(output_dir)
+        ds = autobatch.settle(ds, settings.deepspeed_config, ranks, task, lambda trial: ranks.prepare(
+            task.build_model(info, trial), task, settings.model)[0], train_set, output_dir, settings.resume)
         model = task.build_model(info, ds)
         flops = task.flops_per_sample(model, info) if task.tokens_per_sample else 0.0  # before AutoTP shards it
         trained, save_files, every_rank = ranks.prepare(model, task, settings.model)

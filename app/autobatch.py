@@ -1,0 +1,154 @@
+"""The largest micro batch that fits, found at start by every rank together.
+
+"train_micro_batch_size_per_gpu": "auto" beside the global batch in "train_batch_size": before training, the app
+tries micro batches with real steps (a forward, a backward and an optimizer step, each on an engine of its own),
+and takes the largest that runs on every rank; an out-of-memory error on any rank counts for all. Gradient
+accumulation makes up the rest of the global batch, which never changes, so the candidates are the divisors of
+the global batch over the data-parallel replicas, searched by halving. The trials leave no trace: their engines
+go, the random generators are as they were, and the run's model is built afterwards as if there had been none.
+A resume takes the micro batch its checkpoint recorded, without searching again.
+
+Each trial's ranks agree after its forward pass, before the gradients are reduced: an out-of-memory error
+there (where a larger micro batch needs more) is agreed without a wait. One in the backward pass of one rank
+alone, or inside a forward that has collectives (ZeRO-3's gathers, tensor-parallel all-reduces), leaves the
+others waiting in a collective until --dist_timeout.
+"""
+import contextlib
+import gc
+import io
+import json
+import random
+
+import numpy as np
+import torch
+
+from app import dist, ds_internals, loop
+from app.checkpoint import STATE, checkpoint_root, complete_checkpoints
+from app.compiler import to_device
+from app.data.loader import build_loader
+from app.ds_config import MICRO, fill_scheduler_length, resolve_batch_sizes
+from app.errors import UserError, first_line
+from app.resume import checkpoint_folder
+
+
+def wanted(ds: dict) -> bool:
+    return ds.get(MICRO) == "auto"
+
+
+def candidates(global_batch: int, replicas: int) -> list:
+    """The micro batches that split the global batch evenly over the replicas, smallest first."""
+    share = global_batch // replicas
+    return [m for m in range(1, share + 1) if share % m == 0]
+
+
+def largest(sizes: list, runs) -> tuple:
+    """(the largest of sizes for which runs(size) says '', {size: why it did not run}); sizes ascending and what
+    fits shrinking with size. The whole share is tried first: no accumulation at all is the best outcome."""
+    failed, low, high = {}, -1, len(sizes) - 1
+    why = runs(sizes[high])
+    if not why:
+        return sizes[high], failed
+    failed[sizes[high]] = why
+    while high - low > 1:
+        middle = (low + high) // 2
+        why = runs(sizes[middle])
+        if why:
+            failed[sizes[middle]], high = why, middle
+        else:
+            low = middle
+    return (sizes[low] if low >= 0 else 0), failed
+
+
+def settle(ds: dict, where: str, layout, task, build, train_set, output_dir, resumed: str) -> dict:
+    """ds with its micro batch and accumulation: as written, from the checkpoint resumed, or found now.
+    build(ds) makes a fresh model, laid out for an engine of ds."""
+    if not wanted(ds):
+        return ds
+    total, replicas = ds["train_batch_size"], layout.replicas
+    sizes = candidates(total, replicas)
+    saved, folder = _saved_micro(output_dir, resumed)
+    if saved in sizes:
+        dist.print0(f"micro batch: {saved} from {folder} (\"auto\" found it when the run began), "
+                    f"{total // (saved * replicas)} accumulation step(s)")
+        return resolve_batch_sizes({**ds, MICRO: saved}, replicas, where)
+    with _generators_kept():
+        micro, failed = largest(sizes, lambda size: _trial(ds, size, layout, task, build, train_set))
+    if not micro:
+        raise UserError(f"{where}: not even a micro batch of 1 fits: {failed[1]}; use a config that holds less "
+                        f"per rank (python -m app.tools.plan shows which) or a GPU with more memory")
+    tried = ", ".join(f"{size}: {why}" for size, why in sorted(failed.items()))
+    dist.print0(f"micro batch: \"auto\" picked {micro}, the largest of {', '.join(map(str, sizes))} that runs on "
+                f"every rank{f' ({tried})' if tried else ''}; {total // (micro * replicas)} accumulation step(s) x "
+                f"{replicas} replica(s) keep the global batch {total}")
+    return resolve_batch_sizes({**ds, MICRO: micro}, replicas, where)
+
+
+def _saved_micro(output_dir, resumed: str) -> tuple:
+    """(micro batch, checkpoint folder) that the checkpoint a resume would take recorded, or (None, None)."""
+    if not resumed:
+        return None, None
+    with contextlib.suppress(OSError, ValueError, KeyError, UserError):
+        folder = (complete_checkpoints(checkpoint_root(output_dir)) or [None])[-1] if resumed == "auto" else \
+            checkpoint_folder(resumed)
+        if folder is not None:
+            saved = json.loads((folder / STATE).read_text())["deepspeed_config"].get(MICRO)
+            return saved, folder
+    return None, None
+
+
+def _trial(ds: dict, micro: int, layout, task, build, train_set) -> str:
+    """'' when a forward, backward and optimizer step of `micro` samples ran on every rank, else why not."""
+    trial = fill_scheduler_length(resolve_batch_sizes({**ds, MICRO: micro, "gradient_accumulation_steps": 1,
+                                                       "train_batch_size": micro * layout.replicas},
+                                                      layout.replicas, "a trial"), 1)
+    try:
+        with contextlib.redirect_stdout(io.StringIO()):  # each trial engine's start-up lines are the run's already
+            engine = loop.build_engine(build(trial), layout.engine_config(trial))
+            forward = layout.forward(engine, task, False)
+        batch = next(iter(build_loader(train_set, micro, layout.replica, layout.replicas, False, 0)))
+        if hasattr(forward, "logits_and_losses"):  # agreed after the forward, before any gradient is reduced
+            held = {}
+            why = _agreed(_out_of_memory(lambda: held.update(loss=_forward(forward, batch))))
+            if why:
+                return why
+            return _agreed(_out_of_memory(lambda: (engine.backward(held.pop("loss")), engine.step())))
+        from app.metrics import Meter
+        return _agreed(_out_of_memory(lambda: forward.micro_step(batch, Meter(["loss"], engine.device))))
+    finally:
+        ds_internals.forget_parallel_groups()
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+
+
+def _forward(forward, batch):
+    x, y, w = to_device(batch, forward.engine.device, forward.dtype)
+    return (forward.logits_and_losses(x, y)[1] * w).sum()
+
+
+def _out_of_memory(step) -> str:
+    """'' when step() ran, else what ran out of memory; any other error is the run's."""
+    try:
+        step()
+        return ""
+    except (torch.OutOfMemoryError, RuntimeError) as e:  # the CPU allocator says it in a RuntimeError
+        if isinstance(e, torch.OutOfMemoryError) or "can't allocate memory" in str(e):
+            said = first_line(e)[:160]
+            return said if "out of memory" in said.lower() else f"out of memory ({said})"
+        raise
+
+
+def _agreed(mine: str) -> str:
+    """'' when every rank's part ran, else the first rank's reason, named."""
+    said = dist.gather_objects(mine)
+    return next((f"{why} on rank {rank}" for rank, why in enumerate(said) if why), "")
+
+
+@contextlib.contextmanager
+def _generators_kept():
+    """Python's, numpy's and torch's random generators (CUDA's too) as they were before the block."""
+    python, numpy_state = random.getstate(), np.random.get_state()
+    with torch.random.fork_rng(devices=range(torch.cuda.device_count()) if torch.cuda.is_available() else []):
+        yield
+    random.setstate(python)
+    np.random.set_state(numpy_state)

@@ -1,0 +1,131 @@
+"""The micro batch "auto": the largest that runs on every rank, found at start with real steps, the global batch
+kept by gradient accumulation, the same losses as written by hand, kept across a resume; under ZeRO 0-3,
+offload, a pipeline and tensor parallelism. Out of memory comes from APP_OOM_AT on one chosen rank."""
+import json
+
+import pytest
+
+from app import autobatch, ds_config
+from app.errors import UserError
+from conftest import REPO, assert_one_error_line, config_variant, read_metrics, train_jobs, write_text_rows
+
+
+def test_candidates_split_the_global_batch_evenly_over_the_replicas():
+    assert autobatch.candidates(64, 2) == [1, 2, 4, 8, 16, 32]
+    assert autobatch.candidates(24, 4) == [1, 2, 3, 6]
+
+
+@pytest.mark.parametrize("fits, expected", [(32, 32), (20, 16), (1, 1), (0, 0)])
+def test_the_search_takes_the_largest_that_runs_trying_the_whole_share_first(fits, expected):
+    tried = []
+
+    def runs(size):
+        tried.append(size)
+        return "" if size <= fits else "out of memory on rank 1"
+    micro, failed = autobatch.largest(autobatch.candidates(64, 2), runs)
+    assert micro == expected and tried[0] == 32 and len(tried) <= 4, tried
+    assert all(size > fits for size in failed)
+
+
+@pytest.mark.parametrize("changes, message", [
+    ({"train_micro_batch_size_per_gpu": "auto"}, "set train_batch_size to that global batch"),
+    ({"train_micro_batch_size_per_gpu": "auto", "train_batch_size": 64, "gradient_accumulation_steps": 2},
+     "gradient_accumulation_steps follows from the micro batch found"),
+    ({"train_micro_batch_size_per_gpu": "often", "train_batch_size": 64},
+     "train_micro_batch_size_per_gpu must be a positive integer, got 'often'"),
+])
+def test_an_auto_micro_batch_needs_a_global_batch_and_nothing_else(changes, message, tmp_path):
+    ds = json.loads((REPO / "ds_configs" / "dp.json").read_text())
+    ds.pop("gradient_accumulation_steps")
+    path = tmp_path / "auto.json"
+    path.write_text(json.dumps({**ds, **changes}))
+    with pytest.raises(UserError, match=message):
+        ds_config.load_ds_config(path)
+
+
+def test_a_global_batch_no_micro_batch_can_split_is_one_line():
+    with pytest.raises(UserError, match="train_batch_size 63 cannot be split over 2 data-parallel rank"):
+        ds_config.resolve_batch_sizes({"train_micro_batch_size_per_gpu": "auto", "train_batch_size": 63}, 2, "x")
+
+
+def _auto(tmp, name, total, **changes):
+    ds = json.loads((REPO / "ds_configs" / f"{name}.json").read_text())
+    ds.pop("gradient_accumulation_steps")
+    path = tmp / f"{name}-auto-{total}.json"
+    path.write_text(json.dumps({**ds, "train_micro_batch_size_per_gpu": "auto", "train_batch_size": total,
+                                **changes}))
+    return path
+
+
+RUN = ["--max_steps", 6, "--log_interval", 1, "--save_interval", 3]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """name -> output of 2-rank jobs in one launch, each with its own out-of-memory fault point."""
+    tmp = tmp_path_factory.mktemp("auto")
+    corpus = write_text_rows(tmp / "corpus.txt", 400)
+    text = ["--dataset", corpus, "--block_size", 32]
+    jobs = {
+        "dp": (["--deepspeed_config", _auto(tmp, "dp", 64), *RUN], "17:1"),
+        "by hand": (["--deepspeed_config", config_variant(tmp, "dp", train_micro_batch_size_per_gpu=16,
+                                                          gradient_accumulation_steps=2), *RUN], ""),
+        "dp resumed": (["--deepspeed_config", _auto(tmp, "dp", 64), "--max_steps", 8, "--log_interval", 1,
+                        "--resume", "auto"], ""),
+        # forwards with collectives (ZeRO-3's gathers, a pipeline's sends, tensor-parallel all-reduces): every
+        # rank runs out of memory at once, as ranks of one shape on one kind of GPU do
+        "zero3": (["--deepspeed_config", _auto(tmp, "zero3", 64), *RUN], "9"),
+        "zero2_offload": (["--deepspeed_config", _auto(tmp, "zero2_offload", 32), *RUN], "5:1"),
+        "pipeline": (["--deepspeed_config", _auto(tmp, "pipeline", 32), *RUN], "9"),
+        "tensor_parallel": (["--deepspeed_config", _auto(tmp, "tensor_parallel", 16), "--model", "llama-tiny", *text,
+                             *RUN], "5"),
+        "nothing fits": (["--deepspeed_config", _auto(tmp, "dp", 64), *RUN], "1:1"),
+    }
+    out = {name: tmp / name.replace(" ", "-") for name in jobs}
+    out["dp resumed"] = out["dp"]
+    job_list = [{"argv": [*argv, "--output_dir", out[name]], "env": {"APP_OOM_AT": fault} if fault else {}}
+                for name, (argv, fault) in jobs.items()]
+    outputs = train_jobs("deepspeed", 2, job_list, codes=[2 if name == "nothing fits" else 0 for name in jobs])
+    return {name: (output, out[name]) for name, output in zip(jobs, outputs)}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name, micro, accumulation, failing", [
+    ("dp", 16, 2, "32: out of memory: APP_OOM_AT=17:1 refuses a micro batch of 32 on rank 1 on rank 1"),
+    ("zero3", 8, 4, "16: out of memory: APP_OOM_AT=9 refuses a micro batch of 16 on rank 0 on rank 0"),
+    ("zero2_offload", 4, 4, "8: out of memory: APP_OOM_AT=5:1 refuses a micro batch of 8 on rank 1 on rank 1"),
+    ("pipeline", 8, 4, "16: out of memory: APP_OOM_AT=9"),  # 2 stages: one replica takes the whole batch
+    ("tensor_parallel", 4, 4, "8: out of memory: APP_OOM_AT=5"),  # 2 shards: one replica
+])
+def test_auto_picks_the_largest_micro_batch_every_rank_runs(name, micro, accumulation, failing, runs):
+    output, folder = runs[name]
+    line = next(line for line in output.splitlines() if line.startswith("micro batch: "))
+    assert f"\"auto\" picked {micro}, the largest of" in line and failing in line, line
+    assert f"{accumulation} accumulation step(s)" in line
+    state = json.loads((folder / "checkpoints" / "step00000006" / "trainer_state.json").read_text())
+    assert (state["deepspeed_config"]["train_micro_batch_size_per_gpu"],
+            state["deepspeed_config"]["gradient_accumulation_steps"]) == (micro, accumulation)
+    losses = [row["loss"] for row in read_metrics(folder)[0]]
+    assert len(losses) >= 6 and losses[-1] < losses[0], "it trains on from there"
+
+
+@pytest.mark.slow
+def test_auto_gives_the_losses_of_the_same_micro_batch_written_by_hand(runs):
+    """The trials leave no trace: the same weights, data order and random state as a run without them."""
+    auto = [row["loss"] for row in read_metrics(runs["dp"][1])[0]][:6]
+    by_hand = [row["loss"] for row in read_metrics(runs["by hand"][1])[0]]
+    assert auto == by_hand
+
+
+@pytest.mark.slow
+def test_a_resume_takes_the_micro_batch_its_checkpoint_recorded(runs):
+    output, folder = runs["dp resumed"]
+    assert "micro batch: 16 from " in output and "picked" not in output, "the checkpoint's choice, no search"
+    assert [row["step"] for row in read_metrics(folder)[0]] == list(range(1, 9))
+
+
+@pytest.mark.slow
+def test_when_not_even_one_sample_fits_it_is_one_line(runs):
+    output, folder = runs["nothing fits"]
+    assert_one_error_line(output, "not even a micro batch of 1 fits", "on rank 1", "python -m app.tools.plan")
+    assert not (folder / "metrics.csv").exists()
