@@ -14,7 +14,6 @@ alone, or inside a forward that has collectives (ZeRO-3's gathers, tensor-parall
 others waiting in a collective until --dist_timeout.
 """
 import contextlib
-import gc
 import io
 import json
 import random
@@ -28,6 +27,7 @@ from app.compiler import to_device
 from app.data.loader import build_loader
 from app.ds_config import MICRO, fill_scheduler_length, resolve_batch_sizes
 from app.errors import UserError, first_line
+from app.metrics import Meter, reset_peak_memory
 from app.resume import checkpoint_folder
 
 
@@ -112,13 +112,11 @@ def _trial(ds: dict, micro: int, layout, task, build, train_set) -> str:
             if why:
                 return why
             return _agreed(_out_of_memory(lambda: (engine.backward(held.pop("loss")), engine.step())))
-        from app.metrics import Meter
         return _agreed(_out_of_memory(lambda: forward.micro_step(batch, Meter(["loss"], engine.device))))
     finally:
         ds_internals.forget_parallel_groups()
-        gc.collect()
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()
+        here = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+        reset_peak_memory(here)  # the trial's memory given back: collected, the heap trimmed, the cache emptied
 
 
 def _forward(forward, batch):
@@ -133,7 +131,7 @@ def _out_of_memory(step) -> str:
         return ""
     except (torch.OutOfMemoryError, RuntimeError) as e:  # the CPU allocator says it in a RuntimeError
         if isinstance(e, torch.OutOfMemoryError) or "can't allocate memory" in str(e):
-            said = first_line(e)[:160]
+            said = first_line(e).split("DefaultCPUAllocator: ")[-1][:160]  # the CPU's: past its enforce-fail prefix
             return said if "out of memory" in said.lower() else f"out of memory ({said})"
         raise
 

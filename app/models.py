@@ -59,6 +59,10 @@ PRESETS = {
                                  tie_word_embeddings=False)),
     "bert-tiny": ("bert", dict(num_hidden_layers=2, hidden_size=128, num_attention_heads=2, intermediate_size=512,
                                max_position_embeddings=512, vocab_size=8192)),
+    # a 1B-class shape (Llama 3.2 1B's: 1.24B parameters, tied embeddings), for the memory plan and for real runs
+    "llama-1b": ("llama", dict(num_hidden_layers=16, hidden_size=2048, intermediate_size=8192, num_attention_heads=32,
+                               num_key_value_heads=8, max_position_embeddings=2048, vocab_size=128256,
+                               tie_word_embeddings=True, rope_theta=500000.0)),
 }
 # Vocabularies are padded to a multiple of this for the matmul kernels, as nanoGPT and llm.c do (50,257 ->
 # 50,304 for GPT-2); the padded rows' logits are -inf, so they never win nor take probability.

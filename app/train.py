@@ -102,6 +102,7 @@ def run(settings: Settings, ds: dict, world: World, started: float) -> int:  # l
             return 0
         stop = preemption.StopRequest(settings.grace_period, world.launcher != "none")
         log = runlog.RunLog(output_dir, steps, engine.global_steps, throughput=log_throughput)
+        metrics.reset_peak_memory(world.device)  # the summary's peak is the training's, not the start-up probe's
         save = lambda *at: checkpoint.save(engine, output_dir, state.at(*at), settings.keep_last,  # noqa: E731
                                            save_files, every_rank)
         forward = ranks.forward(engine, task, compiler.wanted(settings.compile, engine.device))

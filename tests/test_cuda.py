@@ -142,3 +142,19 @@ def test_two_ranks_sharing_one_gpu_make_no_host_sync(tmp_path):
                               base_env={**cuda_env(), **SHARED})
     for (name, mode), report in zip(names, reports):
         check_report(name, report)
+
+
+def test_the_plan_predicts_the_peak_the_gpu_reaches(tmp_path):
+    """The memory plan's predicted peak against torch.cuda.max_memory_allocated of the same run: within 10%."""
+    need(1)
+    config = REPO / "ds_configs" / "dp.json"
+    gpu_train(tmp_path / "run", "--deepspeed_config", config, "--model", "gpt2-tiny", "--dataset", _corpus(tmp_path),
+              "--block_size", 128, "--compile", "off")
+    measured = read_summary(tmp_path / "run")["peak_memory_bytes"]
+    planned = subprocess.run([sys.executable, "-m", "app.tools.plan", "--model", "gpt2-tiny", "--seq_len", "128",
+                              "--world_size", "1", "--deepspeed_config", str(config)], cwd=REPO, capture_output=True,
+                             text=True, env=cuda_env(), timeout=300)
+    assert planned.returncode == 0, planned.stderr
+    header, row = (line.split() for line in planned.stdout.splitlines()[1:3])
+    peak = float(row[header.index("peak")]) * 1e9
+    assert abs(peak - measured) <= 0.1 * measured, (peak, measured)

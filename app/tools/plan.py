@@ -135,9 +135,10 @@ def table(args, named: dict, plans: dict) -> list:
     fitting = []
     for name, p in plans.items():
         ds = named[name]
-        micro = args.micro_batch or (ds.get("train_micro_batch_size_per_gpu") if isinstance(
-            ds.get("train_micro_batch_size_per_gpu"), int) else 0)
-        peak = p.peak(micro) if micro else None
+        written = ds.get("train_micro_batch_size_per_gpu")
+        micro = args.micro_batch or (written if isinstance(written, int) else 0)  # 0: "auto", the largest
+        largest = p.largest_micro(args.gpu_memory)
+        peak = p.peak(micro or largest) if (micro or largest) else None
         fits = peak is not None and peak <= budget
         zero = ds.get("zero_optimization") or {}
         estimate = ds_internals.deepspeed_estimate(
@@ -146,11 +147,13 @@ def table(args, named: dict, plans: dict) -> list:
         d = p.device
         lines.append(f"{name:<25}{_gb(d.get('weights', 0)):>8}{_gb(d['gradients']):>8}{_gb(d.get('optimizer', 0)):>8}"
                      f"{_gb(d.get('masters', 0)):>8}{_gb(d['working']):>8}{_gb(sum(p.host.values())):>8}"
-                     f"{_gb(p.per_sample):>11}{micro or '-':>6}{_gb(peak):>8}{('yes' if fits else 'no') if micro else '-':>6}"
-                     f"{p.largest_micro(args.gpu_memory):>8}{_gb(estimate):>8}")
-        if fits and name in ORDER:
-            fitting.append((list(ORDER).index(name), name, peak))
+                     f"{_gb(p.per_sample):>11}{micro or f'{largest}*':>6}{_gb(peak):>8}{'yes' if fits else 'no':>6}"
+                     f"{largest:>8}{_gb(estimate):>8}")
+        if fits:
+            fitting.append((list(ORDER).index(Path(name).stem) if Path(name).stem in ORDER else 0, name, peak))
     lines.append(recommend(sorted(fitting), plans, budget, args))
+    if any(not (args.micro_batch or isinstance(named[n].get("train_micro_batch_size_per_gpu"), int)) for n in plans):
+        lines.append("* the micro batch is \"auto\": the largest that fits, which the run finds for itself at start")
     return lines
 
 
@@ -162,10 +165,10 @@ def recommend(fitting: list, plans: dict, budget: float, args) -> str:
                 f"{best.largest_micro(args.gpu_memory)} sample(s) per micro batch: lower the micro batch and raise "
                 f"gradient_accumulation_steps, add ranks, or a GPU with more memory")
     _, name, peak = fitting[0]
-    faster = [n for n in list(ORDER)[:list(ORDER).index(name)] if n in plans]
+    faster = [n for n in list(ORDER)[:list(ORDER).index(name)] if n in plans] if name in ORDER else []
     over = "; ".join(f"{n} would peak at {plans[n].peak(args.micro_batch or 1) / 1e9:,.1f}" for n in faster)
-    return (f"recommended: {name}, peaking at {peak / 1e9:,.1f} of {budget / 1e9:,.1f} GB: {ORDER[name]}"
-            + (f" ({over})" if over else ""))
+    return (f"recommended: {name}, peaking at {peak / 1e9:,.1f} of {budget / 1e9:,.1f} GB"
+            + (f": {ORDER[Path(name).stem]}" if Path(name).stem in ORDER else "") + (f" ({over})" if over else ""))
 
 
 def main(argv=None) -> int:
