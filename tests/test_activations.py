@@ -67,8 +67,8 @@ def runs(tmp_path_factory):
     """(name, stage, checkpointed) -> (per-step losses, output) of 2 ranks, one after another in one launch."""
     tmp = tmp_path_factory.mktemp("activations")
     corpus = write_text_rows(tmp / "corpus.txt", 300)
-    models_ = {"cnn": ["--max_steps", 8], "resnet18": ["--dataset", "synthetic", "--max_steps", 4],
-               "gpt2-tiny": ["--dataset", corpus, "--block_size", 32, "--max_steps", 6]}
+    models_ = {"cnn": ["--max_steps", 6], "resnet18": ["--dataset", "synthetic", "--max_steps", 3],
+               "gpt2-tiny": ["--dataset", corpus, "--block_size", 32, "--max_steps", 4]}
     cases = [(model, stage, on) for model in models_ for stage in (STAGES if model == "cnn" else ("zero3",))
              for on in (False, True)]
     jobs = []
