@@ -1,1 +1,1 @@
-"""Tools beside training: bench, doctor, commcheck, export, build_ops. Each reuses the training core."""
+"""Tools beside training: bench, doctor, commcheck, export, plan, restart, build_ops. Each reuses the training core."""
