@@ -8,26 +8,28 @@ the global batch over the data-parallel replicas, searched by halving. The trial
 go, the random generators are as they were, and the run's model is built afterwards as if there had been none.
 A resume takes the micro batch its checkpoint recorded, without searching again.
 
-Each trial's ranks agree after its forward pass, before the gradients are reduced: an out-of-memory error
-there (where a larger micro batch needs more) is agreed without a wait. One in the backward pass of one rank
-alone, or inside a forward that has collectives (ZeRO-3's gathers, tensor-parallel all-reduces), leaves the
-others waiting in a collective until --dist_timeout.
+Each trial's ranks agree after its forward pass, before the gradients are reduced, and after its step: an
+out-of-memory error there on any rank is agreed without a wait. When one rank alone fails where the others go
+on into a collective of the step (its backward's gradient reduction, ZeRO-3's gathers, tensor-parallel
+all-reduces), they cannot agree any more: the failed rank waits for them a bounded time, then ends the run
+with one line saying which micro batch to write instead, and the launcher ends the others.
 """
 import contextlib
 import io
 import json
 import random
+import time
 
 import numpy as np
 import torch
 
 from app import dist, ds_internals, loop
 from app.checkpoint import STATE, checkpoint_root, complete_checkpoints
-from app.compiler import to_device
+from app.compiler import describe, to_device
 from app.data.loader import build_loader
 from app.ds_config import MICRO, fill_scheduler_length, resolve_batch_sizes
-from app.errors import UserError, first_line
-from app.metrics import Meter, reset_peak_memory
+from app.errors import UserError
+from app.metrics import Meter, out_of_memory, reset_peak_memory
 from app.resume import checkpoint_folder
 
 
@@ -71,8 +73,14 @@ def settle(ds: dict, where: str, layout, task, build, train_set, output_dir, res
         dist.print0(f"micro batch: {saved} from {folder} (\"auto\" found it when the run began), "
                     f"{total // (saved * replicas)} accumulation step(s)")
         return resolve_batch_sizes({**ds, MICRO: saved}, replicas, where)
+    ran = []
+
+    def runs(size: int) -> str:
+        why = _trial(ds, size, layout, task, build, train_set, where, max(ran, default=0))
+        ran.extend([] if why else [size])
+        return why
     with _generators_kept():
-        micro, failed = largest(sizes, lambda size: _trial(ds, size, layout, task, build, train_set))
+        micro, failed = largest(sizes, runs)
     if not micro:
         raise UserError(f"{where}: not even a micro batch of 1 fits: {failed[1]}; use a config that holds less "
                         f"per rank (python -m app.tools.plan shows which) or a GPU with more memory")
@@ -96,11 +104,15 @@ def _saved_micro(output_dir, resumed: str) -> tuple:
     return None, None
 
 
-def _trial(ds: dict, micro: int, layout, task, build, train_set) -> str:
-    """'' when a forward, backward and optimizer step of `micro` samples ran on every rank, else why not."""
-    trial = fill_scheduler_length(resolve_batch_sizes({**ds, MICRO: micro, "gradient_accumulation_steps": 1,
-                                                       "train_batch_size": micro * layout.replicas},
-                                                      layout.replicas, "a trial"), 1)
+def _trial(ds: dict, micro: int, layout, task, build, train_set, where: str, ran: int) -> str:
+    """'' when a forward, backward and optimizer step of `micro` samples ran on every rank, else why not;
+    ran: the largest micro batch that ran so far (0: none), for the line of a rank that must end the run."""
+    trial = resolve_batch_sizes({**ds, MICRO: micro, "gradient_accumulation_steps": 1,
+                                 "train_batch_size": micro * layout.replicas}, layout.replicas, "a trial")
+    # one step is taken; a length past the warm-up keeps DeepSpeed from warning that it is shorter
+    trial = fill_scheduler_length(trial, max(1, (trial.get("scheduler") or {}).get("params", {}).get(
+        "warmup_num_steps", 1)))
+    agreed = lambda part: _agreed(part, micro, where, ran)  # noqa: E731
     try:
         with contextlib.redirect_stdout(io.StringIO()):  # each trial engine's start-up lines are the run's already
             engine = loop.build_engine(build(trial), layout.engine_config(trial))
@@ -108,11 +120,11 @@ def _trial(ds: dict, micro: int, layout, task, build, train_set) -> str:
         batch = next(iter(build_loader(train_set, micro, layout.replica, layout.replicas, False, 0)))
         if hasattr(forward, "logits_and_losses"):  # agreed after the forward, before any gradient is reduced
             held = {}
-            why = _agreed(_out_of_memory(lambda: held.update(loss=_forward(forward, batch))))
+            why = agreed(lambda: held.update(loss=_forward(forward, batch)))
             if why:
                 return why
-            return _agreed(_out_of_memory(lambda: (engine.backward(held.pop("loss")), engine.step())))
-        return _agreed(_out_of_memory(lambda: forward.micro_step(batch, Meter(["loss"], engine.device))))
+            return agreed(lambda: (engine.backward(held.pop("loss")), engine.step()))
+        return agreed(lambda: forward.micro_step(batch, Meter(["loss"], engine.device)))
     finally:
         ds_internals.forget_parallel_groups()
         here = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
@@ -124,22 +136,35 @@ def _forward(forward, batch):
     return (forward.logits_and_losses(x, y)[1] * w).sum()
 
 
-def _out_of_memory(step) -> str:
-    """'' when step() ran, else what ran out of memory; any other error is the run's."""
+def _outcome(part) -> tuple:
+    """('', '') when part() ran, ('memory', what ran out) when it ran out of memory, ('fatal', what) else."""
     try:
-        step()
-        return ""
-    except (torch.OutOfMemoryError, RuntimeError) as e:  # the CPU allocator says it in a RuntimeError
-        if isinstance(e, torch.OutOfMemoryError) or "can't allocate memory" in str(e):
-            said = first_line(e).split("DefaultCPUAllocator: ")[-1][:160]  # the CPU's: past its enforce-fail prefix
-            return said if "out of memory" in said.lower() else f"out of memory ({said})"
-        raise
+        part()
+        return "", ""
+    except Exception as e:  # noqa: BLE001 (sorted: out of memory, or the run's end agreed by every rank)
+        said = out_of_memory(e)
+        return ("memory", said) if said else ("fatal", str(e) if isinstance(e, UserError) else describe(e))
 
 
-def _agreed(mine: str) -> str:
-    """'' when every rank's part ran, else the first rank's reason, named."""
-    said = dist.gather_objects(mine)
-    return next((f"{why} on rank {rank}" for rank, why in enumerate(said) if why), "")
+def _agreed(part, micro: int, where: str, ran: int) -> str:
+    """Run part() on every rank: '' when it ran on all, else the first rank's out-of-memory error, named. Any
+    other error ends the run in one line naming the rank; so does a rank that failed alone where the others
+    went on into a collective of the step and cannot come to agree."""
+    started = time.perf_counter()
+    kind, why = _outcome(part)
+    said = dist.gather_outcomes((kind, why), time.perf_counter() - started if kind else None)
+    if said is None:
+        what = f"ran out of memory with a micro batch of {micro} ({why})" if kind == "memory" else \
+            f"failed with a micro batch of {micro} ({why})"
+        instead = f"{ran}, the largest that ran on every rank" if ran else f"less than {micro}"
+        raise dist.leave(f"the micro batch search ended: rank {dist.rank()} {what} while the other ranks went on "
+                         f"into that step's collectives, so they cannot agree on a smaller one; set "
+                         f"train_micro_batch_size_per_gpu in {where} to {instead}")
+    fatal = [(rank, text) for rank, (kind, text) in enumerate(said) if kind == "fatal"]
+    if fatal:
+        raise UserError(f"the micro batch search failed on rank {fatal[0][0]} with a micro batch of {micro}: "
+                        f"{fatal[0][1]}")
+    return next((f"{text} on rank {rank}" for rank, (kind, text) in enumerate(said) if kind), "")
 
 
 @contextlib.contextmanager

@@ -1,10 +1,12 @@
 """The forward pass a loop runs (micro step and evaluation), with torch.compile through the DeepSpeed engine
 (model and loss), and TF32 for fp32 CUDA runs."""
+import time
+
 import torch
 
 from app import dist, ds_internals, faults
 from app.errors import UserError, first_line
-from app.metrics import Meter
+from app.metrics import Meter, out_of_memory
 
 
 def wanted(choice: str, device: torch.device) -> bool:
@@ -50,7 +52,8 @@ class Forward:
     each mode compiles one graph: one for training, one for evaluation (no_grad). The first compiled
     forward of a mode compiles its backward too, and every rank then says how it went: if any rank
     could not compile, rank 0 names it in one line and every rank runs eager; any other error (out
-    of memory, a collective, the model itself) ends the run in one line naming the rank.
+    of memory, a collective, the model itself) ends the run in one line naming the rank, also when the
+    others went on into a collective of the step and cannot come to agree (dist.gather_outcomes).
     """
 
     def __init__(self, engine, task, compile_model: bool):
@@ -76,14 +79,19 @@ class Forward:
     def _first_compiled(self, inputs: list, labels: torch.Tensor) -> tuple:
         """The first compiled forward of a mode, its backward compiled with it (before any gradient
         collective), then every rank's outcome agreed on the host group."""
-        mode, result, failure = self.engine.training, None, None
+        mode, result, failure, started = self.engine.training, None, None, time.perf_counter()
         try:
             with torch._functorch.config.patch(force_non_lazy_backward_lowering=True):
                 result = self._run(inputs, labels)
         except Exception as e:  # noqa: BLE001 (sorted below: a compiler failure, or the run's end)
             failure = e
-        outcomes = dist.gather_objects(_outcome(failure))
         step = "training" if mode else "evaluation"
+        mine = _outcome(failure)
+        # the others may still be compiling, which takes minutes on a large model: a longer patience
+        outcomes = dist.gather_outcomes(mine, time.perf_counter() - started if failure else None, patience_s=300)
+        if outcomes is None:  # the others went on into a collective of this step (ZeRO-3's gathers) and wait there
+            raise dist.leave(f"the first {step} step failed on rank {dist.rank()}: {mine[1]}; the "
+                             f"other ranks went on into that step's collectives")
         fatal = [(rank, text) for rank, (kind, text) in enumerate(outcomes) if kind == "fatal"]
         if fatal:
             rank, text = fatal[0]
@@ -103,7 +111,7 @@ class Forward:
         try:
             return self._run(inputs, labels)
         except Exception as e:  # noqa: BLE001 (one line, not a traceback of the compiler's attempt)
-            raise UserError(f"the first {step} step failed on rank {dist.rank()}: {_describe(e)}") from None
+            raise UserError(f"the first {step} step failed on rank {dist.rank()}: {describe(e)}") from None
 
     def micro_step(self, batch, meter: Meter):
         """One micro batch: forward, engine.backward(loss), engine.step() (an optimizer step once the
@@ -134,6 +142,7 @@ class Forward:
     def _run(self, inputs, labels):
         faults.out_of_memory_at(len(labels))
         logits = self.engine(*inputs)
+        faults.out_of_memory_at(len(labels), logits)
         return logits, self.loss(logits, labels)
 
     def eager(self):
@@ -151,7 +160,7 @@ def _chain(error: BaseException) -> list:
     return chain
 
 
-def _describe(error: BaseException) -> str:
+def describe(error: BaseException) -> str:
     """'Type: first line' of the innermost exception that says what went wrong."""
     inner = _chain(error)[-1]
     return f"{type(inner).__name__}: {first_line(inner)[:300]}"
@@ -164,11 +173,11 @@ def _outcome(error) -> tuple:
         return "", ""
     from torch._dynamo.exc import TorchDynamoException
     chain = _chain(error)
-    if any(isinstance(e, torch.OutOfMemoryError) for e in chain):
-        return "fatal", f"out of memory ({_describe(error)}); lower train_micro_batch_size_per_gpu in the ds_config"
+    if any(out_of_memory(e) for e in chain):
+        return "fatal", f"out of memory ({describe(error)}); lower train_micro_batch_size_per_gpu in the ds_config"
     if any(isinstance(e, torch.distributed.DistError) for e in chain) or not isinstance(error, TorchDynamoException):
-        return "fatal", _describe(error)
-    return "compile", _describe(error)
+        return "fatal", describe(error)
+    return "compile", describe(error)
 
 
 def to_device(batch, device, dtype):

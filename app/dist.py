@@ -7,10 +7,14 @@ Launch time (which launcher, its variables, the start-up rendezvous) lives in ap
 import contextlib
 import datetime
 import os
+import pickle
+import time
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+
+from app.errors import RankAlone, SaidByAnotherRank
 
 
 @dataclass
@@ -123,6 +127,59 @@ def gather_objects(obj) -> list:
     gathered = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, obj, group=_host_group())
     return gathered
+
+
+# Outcomes of a step that may fail on some ranks only (a micro batch trial, the first compiled step) travel
+# through the rendezvous store rather than a collective, so that a rank whose part failed can bound its wait:
+# the others may be blocked in a collective of that step (ZeRO-3's gathers, a gradient all-reduce) that it
+# left, and would never come.
+_rounds = 0
+_LEFT = "app/left"
+
+
+def gather_outcomes(mine, failed_after_s: float = None, patience_s: float = 30):
+    """Every rank's outcome of a step (any picklable value), in rank order.
+
+    failed_after_s: this rank's part failed that many seconds in. It then waits for the others at most
+    patience_s + 10x that (their part is the same work) and gets None if they have not all said theirs: they are
+    blocked where it left them, and it should end the run with leave(). A rank that finds another has left
+    ends quietly (SaidByAnotherRank): that rank said why."""
+    global _rounds
+    if not _many():
+        return [mine]
+    _rounds += 1
+    keys = [f"app/outcome/{_rounds}/{r}" for r in range(dist.get_world_size())]
+    try:
+        store = dist.distributed_c10d._get_default_store()
+        store.set(keys[dist.get_rank()], pickle.dumps(mine))
+        if failed_after_s is None:
+            store.wait(keys)  # as long as the group's timeout
+        else:
+            deadline = time.monotonic() + patience_s + 10 * failed_after_s
+            while not store.check(keys):  # polled: a wait that times out has the store log warnings
+                if time.monotonic() > deadline:
+                    return None
+                time.sleep(0.05)
+        if store.check([_LEFT]):
+            raise SaidByAnotherRank(pickle.loads(store.get(_LEFT)))
+        return [pickle.loads(store.get(key)) for key in keys]
+    except dist.DistError as e:  # the store went with rank 0, which left with a line of its own
+        raise SaidByAnotherRank(str(e)) from None
+
+
+def another_rank_left() -> bool:
+    """Whether a rank has left the run alone (leave()): a collective failing here is its going."""
+    with contextlib.suppress(dist.DistError):
+        return _many() and dist.distributed_c10d._get_default_store().check([_LEFT])
+    return True  # the store went with rank 0
+
+
+def leave(why: str) -> RankAlone:
+    """The error that ends this rank alone, saying why at once; the others, if their collectives fail as
+    this rank goes (gloo's do), find it in gather_outcomes and end without a second line."""
+    with contextlib.suppress(dist.DistError):
+        dist.distributed_c10d._get_default_store().set(_LEFT, pickle.dumps(why))
+    return RankAlone(why)
 
 
 class HostVote:

@@ -8,17 +8,30 @@ class UserError(Exception):
     """A mistake in the user's input: reported as one line on stderr, never as a traceback."""
 
 
+class RankAlone(UserError):
+    """A failure only this rank knows of, the other ranks blocked where it left them: said at once, since they
+    will not get to say it, after which the launcher ends them."""
+
+
+class SaidByAnotherRank(UserError):
+    """This rank ends because another one left with a line of its own (RankAlone): nothing more to say."""
+
+
 def report(error: Exception) -> int:
     """Say `error: <what to fix>` in one line on stderr and return the exit code 2.
 
     In a multi-rank job rank 0 speaks first; the other ranks speak only if the launcher has not
     ended them by then (it does once rank 0 exits), so one mistake is one line, not one per rank.
+    A rank that leaves alone (RankAlone) speaks at once; one that another's leaving ended says nothing.
     """
-    rank = int(os.environ.get("RANK", "0"))
+    rank, alone = int(os.environ.get("RANK", "0")), isinstance(error, RankAlone)
+    if isinstance(error, SaidByAnotherRank):
+        return 2
     # a DataLoader worker's error comes back wrapped in its traceback: its last line is the one that matters
     error = (str(error).strip().splitlines() or [""])[-1].removeprefix(f"{UserError.__module__}.UserError: ")
     if rank != 0:
-        time.sleep(3)
+        if not alone:
+            time.sleep(3)
         print(f"[rank {rank}] error: {error}", file=sys.stderr, flush=True)
     else:
         print(f"error: {error}", file=sys.stderr, flush=True)

@@ -2,7 +2,8 @@
 
     APP_KILL_AT=<moment>:<step>[:<rank>]      SIGKILL at a moment of a checkpoint save (shards, manifest, pointer),
                                               in a first attempt only (not in a restarted one)
-    APP_OOM_AT=<micro batch>[:<rank>]         raise torch.OutOfMemoryError in a forward of that many samples or more
+    APP_OOM_AT=<micro batch>[:<rank>[:backward]]   raise torch.OutOfMemoryError in a forward (or backward) of that
+                                              many samples or more
     APP_FAIL_COMPILE=<forward|backward>[:<rank>]   make inductor refuse the model's forward or backward graph
 
 Unset (as for every user), each is a no-op.
@@ -17,9 +18,9 @@ from app import dist
 
 def _wanted(name: str, before_rank: int = 1) -> list:
     """The fields of fault point `name` when it is set for this rank (the field after the first before_rank
-    fields names one rank; none means every rank), else []."""
+    fields names one rank; none or empty means every rank), else []."""
     fields = os.environ.get(name, "").split(":")
-    if not fields[0] or (len(fields) > before_rank and int(fields[before_rank]) != dist.rank()):
+    if not fields[0] or (len(fields) > before_rank and fields[before_rank] and int(fields[before_rank]) != dist.rank()):
         return []
     return fields
 
@@ -33,12 +34,21 @@ def kill_at(moment: str, step: int):
         os.kill(os.getpid(), signal.SIGKILL)
 
 
-def out_of_memory_at(micro_batch: int):
-    """Raise the error a device out of memory raises, when APP_OOM_AT says this micro batch is too large here."""
+def out_of_memory_at(micro_batch: int, output: torch.Tensor = None):
+    """Raise the error a device out of memory raises, when APP_OOM_AT says this micro batch is too large here:
+    in the forward, or with ':backward' when the backward pass reaches the forward's `output`."""
     wanted = _wanted("APP_OOM_AT")
-    if wanted and micro_batch >= int(wanted[0]):
-        raise torch.OutOfMemoryError(f"out of memory: APP_OOM_AT={os.environ['APP_OOM_AT']} refuses a micro batch "
-                                     f"of {micro_batch} on rank {dist.rank()}")
+    if not wanted or micro_batch < int(wanted[0]) or (wanted[2:] == ["backward"]) != (output is not None):
+        return
+    error = torch.OutOfMemoryError(f"out of memory: APP_OOM_AT={os.environ['APP_OOM_AT']} refuses a micro batch "
+                                   f"of {micro_batch}")
+    if output is None:
+        raise error
+
+    def refuse(grad):
+        raise error
+    if output.requires_grad:
+        output.register_hook(refuse)
 
 
 def compile_backend():

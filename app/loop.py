@@ -2,9 +2,9 @@
 save and stop."""
 from dataclasses import dataclass
 
-from app import ds_internals
-from app.errors import UserError
-from app.metrics import Meter, Stopwatch
+from app import dist, ds_internals
+from app.errors import SaidByAnotherRank, UserError
+from app.metrics import Meter, Stopwatch, out_of_memory
 from app.runlog import RunLog
 
 
@@ -77,7 +77,36 @@ class Loop:
         self.samples, self.seconds, self.last_eval, self.stopped = 0.0, 0.0, {}, False
 
     def fit(self, start=(0, 0)) -> dict:
-        """Train from (epoch, micro batch) start; the run's totals and its last evaluation."""
+        """Train from (epoch, micro batch) start; the run's totals and its last evaluation. Running out of
+        memory ends the run in one line (see _out_of_memory), and so does a rank that left alone: the others
+        end without a line of their own."""
+        try:
+            return self._fit(start)
+        except UserError:
+            raise
+        except Exception as e:  # noqa: BLE001 (out of memory, or a collective failing as another rank left)
+            said = out_of_memory(e)
+            if said:
+                raise self._out_of_memory(said) from None
+            if dist.another_rank_left():
+                raise SaidByAnotherRank(str(e)) from None
+            raise
+
+    def _out_of_memory(self, said: str) -> UserError:
+        """The error of a rank out of memory: agreed by the ranks that ran out too (ranks of one shape do it
+        together), or said by this rank alone when the others went on into a collective and wait there."""
+        steps = self.engine.global_steps
+        fix = ("lower train_micro_batch_size_per_gpu in the ds_config (\"auto\" with train_batch_size finds the "
+               "largest that fits), add \"activation_checkpointing\": {}, or take a config that holds less per "
+               "rank: python -m app.tools.plan shows which fits")
+        outcomes = dist.gather_outcomes(said, 0.0)  # only ranks that failed post one
+        if outcomes is None:
+            return dist.leave(f"rank {dist.rank()} ran out of memory after {steps} step(s) ({said}) while the other "
+                              f"ranks went on into that step's collectives; {fix}")
+        return UserError(f"{'every rank' if len(outcomes) > 1 else 'the run'} ran out of memory after {steps} "
+                         f"step(s) ({outcomes[0]}); {fix}")
+
+    def _fit(self, start: tuple) -> dict:
         epoch, skip = start
         self.clock.lap()
         self.engine.train()

@@ -1,13 +1,16 @@
 """The micro batch "auto": the largest that runs on every rank, found at start with real steps, the global batch
 kept by gradient accumulation, the same losses as written by hand, kept across a resume; under ZeRO 0-3,
-offload, a pipeline and tensor parallelism. Out of memory comes from APP_OOM_AT on one chosen rank."""
+offload, a pipeline and tensor parallelism. And running out of memory in training: one line, never a hang.
+Out of memory comes from APP_OOM_AT on one chosen rank or on every rank."""
 import json
+import time
 
 import pytest
 
 from app import autobatch, ds_config
 from app.errors import UserError
-from conftest import REPO, assert_one_error_line, config_variant, read_metrics, train_jobs, write_text_rows
+from conftest import (REPO, assert_one_error_line, config_variant, read_metrics, run, train_command, train_jobs,
+                      write_text_rows)
 
 
 def test_candidates_split_the_global_batch_evenly_over_the_replicas():
@@ -80,20 +83,22 @@ def runs(tmp_path_factory):
         "tensor_parallel": (["--deepspeed_config", _auto(tmp, "tensor_parallel", 16), "--model", "llama-tiny", *text,
                              *RUN], "5"),
         "nothing fits": (["--deepspeed_config", _auto(tmp, "dp", 64), *RUN], "1:1"),
+        "out of memory in training": (RUN, "1"),
     }
     out = {name: tmp / name.replace(" ", "-") for name in jobs}
     out["dp resumed"] = out["dp"]
     job_list = [{"argv": [*argv, "--output_dir", out[name]], "env": {"APP_OOM_AT": fault} if fault else {}}
                 for name, (argv, fault) in jobs.items()]
-    outputs = train_jobs("deepspeed", 2, job_list, codes=[2 if name == "nothing fits" else 0 for name in jobs])
+    outputs = train_jobs("deepspeed", 2, job_list, codes=[2 if name in ("nothing fits", "out of memory in training") else 0
+                                                      for name in jobs])
     return {name: (output, out[name]) for name, output in zip(jobs, outputs)}
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name, micro, accumulation, failing", [
-    ("dp", 16, 2, "32: out of memory: APP_OOM_AT=17:1 refuses a micro batch of 32 on rank 1 on rank 1"),
-    ("zero3", 8, 4, "16: out of memory: APP_OOM_AT=9 refuses a micro batch of 16 on rank 0 on rank 0"),
-    ("zero2_offload", 4, 4, "8: out of memory: APP_OOM_AT=5:1 refuses a micro batch of 8 on rank 1 on rank 1"),
+    ("dp", 16, 2, "32: out of memory: APP_OOM_AT=17:1 refuses a micro batch of 32 on rank 1"),
+    ("zero3", 8, 4, "16: out of memory: APP_OOM_AT=9 refuses a micro batch of 16 on rank 0"),
+    ("zero2_offload", 4, 4, "8: out of memory: APP_OOM_AT=5:1 refuses a micro batch of 8 on rank 1"),
     ("pipeline", 8, 4, "16: out of memory: APP_OOM_AT=9"),  # 2 stages: one replica takes the whole batch
     ("tensor_parallel", 4, 4, "8: out of memory: APP_OOM_AT=5"),  # 2 shards: one replica
 ])
@@ -129,3 +134,48 @@ def test_when_not_even_one_sample_fits_it_is_one_line(runs):
     output, folder = runs["nothing fits"]
     assert_one_error_line(output, "not even a micro batch of 1 fits", "on rank 1", "python -m app.tools.plan")
     assert not (folder / "metrics.csv").exists()
+
+
+@pytest.mark.slow
+def test_every_rank_out_of_memory_in_training_is_one_line_saying_what_to_change(runs):
+    output, folder = runs["out of memory in training"]
+    assert_one_error_line(output, "every rank ran out of memory after 0 step(s) (out of memory: APP_OOM_AT=1 "
+                          "refuses a micro batch of 32)", "lower train_micro_batch_size_per_gpu",
+                          "python -m app.tools.plan")
+    assert not (folder / "metrics.csv").exists(), "nothing left that would refuse the same command"
+
+
+@pytest.mark.slow
+def test_a_rank_out_of_memory_alone_in_a_backward_ends_the_run_in_one_line_not_a_hang(tmp_path):
+    """Rank 1 runs out of memory in a trial's backward while rank 0 goes on into the gradient all-reduce and
+    waits there for it: they cannot agree any more, so rank 1 waits a bounded time (not --dist_timeout), then
+    says in one line which micro batch to write, and the launcher ends rank 0."""
+    config, out = _auto(tmp_path, "dp", 64), tmp_path / "run"
+    started = time.monotonic()
+    result = run(train_command("deepspeed", 2, "--deepspeed_config", config, *RUN, "--output_dir", out),
+                 timeout=300, APP_OOM_AT="17:1:backward")
+    took = time.monotonic() - started
+    assert result.returncode == 2, result.stdout[-3000:] + result.stderr[-3000:]
+    assert_one_error_line(result.stdout + result.stderr, "[rank 1] error: the micro batch search ended: rank 1 ran "
+                          "out of memory with a micro batch of 32", "went on into that step's collectives",
+                          f"set train_micro_batch_size_per_gpu in {config} to less than 32", anywhere=True)
+    assert took < 120, f"ended after {took:.0f} s: the bounded wait is 30 s"
+    assert not (out / "metrics.csv").exists()
+
+
+@pytest.mark.slow
+def test_a_rank_out_of_memory_alone_in_training_ends_the_run_in_one_line_not_a_hang(tmp_path):
+    """The same in a training step: rank 1 runs out of memory in its backward, rank 0 waits in the gradient
+    all-reduce; rank 1 says it alone after a bounded wait, rank 0 ends without a line (or a traceback) of its
+    own and takes the run's files with it, so the same command runs again."""
+    out = tmp_path / "run"
+    started = time.monotonic()
+    result = run(train_command("deepspeed", 2, *RUN, "--output_dir", out), timeout=300,
+                 APP_OOM_AT="1:1:backward")
+    took = time.monotonic() - started
+    assert result.returncode == 2, result.stdout[-3000:] + result.stderr[-3000:]
+    assert_one_error_line(result.stdout + result.stderr, "[rank 1] error: rank 1 ran out of memory after 0 step(s)",
+                          "while the other ranks went on into that step's collectives",
+                          "lower train_micro_batch_size_per_gpu", anywhere=True)
+    assert took < 120, f"ended after {took:.0f} s: the bounded wait is 30 s"
+    assert not (out / "metrics.csv").exists()

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from app import dist, launch
+from app.errors import RankAlone, SaidByAnotherRank
 from app.metrics import Meter
 from conftest import spawn_ranks
 
@@ -37,7 +38,25 @@ def _collectives(rank, world, tmp):
             marker.write_text("rank 0 was here")
         else:
             assert marker.read_text() == "rank 0 was here", "others wait for rank 0"
+    _outcomes(rank, world)
     dist.teardown()
+
+
+def _outcomes(rank, world):
+    """Outcomes through the store: gathered; a failed rank's wait bounded when the others are elsewhere (as if
+    blocked in a collective it left); the others then end quietly, the leaving rank having said why."""
+    assert dist.gather_outcomes(("", rank), None if rank else 0.0) == [("", r) for r in range(world)]
+    if rank == world - 1:
+        started = time.monotonic()
+        assert dist.gather_outcomes(("memory", "out of memory"), 0.0, patience_s=0.5) is None
+        assert 0.5 <= time.monotonic() - started < 5
+        error = dist.leave("rank left: why")
+        assert isinstance(error, RankAlone) and str(error) == "rank left: why"
+        dist.barrier()
+    else:
+        dist.barrier()  # elsewhere until the last rank has left
+        with pytest.raises(SaidByAnotherRank, match="rank left: why"):
+            dist.gather_outcomes(("fatal", "Connection closed by peer"), 0.0)
 
 
 def _votes(rank, world):

@@ -4,7 +4,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from app.errors import UserError, first_line, report
+from app.errors import RankAlone, SaidByAnotherRank, UserError, first_line, report
 from conftest import REPO, assert_one_error_line, main_each, run, train, train_command
 
 
@@ -136,6 +136,20 @@ def test_report_on_another_rank_waits_for_rank_0_and_names_itself(monkeypatch, c
     monkeypatch.setenv("RANK", "3")
     assert report(UserError("the same mistake")) == 2
     assert waited == [3] and capsys.readouterr().err == "[rank 3] error: the same mistake\n"
+
+
+def test_a_rank_that_leaves_alone_speaks_at_once_and_the_others_say_nothing(monkeypatch, capsys):
+    """RankAlone: only this rank knows, and the launcher ends the others once it exits; SaidByAnotherRank: the
+    rank that left said it."""
+    import app.errors
+    waited = []
+    monkeypatch.setattr(app.errors, "time", SimpleNamespace(sleep=waited.append))
+    monkeypatch.setenv("RANK", "1")
+    assert report(RankAlone("rank 1 ran out of memory")) == 2
+    assert waited == [] and capsys.readouterr().err == "[rank 1] error: rank 1 ran out of memory\n"
+    monkeypatch.setenv("RANK", "0")
+    assert report(SaidByAnotherRank("rank 1 ran out of memory")) == 2
+    assert capsys.readouterr().err == ""
 
 
 def test_first_line_is_the_innermost_cause():
