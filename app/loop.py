@@ -1,9 +1,10 @@
 """The engine, the micro step, evaluation, and the training loop, whose schedule says when to log, evaluate,
 save and stop."""
+import time
 from dataclasses import dataclass
 
 from app import dist, ds_internals
-from app.errors import SaidByAnotherRank, UserError
+from app.errors import RankAlone, SaidByAnotherRank, UserError
 from app.metrics import Meter, Stopwatch, out_of_memory
 from app.runlog import RunLog
 
@@ -75,36 +76,41 @@ class Loop:
         self.save, self.stop = save, stop
         self.meter, self.clock = Meter(["loss"], self.engine.device), Stopwatch()
         self.samples, self.seconds, self.last_eval, self.stopped = 0.0, 0.0, {}, False
+        self.began = time.perf_counter()  # when the micro step under way began
 
     def fit(self, start=(0, 0)) -> dict:
-        """Train from (epoch, micro batch) start; the run's totals and its last evaluation. Running out of
-        memory ends the run in one line (see _out_of_memory), and so does a rank that left alone: the others
-        end without a line of their own."""
+        """Train from (epoch, micro batch) start; the run's totals and its last evaluation.
+
+        An error that ends the run on some ranks (out of memory, a damaged file the loader found) is one line:
+        agreed by the ranks it ended together (rank 0 says it), or said at once by a rank it ended alone while
+        the others went on into a collective of the step, where they wait for it; they end without a line."""
         try:
             return self._fit(start)
-        except UserError:
+        except (RankAlone, SaidByAnotherRank):
             raise
-        except Exception as e:  # noqa: BLE001 (out of memory, or a collective failing as another rank left)
+        except Exception as e:  # noqa: BLE001 (sorted: the run's end in one line, or not the app's to say)
             said = out_of_memory(e)
-            if said:
-                raise self._out_of_memory(said) from None
+            if said or isinstance(e, UserError):
+                raise self._ended("memory" if said else "error", said or str(e)) from None
             if dist.another_rank_left():
                 raise SaidByAnotherRank(str(e)) from None
             raise
 
-    def _out_of_memory(self, said: str) -> UserError:
-        """The error of a rank out of memory: agreed by the ranks that ran out too (ranks of one shape do it
-        together), or said by this rank alone when the others went on into a collective and wait there."""
-        steps = self.engine.global_steps
-        fix = ("lower train_micro_batch_size_per_gpu in the ds_config (\"auto\" with train_batch_size finds the "
-               "largest that fits), add \"activation_checkpointing\": {}, or take a config that holds less per "
-               "rank: python -m app.tools.plan shows which fits")
-        outcomes = dist.gather_outcomes(said, 0.0)  # only ranks that failed post one
-        if outcomes is None:
-            return dist.leave(f"rank {dist.rank()} ran out of memory after {steps} step(s) ({said}) while the other "
-                              f"ranks went on into that step's collectives; {fix}")
-        return UserError(f"{'every rank' if len(outcomes) > 1 else 'the run'} ran out of memory after {steps} "
-                         f"step(s) ({outcomes[0]}); {fix}")
+    def _ended(self, kind: str, why: str) -> UserError:
+        """The error that ends the run from this rank: agreed with the ranks that failed too, which fail within a
+        step of each other (only they post an outcome), or this rank's alone."""
+        outcomes = dist.gather_outcomes((kind, why), time.perf_counter() - self.began, patience_s=5)
+        alone = outcomes is None
+        kind, why = (kind, why) if alone else outcomes[0]
+        if kind == "error":
+            return dist.leave(why) if alone else UserError(why)
+        who = f"rank {dist.rank()}" if alone else "every rank" if len(outcomes) > 1 else "the run"
+        where = " while the other ranks went on into that step's collectives" if alone else ""
+        said = (f"{who} ran out of memory after {self.engine.global_steps} step(s) ({why}){where}; "
+                f"lower train_micro_batch_size_per_gpu in the ds_config (\"auto\" with train_batch_size finds the "
+                f"largest that fits), add \"activation_checkpointing\": {{}}, or take a config that holds less per "
+                f"rank: python -m app.tools.plan shows which fits")
+        return dist.leave(said) if alone else UserError(said)
 
     def _fit(self, start: tuple) -> dict:
         epoch, skip = start
@@ -124,7 +130,7 @@ class Loop:
         """Run the epoch from micro batch skip; True when it ran to its end."""
         self.train_loader.batch_sampler.set_epoch(epoch, skip)
         for batch_index, batch in enumerate(self.train_loader, start=skip + 1):
-            before = self.engine.global_steps
+            before, self.began = self.engine.global_steps, time.perf_counter()
             self.forward.micro_step(batch, self.meter)
             if self.engine.global_steps == before:
                 continue  # inside a gradient accumulation window
