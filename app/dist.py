@@ -8,6 +8,7 @@ import contextlib
 import datetime
 import os
 import pickle
+import threading
 import time
 from dataclasses import dataclass
 
@@ -60,10 +61,16 @@ _host = None
 
 
 def start_host_group(timeout: datetime.timedelta = None):
-    """Create the host group; every rank calls it once, right after the process group starts."""
-    global _host
+    """Create the host group, and watch for a rank that leaves alone (leave()); every rank calls it once,
+    right after the process group starts."""
+    global _host, _watcher
     if _many():
         _host = dist.new_group(backend="gloo", timeout=timeout)
+        stop = threading.Event()
+        thread = threading.Thread(target=_watch, args=(dist.distributed_c10d._get_default_store(), stop),
+                                  name="app-leavers", daemon=True)
+        thread.start()
+        _watcher = (thread, stop)
 
 
 def _many() -> bool:
@@ -129,12 +136,26 @@ def gather_objects(obj) -> list:
     return gathered
 
 
-# Outcomes of a step that may fail on some ranks only (a micro batch trial, the first compiled step) travel
-# through the rendezvous store rather than a collective, so that a rank whose part failed can bound its wait:
-# the others may be blocked in a collective of that step (ZeRO-3's gathers, a gradient all-reduce) that it
-# left, and would never come.
+# Outcomes of a step that may fail on some ranks only (a micro batch trial, the first compiled step, the
+# error that ends training) travel through the rendezvous store rather than a collective, so that a rank
+# whose part failed can bound its wait: the others may be blocked in a collective of that step (ZeRO-3's
+# gathers, a gradient all-reduce) that it left, and would never come.
 _rounds = 0
 _LEFT = "app/left"
+_left = False  # this rank left (leave())
+_note = None  # why another rank left, read from the store each second: the store may go with rank 0
+_watcher = None  # (thread, stop event) reading it
+
+
+def _watch(store, stop: threading.Event):
+    global _note
+    while not stop.wait(1.0):
+        try:
+            if store.check([_LEFT]):
+                _note = pickle.loads(store.get(_LEFT))
+                return
+        except dist.DistError:  # the store went (rank 0 ended): nothing more to read
+            return
 
 
 def gather_outcomes(mine, failed_after_s: float = None, patience_s: float = 30):
@@ -163,22 +184,32 @@ def gather_outcomes(mine, failed_after_s: float = None, patience_s: float = 30):
         if store.check([_LEFT]):
             raise SaidByAnotherRank(pickle.loads(store.get(_LEFT)))
         return [pickle.loads(store.get(key)) for key in keys]
-    except dist.DistError as e:  # the store went with rank 0, which left with a line of its own
-        raise SaidByAnotherRank(str(e)) from None
+    except dist.DistError:  # the store went with rank 0
+        if _note is not None:
+            raise SaidByAnotherRank(_note) from None
+        if failed_after_s is None:
+            raise
+        return None  # a failed rank says its own error, alone
 
 
 def another_rank_left() -> bool:
-    """Whether a rank has left the run alone (leave()): a collective failing here is its going."""
+    """Whether a rank has left the run alone (leave()): a collective failing here is its going. Not when the
+    store went with rank 0 and no note was read from it before: that may be a crash, which a restart (exit 1,
+    not 2) should follow."""
+    if _note is not None:
+        return True
     with contextlib.suppress(dist.DistError):
         return _many() and dist.distributed_c10d._get_default_store().check([_LEFT])
-    return True  # the store went with rank 0
+    return False
 
 
 def leave(why: str) -> RankAlone:
     """The error that ends this rank alone, saying why at once; the others, if their collectives fail as
     this rank goes (gloo's do), find it in gather_outcomes and end without a second line."""
+    global _left
     with contextlib.suppress(dist.DistError):
         dist.distributed_c10d._get_default_store().set(_LEFT, pickle.dumps(why))
+        _left = True
     return RankAlone(why)
 
 
@@ -211,7 +242,12 @@ class HostVote:
 
 def teardown():
     """Leave the process group (and the host group); safe to call when none exists."""
-    global _host
+    global _host, _left, _note, _watcher
+    if _left:  # rank 0 serves the store: the others' watchers read the note before it goes with this process
+        time.sleep(2.5)
+    if _watcher is not None:
+        _watcher[1].set()
+        _watcher[0].join(timeout=5)
     if dist.is_initialized():
         dist.destroy_process_group()
-    _host = None
+    _host, _left, _note, _watcher = None, False, None, None
