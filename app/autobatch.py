@@ -79,7 +79,7 @@ def settle(ds: dict, where: str, layout, task, build, train_set, output_dir, res
         why = _trial(ds, size, layout, task, build, train_set, where, max(ran, default=0))
         ran.extend([] if why else [size])
         return why
-    with _generators_kept():
+    with _generators_kept(), dist.watching_for_leavers():
         micro, failed = largest(sizes, runs)
     if not micro:
         raise UserError(f"{where}: not even a micro batch of 1 fits: {failed[1]}; use a config that holds less "

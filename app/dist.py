@@ -61,16 +61,10 @@ _host = None
 
 
 def start_host_group(timeout: datetime.timedelta = None):
-    """Create the host group, and watch for a rank that leaves alone (leave()); every rank calls it once,
-    right after the process group starts."""
-    global _host, _watcher
+    """Create the host group; every rank calls it once, right after the process group starts."""
+    global _host
     if _many():
         _host = dist.new_group(backend="gloo", timeout=timeout)
-        stop = threading.Event()
-        thread = threading.Thread(target=_watch, args=(dist.distributed_c10d._get_default_store(), stop),
-                                  name="app-leavers", daemon=True)
-        thread.start()
-        _watcher = (thread, stop)
 
 
 def _many() -> bool:
@@ -144,7 +138,26 @@ _rounds = 0
 _LEFT = "app/left"
 _left = False  # this rank left (leave())
 _note = None  # why another rank left, read from the store each second: the store may go with rank 0
-_watcher = None  # (thread, stop event) reading it
+
+
+@contextlib.contextmanager
+def watching_for_leavers():
+    """Around work a rank may leave alone (the micro batch search, training): a thread reads the store each
+    second for a note from a rank that left, so that this rank knows it when its collective fails as that
+    rank goes, even if the store went with it (rank 0 serves it). Stopped at the block's end, before any
+    rank of a run that went well can end and take the store."""
+    if not _many():
+        yield
+        return
+    stop = threading.Event()
+    thread = threading.Thread(target=_watch, args=(dist.distributed_c10d._get_default_store(), stop),
+                              name="app-leavers", daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        thread.join(timeout=5)
 
 
 def _watch(store, stop: threading.Event):
@@ -242,12 +255,9 @@ class HostVote:
 
 def teardown():
     """Leave the process group (and the host group); safe to call when none exists."""
-    global _host, _left, _note, _watcher
+    global _host, _left, _note
     if _left:  # rank 0 serves the store: the others' watchers read the note before it goes with this process
         time.sleep(2.5)
-    if _watcher is not None:
-        _watcher[1].set()
-        _watcher[0].join(timeout=5)
     if dist.is_initialized():
         dist.destroy_process_group()
-    _host, _left, _note, _watcher = None, False, None, None
+    _host, _left, _note = None, False, None

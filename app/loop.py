@@ -84,17 +84,18 @@ class Loop:
         An error that ends the run on some ranks (out of memory, a damaged file the loader found) is one line:
         agreed by the ranks it ended together (rank 0 says it), or said at once by a rank it ended alone while
         the others went on into a collective of the step, where they wait for it; they end without a line."""
-        try:
-            return self._fit(start)
-        except (RankAlone, SaidByAnotherRank):
-            raise
-        except Exception as e:  # noqa: BLE001 (sorted: the run's end in one line, or not the app's to say)
-            said = out_of_memory(e)
-            if said or isinstance(e, UserError):
-                raise self._ended("memory" if said else "error", said or str(e)) from None
-            if dist.another_rank_left():
-                raise SaidByAnotherRank(str(e)) from None
-            raise
+        with dist.watching_for_leavers():
+            try:
+                return self._fit(start)
+            except (RankAlone, SaidByAnotherRank):
+                raise
+            except Exception as e:  # noqa: BLE001 (sorted: the run's end in one line, or not the app's to say)
+                said = out_of_memory(e)
+                if said or isinstance(e, UserError):
+                    raise self._ended("memory" if said else "error", said or str(e)) from None
+                if dist.another_rank_left():
+                    raise SaidByAnotherRank(str(e)) from None
+                raise
 
     def _ended(self, kind: str, why: str) -> UserError:
         """The error that ends the run from this rank: agreed with the ranks that failed too, which fail within a

@@ -54,12 +54,13 @@ def _outcomes(rank, world):
         assert isinstance(error, RankAlone) and str(error) == "rank left: why"
         dist.barrier()
     else:
-        dist.barrier()  # elsewhere until the last rank has left
-        with pytest.raises(SaidByAnotherRank, match="rank left: why"):
-            dist.gather_outcomes(("fatal", "Connection closed by peer"), 0.0)
-        deadline = time.monotonic() + 5
-        while dist._note is None and time.monotonic() < deadline:  # the watcher reads the store each second
-            time.sleep(0.1)
+        with dist.watching_for_leavers():
+            dist.barrier()  # elsewhere until the last rank has left
+            with pytest.raises(SaidByAnotherRank, match="rank left: why"):
+                dist.gather_outcomes(("fatal", "Connection closed by peer"), 0.0)
+            deadline = time.monotonic() + 5
+            while dist._note is None and time.monotonic() < deadline:  # the watcher reads the store each second
+                time.sleep(0.1)
         assert dist._note == "rank left: why" and dist.another_rank_left()
     dist.barrier()  # the store lives with rank 0: every rank has read it before any leaves
 
