@@ -6,7 +6,7 @@ import torch
 
 from app import dist, ds_internals, faults
 from app.errors import UserError, first_line
-from app.metrics import Meter, out_of_memory
+from app.metrics import MEMORY_ADVICE, Meter, out_of_memory
 
 
 def wanted(choice: str, device: torch.device) -> bool:
@@ -174,7 +174,7 @@ def _outcome(error) -> tuple:
     from torch._dynamo.exc import TorchDynamoException
     chain = _chain(error)
     if any(out_of_memory(e) for e in chain):
-        return "fatal", f"out of memory ({describe(error)}); lower train_micro_batch_size_per_gpu in the ds_config"
+        return "fatal", f"out of memory ({describe(error)}); {MEMORY_ADVICE}"
     if any(isinstance(e, torch.distributed.DistError) for e in chain) or not isinstance(error, TorchDynamoException):
         return "fatal", describe(error)
     return "compile", describe(error)

@@ -164,11 +164,16 @@ def _watch(store, stop: threading.Event):
     global _note
     while not stop.wait(1.0):
         try:
-            if store.check([_LEFT]):
-                _note = pickle.loads(store.get(_LEFT))
-                return
+            _note = _read_note(store)
         except dist.DistError:  # the store went (rank 0 ended): nothing more to read
             return
+        if _note is not None:
+            return
+
+
+def _read_note(store):
+    """The note a rank that left put in the store, or None."""
+    return pickle.loads(store.get(_LEFT)) if store.check([_LEFT]) else None
 
 
 def gather_outcomes(mine, failed_after_s: float = None, patience_s: float = 30):
@@ -194,26 +199,31 @@ def gather_outcomes(mine, failed_after_s: float = None, patience_s: float = 30):
                 if time.monotonic() > deadline:
                     return None
                 time.sleep(0.05)
-        if store.check([_LEFT]):
-            raise SaidByAnotherRank(pickle.loads(store.get(_LEFT)))
-        return [pickle.loads(store.get(key)) for key in keys]
+        said = [pickle.loads(store.get(key)) for key in keys]
     except dist.DistError:  # the store went with rank 0
-        if _note is not None:
-            raise SaidByAnotherRank(_note) from None
-        if failed_after_s is None:
+        said = None
+        if failed_after_s is None and _note is None:
             raise
-        return None  # a failed rank says its own error, alone
+    note = _left_note()
+    if note is not None:
+        raise SaidByAnotherRank(note)
+    return said  # None: a failed rank says its own error, alone
 
 
 def another_rank_left() -> bool:
     """Whether a rank has left the run alone (leave()): a collective failing here is its going. Not when the
     store went with rank 0 and no note was read from it before: that may be a crash, which a restart (exit 1,
     not 2) should follow."""
+    return _many() and _left_note() is not None
+
+
+def _left_note():
+    """Why another rank left: as the watcher read it, or from the store; None if none did (or it is gone)."""
     if _note is not None:
-        return True
+        return _note
     with contextlib.suppress(dist.DistError):
-        return _many() and dist.distributed_c10d._get_default_store().check([_LEFT])
-    return False
+        return _read_note(dist.distributed_c10d._get_default_store())
+    return None
 
 
 def leave(why: str) -> RankAlone:

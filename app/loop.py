@@ -5,7 +5,7 @@ from dataclasses import dataclass
 
 from app import dist, ds_internals
 from app.errors import RankAlone, SaidByAnotherRank, UserError
-from app.metrics import Meter, Stopwatch, out_of_memory
+from app.metrics import MEMORY_ADVICE, Meter, Stopwatch, out_of_memory
 from app.runlog import RunLog
 
 
@@ -107,10 +107,7 @@ class Loop:
             return dist.leave(why) if alone else UserError(why)
         who = f"rank {dist.rank()}" if alone else "every rank" if len(outcomes) > 1 else "the run"
         where = " while the other ranks went on into that step's collectives" if alone else ""
-        said = (f"{who} ran out of memory after {self.engine.global_steps} step(s) ({why}){where}; "
-                f"lower train_micro_batch_size_per_gpu in the ds_config (\"auto\" with train_batch_size finds the "
-                f"largest that fits), add \"activation_checkpointing\": {{}}, or take a config that holds less per "
-                f"rank: python -m app.tools.plan shows which fits")
+        said = f"{who} ran out of memory after {self.engine.global_steps} step(s) ({why}){where}; {MEMORY_ADVICE}"
         return dist.leave(said) if alone else UserError(said)
 
     def _fit(self, start: tuple) -> dict:

@@ -121,6 +121,12 @@ def peak_memory_bytes(device: torch.device) -> int:
         return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
+MEMORY_ADVICE = ("lower train_micro_batch_size_per_gpu in the ds_config (\"auto\" with train_batch_size finds the "
+                 "largest that fits), add \"activation_checkpointing\": {}, or take a config that holds less per "
+                 "rank: python -m app.tools.plan shows which fits")
+"""What to change when a run's step runs out of memory."""
+
+
 def out_of_memory(error: BaseException) -> str:
     """What ran out, when error (or what it was raised from) is an out-of-memory error of the device or of the
     CPU allocator (which says it in a RuntimeError); else ''."""
