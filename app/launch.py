@@ -15,7 +15,7 @@ import warnings
 import torch
 import torch.distributed as dist
 
-from app import ds_internals
+from app import ds_internals, wire
 from app.dist import World, barrier, start_host_group
 from app.errors import UserError
 
@@ -140,7 +140,7 @@ def _relaunch():
     """Replace this process with the deepspeed launcher running the same command on every GPU, rank 0 listening
     on MASTER_PORT or else on a port free now (two such runs on one machine must not both take 29500)."""
     port = os.environ.get("MASTER_PORT") or str(free_port())
-    print(f"relaunching: rank 0 listens on 127.0.0.1:{port}", flush=True)
+    print(f"relaunching: rank 0's rendezvous store listens on 127.0.0.1:{port} only", flush=True)
     argv = [sys.executable, "-u", "-m", "deepspeed.launcher.runner", "--master_port", port, sys.argv[0],
             *sys.argv[1:]]
     os.execv(sys.executable, argv)
@@ -212,6 +212,7 @@ def setup(single_process: bool = False, timeout_s: int = 600) -> World:
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("LOCAL_SIZE", "1")))
     device, backend = _device(local_rank, local_world_size)
+    ds_internals.pin_device(device.index or 0)  # DeepSpeed would take the GPU numbered LOCAL_RANK
     ds_internals.quiet_deepspeed(rank)
     node = node_of(launcher)
     nodes = _join(rank, world_size, node, backend, device, min(timeout_s, JOIN_TIMEOUT_S), timeout_s)
@@ -234,8 +235,7 @@ def _join(rank: int, world_size: int, node: tuple, backend: str, device, join_s:
     addr, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
     serve = rank == 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True"  # torchrun's agent serves it
     try:
-        store = dist.TCPStore(addr, port, world_size, serve, datetime.timedelta(seconds=join_s),
-                              wait_for_workers=False, multi_tenant=True)
+        store = wire.open_store(addr, port, world_size, serve, datetime.timedelta(seconds=join_s))
     except (RuntimeError, dist.DistError) as e:
         if serve:
             raise UserError(f"rank 0 cannot listen on {addr}:{port} ({str(e).splitlines()[0]}); "

@@ -8,14 +8,15 @@ from app.ds_internals.config import Recorder, parse_config, scalar_defaults, sec
 from app.ds_internals.engine import (count_every_stage_in_grad_norm, drop_other_stages, engine_hooks_eager,
                                      forget_parallel_groups, gathered_state_dict, lighten_plain_step,
                                      replay_cpu_adam_steps, skip_bad_steps_on_device, uncompile)
-from app.ds_internals.launcher import drop_shm_names, launcher_world_info, op_loads_quiet, quiet_deepspeed
+from app.ds_internals.launcher import (drop_shm_names, launcher_world_info, op_loads_quiet, pin_device,
+                                      quiet_deepspeed)
 from app.ds_internals.state import deepspeed_estimate, module_states, state_bytes, storages, zero_tensors
 
 WRITTEN_FOR = "0.19.8"
 __all__ = ["Recorder", "parse_config", "scalar_defaults", "section_fields", "count_every_stage_in_grad_norm",
            "drop_other_stages", "engine_hooks_eager", "forget_parallel_groups", "gathered_state_dict",
            "lighten_plain_step", "replay_cpu_adam_steps", "skip_bad_steps_on_device", "uncompile", "drop_shm_names",
-           "launcher_world_info", "op_loads_quiet", "quiet_deepspeed", "deepspeed_estimate", "module_states",
+           "launcher_world_info", "op_loads_quiet", "pin_device", "quiet_deepspeed", "deepspeed_estimate", "module_states",
            "state_bytes", "storages",
            "zero_tensors", "version_note", "WRITTEN_FOR"]
 

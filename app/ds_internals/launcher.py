@@ -60,3 +60,29 @@ def op_loads_quiet():
     except BaseException:
         sys.stdout.write(printed.getvalue())
         raise
+
+
+def pin_device(index: int):
+    """Make every device DeepSpeed names by number this rank's own device, index.
+
+    DeepSpeed picks the device from LOCAL_RANK, not from the device the process chose: the engine's
+    `_set_distributed_vars` and AutoTP call `set_device(local_rank)`, ZeRO-3's `zero.Init` and its rank
+    agreement checks use `device_name(os.environ["LOCAL_RANK"])`, a PipelineModule moves itself to
+    `device_name(local_rank)`. Where a rank sees one GPU whatever its local rank (srun --gpus-per-task=1)
+    or several ranks share one (the tests), local rank 1 would take a GPU that is not there or not its own.
+    A process trains on one device, so any index DeepSpeed asks for means that one.
+    """
+    from deepspeed.accelerator import get_accelerator
+    accelerator = get_accelerator()
+    set_device, device_name = accelerator.set_device, accelerator.device_name
+    if getattr(set_device, "pinned_to", None) is not None:
+        set_device, device_name = set_device.deepspeed_original, device_name.deepspeed_original
+
+    def pinned_set_device(device_index):
+        set_device(index)
+
+    def pinned_device_name(device_index=None):
+        return device_name(None if device_index is None else index)
+    pinned_set_device.pinned_to, pinned_set_device.deepspeed_original = index, set_device
+    pinned_device_name.deepspeed_original = device_name
+    accelerator.set_device, accelerator.device_name = pinned_set_device, pinned_device_name
