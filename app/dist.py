@@ -7,7 +7,6 @@ Launch time (which launcher, its variables, the start-up rendezvous) lives in ap
 import contextlib
 import datetime
 import os
-import pickle
 import threading
 import time
 from dataclasses import dataclass
@@ -15,7 +14,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from app.errors import RankAlone, SaidByAnotherRank
+from app import wire
+from app.errors import RankAlone, SaidByAnotherRank, UserError
 
 
 @dataclass
@@ -113,31 +113,36 @@ def host_max(values) -> list:
 
 
 def broadcast_object(obj):
-    """rank 0's obj on every rank, over the host group."""
-    if _many():
-        box = [obj]
-        dist.broadcast_object_list(box, src=0, group=_host_group())
-        return box[0]
-    return obj
+    """rank 0's obj (a JSON value) on every rank, over the host group."""
+    return gather_objects(obj if is_main() else None)[0] if _many() else obj
 
 
 def gather_objects(obj) -> list:
-    """Every rank's obj, in rank order, on every rank, over the host group."""
+    """Every rank's obj (a JSON value), in rank order, on every rank, over the host group: sent as JSON, since
+    torch's object collectives unpickle what arrives."""
     if not _many():
         return [obj]
-    gathered = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, obj, group=_host_group())
-    return gathered
+    data = torch.frombuffer(bytearray(wire.encode(obj)), dtype=torch.uint8)
+    sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(dist.get_world_size())]
+    dist.all_gather(sizes, torch.tensor([data.numel()], dtype=torch.int64), group=_host_group())
+    padded = torch.zeros(max(int(size) for size in sizes), dtype=torch.uint8)
+    padded[:data.numel()] = data
+    gathered = [torch.empty_like(padded) for _ in sizes]
+    dist.all_gather(gathered, padded, group=_host_group())
+    return [wire.decode(got[:int(size)].numpy().tobytes(), f"a message from rank {r}")
+            for r, (got, size) in enumerate(zip(gathered, sizes))]
 
 
 # Outcomes of a step that may fail on some ranks only (a micro batch trial, the first compiled step, the
 # error that ends training) travel through the rendezvous store rather than a collective, so that a rank
 # whose part failed can bound its wait: the others may be blocked in a collective of that step (ZeRO-3's
-# gathers, a gradient all-reduce) that it left, and would never come.
+# gathers, a gradient all-reduce) that it left, and would never come. They are JSON: the store has no
+# authentication and listens on the network, so whatever its port receives must not be able to run code.
 _rounds = 0
 _LEFT = "app/left"
 _left = False  # this rank left (leave())
 _note = None  # why another rank left, read from the store each second: the store may go with rank 0
+_foreign = None  # the UserError of a value in the store that no rank of this run wrote, as the watcher met it
 
 
 @contextlib.contextmanager
@@ -161,23 +166,38 @@ def watching_for_leavers():
 
 
 def _watch(store, stop: threading.Event):
-    global _note
+    global _note, _foreign
     while not stop.wait(1.0):
         try:
             _note = _read_note(store)
         except dist.DistError:  # the store went (rank 0 ended): nothing more to read
+            return
+        except UserError as e:  # said by the main thread at its next look (_left_note)
+            _foreign = e
             return
         if _note is not None:
             return
 
 
 def _read_note(store):
-    """The note a rank that left put in the store, or None."""
-    return pickle.loads(store.get(_LEFT)) if store.check([_LEFT]) else None
+    """The note a rank that left put in the store, or None; one line when it is not one the app wrote."""
+    if not store.check([_LEFT]):
+        return None
+    note = wire.decode(store.get(_LEFT), f"the rendezvous store's key {_LEFT}")
+    if not isinstance(note, str):
+        raise UserError(f"the rendezvous store's key {_LEFT} holds a value this run's ranks did not write; "
+                        f"firewall the store's port (README \"Trust\")")
+    return note
+
+
+def _outcome(raw: bytes, key: str) -> tuple:
+    """A rank's outcome as gather_outcomes posted it: a JSON list, returned as a tuple."""
+    said = wire.decode(raw, f"the rendezvous store's key {key}")
+    return tuple(said) if isinstance(said, list) else said
 
 
 def gather_outcomes(mine, failed_after_s: float = None, patience_s: float = 30):
-    """Every rank's outcome of a step (any picklable value), in rank order.
+    """Every rank's outcome of a step (a tuple of JSON values), in rank order.
 
     failed_after_s: this rank's part failed that many seconds in. It then waits for the others at most
     patience_s + 10x that (their part is the same work) and gets None if they have not all said theirs: they are
@@ -190,7 +210,7 @@ def gather_outcomes(mine, failed_after_s: float = None, patience_s: float = 30):
     keys = [f"app/outcome/{_rounds}/{r}" for r in range(dist.get_world_size())]
     try:
         store = dist.distributed_c10d._get_default_store()
-        store.set(keys[dist.get_rank()], pickle.dumps(mine))
+        store.set(keys[dist.get_rank()], wire.encode(mine))
         if failed_after_s is None:
             store.wait(keys)  # as long as the group's timeout
         else:
@@ -199,7 +219,7 @@ def gather_outcomes(mine, failed_after_s: float = None, patience_s: float = 30):
                 if time.monotonic() > deadline:
                     return None
                 time.sleep(0.05)
-        said = [pickle.loads(store.get(key)) for key in keys]
+        said = [_outcome(store.get(key), key) for key in keys]
     except dist.DistError:  # the store went with rank 0
         said = None
         if failed_after_s is None and _note is None:
@@ -219,6 +239,8 @@ def another_rank_left() -> bool:
 
 def _left_note():
     """Why another rank left: as the watcher read it, or from the store; None if none did (or it is gone)."""
+    if _foreign is not None:
+        raise _foreign
     if _note is not None:
         return _note
     with contextlib.suppress(dist.DistError):
@@ -231,7 +253,7 @@ def leave(why: str) -> RankAlone:
     this rank goes (gloo's do), find it in gather_outcomes and end without a second line."""
     global _left
     with contextlib.suppress(dist.DistError):
-        dist.distributed_c10d._get_default_store().set(_LEFT, pickle.dumps(why))
+        dist.distributed_c10d._get_default_store().set(_LEFT, wire.encode(why))
         _left = True
     return RankAlone(why)
 
@@ -265,9 +287,9 @@ class HostVote:
 
 def teardown():
     """Leave the process group (and the host group); safe to call when none exists."""
-    global _host, _left, _note
+    global _host, _left, _note, _foreign
     if _left:  # rank 0 serves the store: the others' watchers read the note before it goes with this process
         time.sleep(2.5)
     if dist.is_initialized():
         dist.destroy_process_group()
-    _host, _left, _note = None, False, None
+    _host, _left, _note, _foreign = None, False, None, None

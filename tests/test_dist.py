@@ -1,14 +1,19 @@
 """Run time inside the process group: who this rank is, printing from rank 0, and the app's collectives, which
 travel on the host group (gloo, CPU tensors) beside the device group, tested across real gloo ranks."""
 import datetime
+import os
+import subprocess
+import sys
 import time
 from types import SimpleNamespace
+
+import psutil
 
 import pytest
 import torch
 
 from app import dist, launch
-from app.errors import RankAlone, SaidByAnotherRank
+from app.errors import RankAlone, SaidByAnotherRank, UserError
 from app.metrics import Meter
 from conftest import spawn_ranks
 
@@ -29,7 +34,7 @@ def _collectives(rank, world, tmp):
     assert dist.broadcast_object(f"from {rank}") == "from 0"
     assert dist.host_max([rank, -rank]) == [world - 1, 0]
     assert dist.host_sum([1, rank]) == [world, sum(range(world))]
-    assert dist.gather_objects(("rank", rank)) == [("rank", r) for r in range(world)]
+    assert dist.gather_objects(["rank", rank]) == [["rank", r] for r in range(world)]
     _votes(rank, world)
     marker = tmp / "first"
     with dist.main_process_first():
@@ -38,8 +43,43 @@ def _collectives(rank, world, tmp):
             marker.write_text("rank 0 was here")
         else:
             assert marker.read_text() == "rank 0 was here", "others wait for rank 0"
+    _store_takes_no_pickle(rank, tmp)
     _outcomes(rank, world)
     dist.teardown()
+
+
+# What a third process writes under the app's note key (the default group's prefixes, then dist._LEFT): a
+# pickle that would create a file when loaded, as anyone who can reach the store's port could write it.
+CRAFTED = """import datetime, os, pickle, sys, torch.distributed as d
+class Payload:
+    def __reduce__(self):
+        return (os.system, ("touch " + sys.argv[2],))
+store = d.TCPStore("127.0.0.1", int(sys.argv[1]), is_master=False, timeout=datetime.timedelta(seconds=30))
+store.set("app/0//0//app/left", pickle.dumps(Payload()))
+"""
+
+
+def _store_takes_no_pickle(rank, tmp):
+    """The store listens on MASTER_ADDR alone, not every interface; a crafted pickle written to it by a third
+    process ends each rank in one line (through the outcome gathering and the watcher) and runs nothing."""
+    port, marker = int(os.environ["MASTER_PORT"]), tmp / "the-pickle-ran"
+    if rank == 0:
+        listening = {c.laddr.ip for c in psutil.net_connections("tcp") if c.status == "LISTEN" and c.laddr.port == port}
+        assert listening == {"127.0.0.1"}, listening
+        subprocess.run([sys.executable, "-c", CRAFTED, str(port), str(marker)], check=True, timeout=60)
+    dist.barrier()
+    with pytest.raises(UserError, match="key app/left holds a value this run's ranks did not write"):
+        dist.gather_outcomes(("", rank))
+    with dist.watching_for_leavers():
+        time.sleep(1.5)  # the watcher reads the store each second
+    with pytest.raises(UserError, match="firewall"):
+        dist.another_rank_left()
+    assert not marker.exists(), "the pickle from the network ran"
+    dist.barrier()
+    if rank == 0:
+        torch.distributed.distributed_c10d._get_default_store().delete_key(dist._LEFT)
+    dist._foreign = None
+    dist.barrier()
 
 
 def _outcomes(rank, world):
