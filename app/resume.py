@@ -11,6 +11,7 @@ import numpy as np
 import torch
 
 from app import dist, ds_internals
+from app.ds_internals.safe_load import check_files, data_only
 from app.checkpoint import MANIFEST, STATE, UNIVERSAL, TrainerState, checkpoint_root, complete_checkpoints, \
     atomic_write, sha256_of
 from app.errors import UserError, first_line
@@ -22,8 +23,10 @@ def _set_rng_state(saved: dict):
     name, keys, pos, has_gauss, cached = saved["numpy"]
     np.random.set_state((name, np.array(keys, dtype=np.uint32), pos, has_gauss, cached))
     torch.set_rng_state(torch.tensor(saved["torch"], dtype=torch.uint8))
-    if saved["cuda"] and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all([torch.tensor(s, dtype=torch.uint8) for s in saved["cuda"]])
+    if saved["cuda"] and torch.cuda.is_available():  # the rank's own GPU's (checkpoints before held every GPU's)
+        index = torch.cuda.current_device()
+        own = saved["cuda"][index] if len(saved["cuda"]) > index else saved["cuda"][0]
+        torch.cuda.set_rng_state(torch.tensor(own, dtype=torch.uint8))
 
 
 def checkpoint_folder(path) -> Path:
@@ -53,7 +56,9 @@ def verify(folder: Path) -> TrainerState:
             raise UserError(f"checkpoint {folder} is damaged: {name} is missing; {_instead(folder)}")
         if path.stat().st_size != expected["size"] or sha256_of(path) != expected["sha256"]:
             raise UserError(f"checkpoint {folder} is damaged: {name} does not match its manifest; {_instead(folder)}")
-    return TrainerState.from_json(json.dumps(_read_json(folder, STATE)), folder / STATE)
+    state = TrainerState.from_json(json.dumps(_read_json(folder, STATE)), folder / STATE)
+    check_files(folder)  # whoever can write the files can write the manifest: it vouches for whole, not harmless
+    return state
 
 
 def _read_json(folder: Path, name: str):
@@ -133,16 +138,16 @@ def make_universal(folder: Path, saved: TrainerState) -> Path:
     problem = ""
     if dist.is_main() and not (target / MANIFEST).is_file():
         shutil.rmtree(target, ignore_errors=True)
-        command = [sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder", str(folder),
+        command = [sys.executable, "-m", "app.ds_internals.universal", "--input_folder", str(folder),
                    "--output_folder", str(target), "--inject_missing_state", "--num_extract_workers", "1",
                    "--num_merge_workers", "1"]
-        done = subprocess.run(command, capture_output=True, text=True)
+        done = subprocess.run(command, capture_output=True, text=True, cwd=Path(__file__).resolve().parent.parent)
         if done.returncode == 0:
             for name in (STATE, *(p.name for p in folder.glob("rng_rank*.json"))):
                 shutil.copy(folder / name, target / name)
             atomic_write(target / MANIFEST, "{}")  # marks the conversion as finished
         else:
-            last = (done.stderr.strip().splitlines() or ["no output"])[-1]
+            last = (done.stderr.strip().splitlines() or ["no output"])[-1].removeprefix("error: ")
             problem = (f"DeepSpeed cannot convert {folder} to another world size ({last}); "
                        f"resume it with {saved.world_size} rank(s)")
     problem = dist.broadcast_object(problem)
@@ -153,8 +158,9 @@ def make_universal(folder: Path, saved: TrainerState) -> Path:
 
 def load(engine, folder: Path, saved: TrainerState, replicas: int) -> tuple:
     """Restore engine, optimizer, scheduler and RNG; return the (epoch, micro batch) this run continues from."""
-    path, _ = engine.load_checkpoint(str(folder.parent), tag=folder.name, load_optimizer_states=True,
-                                     load_lr_scheduler_states=True)
+    with data_only(f"a file under {folder}"):
+        path, _ = engine.load_checkpoint(str(folder.parent), tag=folder.name, load_optimizer_states=True,
+                                         load_lr_scheduler_states=True)
     if path is None:
         raise UserError(f"DeepSpeed could not load {folder}; it may come from another world size or config")
     ds_internals.replay_cpu_adam_steps(engine)

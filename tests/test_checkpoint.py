@@ -1,11 +1,14 @@
 """Checkpoints end to end: crash-safe saves, exact resume after kills, world size changes, refusal of bad
 checkpoints (the unit tests of the state and of resume on hand-written folders are in tests/test_resume.py)."""
 import json
+import os
 import subprocess
+import sys
 
 import pytest
 import torch
 
+from app.checkpoint import sha256_of
 from app.tools.export import fp32_state_dict
 from conftest import (REPO, TWO_RANK_ARGS, TWO_RANK_STEPS, assert_one_error_line, read_metrics, run, train,
                       train_command, train_jobs, two_rank_steps)
@@ -170,3 +173,34 @@ def test_resume_at_another_world_size(name, before, after, tmp_path):
 
 
 # -- without an engine: checkpoint folders written by hand ---------------------------------------------------
+
+
+class Payload:
+    """Pickled as a call of os.system: loading it as a pickle creates the file."""
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return os.system, (f"touch {self.marker}",)
+
+
+@pytest.mark.slow
+def test_a_checkpoint_file_carrying_code_is_refused_and_nothing_runs(saved_run, tmp_path):
+    """Whoever writes the files writes the manifest: a shard that would run code, sealed by a manifest of its own,
+    is refused in one line naming it by resume, export and the universal conversion, and never runs."""
+    crafted, _ = _copy(saved_run, tmp_path)
+    folder, marker = crafted / "checkpoints" / "step00000004", tmp_path / "the-pickle-ran"
+    shard = folder / "mp_rank_00_model_states.pt"
+    torch.save({"module": Payload(marker)}, shard)
+    manifest = json.loads((folder / "manifest.json").read_text())
+    manifest[shard.name] = {"size": shard.stat().st_size, "sha256": sha256_of(shard)}
+    (folder / "manifest.json").write_text(json.dumps(manifest))
+    resumed = run(train_command("python", 1, "--max_steps", 6, "--output_dir", crafted, "--resume", "auto"))
+    _fails(resumed, f"{shard} is not a file of tensors and plain values (it names posix.system)")
+    exported = run([sys.executable, "-m", "app.tools.export", crafted, tmp_path / "x.safetensors"])
+    _fails(exported, f"{shard} is not a file of tensors and plain values")
+    torch.save({"optimizer_state_dict": Payload(marker)}, folder / "zero_pp_rank_0_mp_rank_00_optim_states.pt")
+    converted = run([sys.executable, "-m", "app.ds_internals.universal", "--input_folder", folder, "--output_folder",
+                     tmp_path / "universal", "--num_extract_workers", "1", "--num_merge_workers", "1"])
+    _fails(converted, "nothing of it ran")
+    assert not marker.exists(), "the checkpoint's code ran"

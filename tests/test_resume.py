@@ -1,9 +1,11 @@
 """Resume in one process: the trainer state's record, hand-written checkpoint folders verified against their
 manifests, the checkpoint to continue from, and what may change across a resume."""
 import hashlib
+import io
 import json
 
 import pytest
+import torch
 
 from app import checkpoint, resume
 from app.checkpoint import MANIFEST, STATE, TrainerState
@@ -21,7 +23,13 @@ def _state(**changes) -> TrainerState:
     return TrainerState(**{**values, **changes})
 
 
-SHARDS = {"mp_rank_00_model_states.pt": b"weights " * 64, "rng_rank00000.json": b'{"torch": [1, 2, 3]}',
+def _torch_bytes(value) -> bytes:
+    saved = io.BytesIO()
+    torch.save(value, saved)
+    return saved.getvalue()
+
+
+SHARDS = {"mp_rank_00_model_states.pt": _torch_bytes({"module": {"w": torch.ones(4)}, "global_steps": 4}), "rng_rank00000.json": b'{"torch": [1, 2, 3]}',
           "hf/config.json": b'{"model_type": "gpt2"}'}
 
 
@@ -277,3 +285,25 @@ def test_a_state_saved_before_model_parallelism_loads_with_its_defaults(tmp_path
     state = TrainerState.from_json(json.dumps(saved), tmp_path / STATE)
     assert (state.pipeline_stages, state.data_parallel_size, state.tensor_parallel_size) == (0, 0, 1)
     assert state.samples_into_epoch() == 4 * 32 * 1, "the world size stands in for the replicas"
+
+
+def test_resume_on_fewer_gpus_restores_the_rank_s_own_generator(monkeypatch):
+    """Saved on GPU 3 of 8, resumed where a rank sees one GPU (srun --gpus-per-task=1, a smaller node): the
+    state of its own GPU, not every GPU's (set_rng_state_all raised IndexError there)."""
+    states = {i: torch.full((16,), i, dtype=torch.uint8) for i in range(8)}
+    current, restored = {"index": 3}, []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: current["index"])
+    monkeypatch.setattr(torch.cuda, "get_rng_state", lambda device="cuda": states[current["index"]])
+    monkeypatch.setattr(torch.cuda, "get_rng_state_all", lambda: [states[i] for i in range(8)])
+    monkeypatch.setattr(torch.cuda, "set_rng_state", lambda state, device="cuda": restored.append(state.tolist()))
+    monkeypatch.setattr(torch.cuda, "set_rng_state_all", lambda states_: restored.append("every GPU"))
+    saved = json.loads(json.dumps(checkpoint._rng_state()))
+    assert saved["cuda"] == [[3] * 16], "only the rank's own GPU is saved"
+    current["index"] = 0
+    resume._set_rng_state(saved)
+    assert restored == [[3] * 16]
+    restored.clear()
+    current["index"] = 5  # a checkpoint from before held every visible GPU's state, by index
+    resume._set_rng_state({**saved, "cuda": [states[i].tolist() for i in range(8)]})
+    assert restored == [[5] * 16]

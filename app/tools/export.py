@@ -10,10 +10,16 @@ from pathlib import Path
 import torch
 
 from app import checkpoint, ds_internals, pipeline, resume, tensor_parallel
+from app.ds_internals.safe_load import data_only
 from app.errors import UserError, report
 
 def fp32_state_dict(folder: Path) -> dict:
-    """The model's full fp32 weights from a checkpoint folder of any ZeRO stage or pipeline split."""
+    """The model's full fp32 weights from a checkpoint folder of any ZeRO stage or pipeline split, loaded as data."""
+    with data_only(f"a file under {folder}"):  # zero_to_fp32 loads with weights_only=False
+        return _fp32_state_dict(folder)
+
+
+def _fp32_state_dict(folder: Path) -> dict:
     if (folder / tensor_parallel.FULL_WEIGHTS).is_file():  # gathered from the shards when it was saved
         return torch.load(folder / tensor_parallel.FULL_WEIGHTS, map_location="cpu", weights_only=True)
     if (folder / pipeline.LAYOUT).is_file():  # per-layer files, named back to the unsplit model
