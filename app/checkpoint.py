@@ -4,7 +4,9 @@ import hashlib
 import json
 import os
 import random
+import re
 import shutil
+import tempfile
 from dataclasses import MISSING, asdict, dataclass, fields, replace
 from pathlib import Path
 
@@ -19,6 +21,8 @@ STATE = "trainer_state.json"
 LATEST = "latest"
 HF_FILES = "hf"  # config and tokenizer of a transformers model, for export in save_pretrained form
 UNIVERSAL = "universal"  # world-size-independent copies made when a run resumes on another world size
+SAVING = ".app-saving"  # in a checkpoint folder while the app writes it: the only folders a later save may clear
+NAME = re.compile(r"step\d{8}")  # the app's checkpoint folders; anything else under checkpoints/ is the user's
 
 
 @dataclass
@@ -78,13 +82,18 @@ def checkpoint_root(output_dir: Path) -> Path:
 
 def atomic_write(path: Path, text: str):
     """Write text so that readers see the old file or the whole new one, never a part."""
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "w") as f:
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)  # a new name: no planted link to follow
+    with open(fd, "w") as f:
         f.write(text)
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
-    fd = os.open(path.parent, os.O_RDONLY)
+    sync(path.parent)
+
+
+def sync(path: Path):
+    """Flush a file or a folder's entries to the disk."""
+    fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
     finally:
@@ -106,6 +115,7 @@ def _rng_state() -> dict:
     return {"python": [version, list(state), gauss],
             "numpy": [name, keys.tolist(), int(pos), int(has_gauss), float(cached)],
             "torch": torch.get_rng_state().tolist(),
+            # the rank's own GPU only: a resume may see fewer GPUs (one per task under srun, a smaller node)
             "cuda": [s.tolist() for s in torch.cuda.get_rng_state_all()] if torch.cuda.is_available() else []}
 
 
@@ -119,12 +129,13 @@ def save(engine, output_dir: Path, state: TrainerState, keep_last: int, extra=No
     estimate = dist.host_sum([ds_internals.state_bytes(engine, dist.is_main())])[0]  # each rank's share of the save
     problem = ""
     if dist.is_main():
-        for stale in [p for p in root.glob("step*") if p == folder or not (p / MANIFEST).is_file()]:
-            shutil.rmtree(stale)  # saves killed half-way, and this step's own: room for this save
-        done = complete_checkpoints(root)
-        needed = disk.folder_bytes(done[-1]) if done else int(estimate)  # the same tensors as last time
-        problem = disk.shortfall(root, needed, done[-1].name if done else "")
+        try:
+            problem = _before_save(root, folder, int(estimate))
+        except OSError as e:
+            problem = f"cannot save a checkpoint in {root}: {e}; fix the folder or pick another --output_dir"
     problem = dist.broadcast_object(problem)
+    if problem == "saved":  # resumed at this step and stopped before the next: the checkpoint is this state
+        return
     if problem:
         raise UserError(problem)
     try:
@@ -138,34 +149,70 @@ def save(engine, output_dir: Path, state: TrainerState, keep_last: int, extra=No
                                            done[-1].name if done else "")) from None
     if dist.is_main():
         for old in complete_checkpoints(root)[:-keep_last] if keep_last else []:
-            shutil.rmtree(old)
-            shutil.rmtree(root / UNIVERSAL / old.name, ignore_errors=True)
+            remove_checkpoint(old)
     dist.barrier()
 
 
+def _before_save(root: Path, folder: Path, estimate: int) -> str:
+    """Rank 0 before a save: clear the app's unfinished saves, and say why the save cannot go ahead ('' if it
+    can; 'saved' when this step's checkpoint is already whole)."""
+    if folder.is_symlink() or folder.exists() and not folder.is_dir():
+        return f"{folder} is not a folder this run wrote (a link or a file); move it away and resume"
+    if (folder / MANIFEST).is_file():
+        return "saved"
+    for stale in unfinished_saves(root):
+        shutil.rmtree(stale)  # saves killed half-way: room for this save
+    done = complete_checkpoints(root)
+    needed = disk.folder_bytes(done[-1]) if done else estimate  # the same tensors as last time
+    return disk.shortfall(root, needed, done[-1].name if done else "")
+
+
 def _write(engine, root: Path, folder: Path, state: TrainerState, extra, every_rank):
-    """The save itself: shards, RNG states, then (rank 0) state, extra files, manifest and the latest pointer."""
+    """The save itself: shards, RNG states, every file on the disk, then (rank 0) state, extra files, manifest and
+    the latest pointer."""
+    if dist.is_main():
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / SAVING).write_text(json.dumps({"pid": os.getpid()}))  # marks the folder as the app's to clear
     dist.barrier()
     engine.save_checkpoint(str(root), tag=folder.name, save_latest=False)
     if every_rank is not None:
         every_rank(engine, folder)
     faults.kill_at("shards", state.step)
     (folder / f"rng_rank{dist.rank():05d}.json").write_text(json.dumps(_rng_state()))
+    for path in [*folder.rglob("*"), folder]:
+        sync(path)  # a power cut after the manifest must not leave it vouching for files still in the cache
     dist.barrier()  # every rank's files are on disk before the manifest vouches for them
     if dist.is_main():
         (folder / STATE).write_text(state.to_json())
         if extra is not None:
             extra(folder)
-        files = sorted(p for p in folder.rglob("*") if p.is_file() and p.name != MANIFEST)
+        files = sorted(p for p in folder.rglob("*") if p.is_file() and p.name not in (MANIFEST, SAVING))
         manifest = {str(p.relative_to(folder)): {"size": p.stat().st_size, "sha256": sha256_of(p)} for p in files}
         faults.kill_at("manifest", state.step)
         atomic_write(folder / MANIFEST, json.dumps(manifest, indent=1))
+        (folder / SAVING).unlink()
         faults.kill_at("pointer", state.step)
         atomic_write(root / LATEST, folder.name)  # DeepSpeed's tools read this; it names only a whole checkpoint
 
 
 def complete_checkpoints(root: Path) -> list:
-    """Checkpoint folders that have a manifest, oldest first."""
-    return sorted(p.parent for p in Path(root).glob(f"step*/{MANIFEST}"))
+    """The app's checkpoint folders that have a manifest, oldest first."""
+    return sorted(p.parent for p in Path(root).glob(f"step*/{MANIFEST}") if _ours(p.parent))
+
+
+def unfinished_saves(root: Path) -> list:
+    """The app's checkpoint folders whose save was cut short (marked, no manifest)."""
+    return sorted(p.parent for p in Path(root).glob(f"step*/{SAVING}") if _ours(p.parent)
+                  and not (p.parent / MANIFEST).exists())
+
+
+def _ours(folder: Path) -> bool:
+    return bool(NAME.fullmatch(folder.name)) and folder.is_dir() and not folder.is_symlink()
+
+
+def remove_checkpoint(folder: Path):
+    """Delete one of the app's checkpoints and its universal copy."""
+    shutil.rmtree(folder)
+    shutil.rmtree(folder.parent / UNIVERSAL / folder.name, ignore_errors=True)
 
 

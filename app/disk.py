@@ -3,6 +3,7 @@ import contextlib
 import errno
 import os
 import shutil
+import tempfile
 from pathlib import Path
 
 # A write that ran out of room, however the writer words it (torch's zip writer and C++ streams do not say).
@@ -53,13 +54,15 @@ def write_failure(root: Path, error: BaseException, needed: int, last: str) -> s
 
 def _refusal(root: Path):
     """The errno with which the filesystem refuses a new file in root (read-only, permissions, full), or None."""
-    probe = Path(root) / f".write-test-{os.getpid()}"
+    probe = None
     try:
-        probe.write_bytes(b"\0" * 4096)
-        probe.unlink()
+        fd, probe = tempfile.mkstemp(prefix=".write-test-", dir=root)  # a new name: no planted link to follow
+        with open(fd, "wb") as f:
+            f.write(b"\0" * 4096)
+        os.unlink(probe)
     except OSError as e:
-        with contextlib.suppress(OSError):
-            probe.unlink()
+        with contextlib.suppress(OSError, TypeError):
+            os.unlink(probe)
         return e.errno
     return None
 

@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from app import dist, ds_internals
+from app import dist, ds_internals, outdir
 from app.ds_internals.safe_load import check_files, data_only
 from app.checkpoint import MANIFEST, STATE, UNIVERSAL, TrainerState, checkpoint_root, complete_checkpoints, \
     atomic_write, sha256_of
@@ -79,6 +79,26 @@ def _instead(folder: Path) -> str:
     return f"resume from the one before it: --resume {older[-1]}" if older else "start a new --output_dir"
 
 
+def named_checkpoint(resume: str) -> Path:
+    """The checkpoint folder --resume names (not auto), or one line when there is none."""
+    folder = checkpoint_folder(resume)
+    if not folder.is_dir():
+        raise UserError(f"--resume {resume}: no such folder; pass a run folder, a checkpoint folder under "
+                        f"<output_dir>/checkpoints, or --resume auto")
+    return folder
+
+
+def run_folder_of(resume: str) -> Path:
+    """Where a run resumed from a named checkpoint without --output_dir continues: that checkpoint's own run
+    folder (<run>/checkpoints/step<N>, beside the run's metrics.csv), else one line asking for --output_dir."""
+    folder = named_checkpoint(resume).resolve()
+    run = folder.parent.parent
+    if folder.parent.name != "checkpoints" or not (run / "metrics.csv").is_file():
+        raise UserError(f"--resume {resume}: {folder} is not inside the run folder that made it, so where this run "
+                        f"should write is not known; pass --output_dir for it")
+    return run
+
+
 def find(output_dir: Path, resume: str):
     """(folder, saved state) to resume from after checking every file, or (None, None) to start fresh."""
     if not resume:
@@ -89,10 +109,7 @@ def find(output_dir: Path, resume: str):
             return None, None
         folder = found[-1]
     else:
-        folder = checkpoint_folder(resume)
-        if not folder.is_dir():
-            raise UserError(f"--resume {resume}: no such folder; pass a run folder, a checkpoint folder under "
-                            f"<output_dir>/checkpoints, or --resume auto")
+        folder = named_checkpoint(resume)
         if folder != Path(resume):
             dist.print0(f"resume: the newest complete checkpoint of {resume} is {folder.name}")
     return folder, verify(folder)
@@ -111,15 +128,18 @@ def needs_universal(saved: TrainerState, world_size: int) -> bool:
     return saved.zero_stage > 0 and saved.world_size != world_size
 
 
-def plan_resume(output_dir: Path, resume: str, current: TrainerState, ds_config: dict) -> tuple:
+def plan_resume(output_dir: Path, resume: str, current: TrainerState, ds_config: dict, overwrite=False) -> tuple:
     """(folder, saved state, DeepSpeed dict that can load it) to resume from, or (None, None, ds_config) to start
-    fresh; checked against this run before anything is built."""
+    fresh; checked against this run and its output folder's timeline before anything is built."""
     folder, saved = find(output_dir, resume)
     if folder is None:
         if resume:
             dist.print0(f"resume: no complete checkpoint in {checkpoint_root(output_dir)}, starting fresh")
         return None, None, ds_config
     check_compatible(saved, current, folder)
+    mixed = dist.broadcast_object(outdir.check_timeline(output_dir, folder, overwrite) if dist.is_main() else "")
+    if mixed:
+        raise UserError(mixed)
     if (current.pipeline_stages or current.tensor_parallel_size > 1) and saved.world_size != current.world_size:
         kind = "pipeline" if current.pipeline_stages else "tensor-parallel"
         raise UserError(f"checkpoint {folder} is a {kind} run of {saved.world_size} rank(s) and the app cannot "

@@ -1,12 +1,14 @@
 """Everything the main rank writes for a run: the progress bar or log lines, metrics.csv, TensorBoard, summary.json
-and the loss plot; and whether an output folder may take a run."""
+and the loss plot. Whether an output folder may take a run: app/outdir.py."""
 import contextlib
 import csv
+import io
 import json
 import sys
 from pathlib import Path
 
 from app import dist
+from app.checkpoint import atomic_write
 from app.errors import UserError
 from app.metrics import Throughput
 
@@ -36,11 +38,13 @@ class RunLog:
         else:
             for stale in (output_dir / "tensorboard").glob("events.out.tfevents.*"):  # an overwritten run's
                 stale.unlink()
-        self.csv_file = open(output_dir / "metrics.csv", "w", newline="")
+        kept = io.StringIO()
+        writer = csv.DictWriter(kept, fieldnames=CSV_FIELDS)
+        writer.writeheader()
+        writer.writerows({k: _fmt(row.get(k)) for k in CSV_FIELDS} for row in self.rows)
+        atomic_write(output_dir / "metrics.csv", kept.getvalue())  # a crash now leaves the old rows, not none
+        self.csv_file = open(output_dir / "metrics.csv", "a", newline="")
         self.csv = csv.DictWriter(self.csv_file, fieldnames=CSV_FIELDS)
-        self.csv.writeheader()
-        for row in self.rows:
-            self.csv.writerow({k: _fmt(row.get(k)) for k in CSV_FIELDS})
         self.tb = SummaryWriter(str(output_dir / "tensorboard"), purge_step=resumed_step + 1 if resumed_step else None)
         # disable=None: a bar on a terminal, plain log lines when output goes to a file or pipe
         self.bar = tqdm(total=total_steps, initial=resumed_step, unit="step", dynamic_ncols=True,
@@ -143,22 +147,3 @@ def plot_losses(rows, path: Path):
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
-
-
-RUN_FILES = ("metrics.csv", "summary.json", "loss.png")
-
-
-def check_output_dir(path: Path, overwrite: bool, resume: bool = False) -> str:
-    """Why path cannot take this run's files, or '' when it can (creates it if missing)."""
-    existing = [name for name in RUN_FILES if (path / name).exists()]
-    if existing and not (overwrite or resume):
-        return (f"output directory {path} already holds a run ({', '.join(existing)}); "
-                f"pick a new --output_dir, --resume auto to continue it, or --overwrite")
-    try:
-        path.mkdir(parents=True, exist_ok=True)
-        probe = path / f".write-test-{dist.rank()}"
-        probe.write_text("")
-        probe.unlink()
-    except OSError as e:
-        return f"cannot write to output directory {path}: {e.strerror}; pick a writable --output_dir"
-    return ""

@@ -13,7 +13,7 @@ import numpy as np
 import torch
 
 from app import (autobatch, checkpoint, compiler, config, dist, ds_config, ds_internals, launch, loop, metrics,
-                 parallel, preemption, resume, runlog, tasks)
+                 outdir, parallel, preemption, resume, runlog, tasks)
 from app.checkpoint import TrainerState, checkpoint_root
 from app.config import Settings
 from app.data.loader import build_loader, feeding
@@ -29,17 +29,22 @@ def seed_everything(seed: int):
 
 
 def output_dir_for(settings: Settings) -> Path:
-    """The run's output directory: the flag, or a fresh timestamped one chosen by rank 0."""
+    """The run's output directory (the flag, the resumed checkpoint's own run folder, or a fresh timestamped one
+    chosen by rank 0), checked and locked for this run by rank 0."""
     if settings.resume == "auto" and not settings.output_dir:
         raise UserError("--resume auto continues the run in --output_dir; pass the same --output_dir as that run")
-    if settings.resume and settings.resume != "auto" and not settings.output_dir:  # <run>/checkpoints/<tag>
-        settings.output_dir = str(resume.checkpoint_folder(settings.resume).resolve().parent.parent)
-    name = settings.output_dir or f"runs/{settings.dataset}-{settings.model}-{time.strftime('%Y%m%d-%H%M%S')}"
-    path = Path(dist.broadcast_object(name))
-    problem = dist.broadcast_object(runlog.check_output_dir(path, settings.overwrite, bool(settings.resume))
-                                    if dist.is_main() else "")
+    if settings.resume and settings.resume != "auto" and not settings.output_dir:
+        settings.output_dir = str(resume.run_folder_of(settings.resume))
+    path = Path(dist.broadcast_object(settings.output_dir or outdir.default_name(settings.dataset, settings.model)))
+    problem, note = "", ""
+    if dist.is_main():
+        problem = outdir.check(path, settings.overwrite, bool(settings.resume))
+        problem, note = (problem, "") if problem else outdir.lock(path)
+    problem = dist.broadcast_object(problem)
     if problem:
         raise UserError(problem)
+    if note:
+        dist.print0(note)
     return path
 
 
@@ -92,7 +97,7 @@ def run(settings: Settings, ds: dict, world: World, started: float) -> int:  # l
         state = TrainerState(0, 0, 0, settings.model, settings.dataset, world.world_size, ds_config.zero_stage(ds),
                              config.settings_dict(settings), asdict(info), ds,
                              ranks.split.stages if ranks.split else 0, ranks.replicas, ranks.tensor)
-        folder, saved, ds = resume.plan_resume(output_dir, settings.resume, state, ds)
+        folder, saved, ds = resume.plan_resume(output_dir, settings.resume, state, ds, settings.overwrite)
         engine = loop.build_engine(trained, ranks.engine_config(ds_config.fill_scheduler_length(ds, steps)))
         state.deepspeed_config = ds  # as the engine got it: scheduler length filled, universal loading named
         say_mode(settings, world, engine, steps, output_dir, ranks)
@@ -100,6 +105,7 @@ def run(settings: Settings, ds: dict, world: World, started: float) -> int:  # l
         start = resume.load(engine, folder, saved, ranks.replicas) if folder else (0, 0)
         if nothing_to_do(engine, steps):
             return 0
+        outdir.clear(output_dir, folder, settings.overwrite)  # only now: a mistake found before leaves it all
         stop = preemption.StopRequest(settings.grace_period, world.launcher != "none")
         log = runlog.RunLog(output_dir, steps, engine.global_steps, throughput=log_throughput)
         metrics.reset_peak_memory(world.device)  # the summary's peak is the training's, not the start-up probe's
@@ -113,6 +119,7 @@ def run(settings: Settings, ds: dict, world: World, started: float) -> int:  # l
     finally:
         if stop is not None:
             stop.close()
+        outdir.unlock()
         ds_internals.forget_parallel_groups()  # another job may follow in this process (the tests pool them)
 
 

@@ -131,6 +131,11 @@ def test_resume_takes_a_run_folder_and_refuses_what_is_not_a_checkpoint(saved_ru
     (tmp_path / "plain").mkdir()
     result = run(train_command("python", 1, "--output_dir", tmp_path / "x", "--resume", tmp_path / "plain"))
     _fails(result, "is not a complete checkpoint")
+    copied = tmp_path / "copied" / "step00000004"  # a checkpoint away from its run: where to write is not known
+    copied.parent.mkdir()
+    subprocess.run(["cp", "-r", str(saved_run / "checkpoints" / "step00000004"), str(copied)], check=True)
+    _fails(run(train_command("python", 1, "--resume", copied)), f"{copied} is not inside the run folder that made it")
+    assert list(copied.parent.iterdir()) == [copied], "nothing written beside it"
 
 
 @pytest.mark.slow
@@ -204,3 +209,22 @@ def test_a_checkpoint_file_carrying_code_is_refused_and_nothing_runs(saved_run, 
                      tmp_path / "universal", "--num_extract_workers", "1", "--num_merge_workers", "1"])
     _fails(converted, "nothing of it ran")
     assert not marker.exists(), "the checkpoint's code ran"
+
+
+@pytest.mark.slow
+def test_overwrite_leaves_one_timeline_and_the_users_folders(saved_run, tmp_path):
+    """--overwrite after a longer run deletes that run's checkpoints (saying so), so keep-last and latest see this
+    run's alone; folders under checkpoints/ the app did not mark as its own stay."""
+    out, _ = _copy(saved_run, tmp_path)
+    mine = out / "checkpoints" / "step_keep" / "notes.txt"
+    mine.parent.mkdir()
+    mine.write_text("mine")
+    result = train("python", 1, "--max_steps", 2, "--save_interval", 1, "--keep_last", 2, "--output_dir", out,
+                   "--overwrite")
+    assert "overwrite: deleted" in result.stdout and "step00000004" in result.stdout
+    root = out / "checkpoints"
+    assert sorted(p.name for p in root.iterdir()) == ["latest", "step00000001", "step00000002", "step_keep"]
+    latest = root / (root / "latest").read_text()
+    assert latest.name == "step00000002" and (latest / "manifest.json").is_file()
+    assert json.loads((latest / "trainer_state.json").read_text())["settings"]["max_steps"] == 2, "this run's"
+    assert mine.read_text() == "mine" and [r["step"] for r in read_metrics(out)[0]] == [2.0], "no row of the old run"

@@ -6,7 +6,7 @@ import shutil
 
 import pytest
 
-from app import runlog
+from app import outdir
 from conftest import REPO, assert_one_error_line, main_each, run, train_command, write_text_rows
 
 pytestmark = pytest.mark.slow  # every case runs app/train.py's main in a spawned process
@@ -122,7 +122,7 @@ def test_a_damaged_file_is_one_line_naming_it(case, outcomes):
     assert code == 2, stderr[-2000:]
     line = assert_one_error_line(stderr, path.name)
     assert str(path) in line or str(path.parent) in line, line
-    assert runlog.check_output_dir(output_dir, overwrite=False) == "", "the same command can run again"
+    assert outdir.check(output_dir, overwrite=False) == "", "the same command can run again"
 
 
 def test_a_config_value_of_the_wrong_type_names_its_key(tmp_path):
@@ -154,4 +154,4 @@ def test_an_image_cut_short_found_in_training_leaves_the_folder_reusable(tmp_pat
     assert result.returncode == 2 and "mode: " in result.stdout, "found in training, not before"
     assert_one_error_line(result.stdout + result.stderr, str(victim), "is not a readable image",
                           "replace or remove it", anywhere=True)
-    assert runlog.check_output_dir(tmp_path / "run", overwrite=False) == ""
+    assert outdir.check(tmp_path / "run", overwrite=False) == ""

@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from app import disk, resume, runlog
+from app import disk, outdir, resume
 from conftest import assert_one_error_line, read_metrics, run, train, train_command
 
 pytestmark = [pytest.mark.slow,
@@ -60,5 +60,5 @@ def test_a_read_only_checkpoint_folder(tmp_path):
         assert result.returncode != 0
         assert_one_error_line(result.stderr, f"cannot save a checkpoint in {out / 'checkpoints'}: read-only file system",
                               "no checkpoint of this run was saved yet: run the same command again")
-    assert runlog.check_output_dir(out, overwrite=False) == ""
+    assert outdir.check(out, overwrite=False) == ""
     train("deepspeed", 2, "--max_steps", 2, *RUN, "--output_dir", out)

@@ -46,16 +46,3 @@ def test_run_log_progress_bar_or_plain_lines(show, plain, tmp_path):
     assert log.plain is plain
     log.train_row(1, 0, 2.0, 0.1, samples=8, seconds=1.0)
     log.finish({})
-
-
-def test_output_dir_check(tmp_path):
-    assert runlog.check_output_dir(tmp_path / "new", overwrite=False) == "" and (tmp_path / "new").is_dir()
-    (tmp_path / "new" / "metrics.csv").write_text("step\n")
-    problem = runlog.check_output_dir(tmp_path / "new", overwrite=False)
-    assert problem.startswith(f"output directory {tmp_path / 'new'} already holds a run (metrics.csv)")
-    assert "--overwrite" in problem and "--resume auto" in problem
-    assert runlog.check_output_dir(tmp_path / "new", overwrite=True) == ""
-    assert runlog.check_output_dir(tmp_path / "new", overwrite=False, resume=True) == ""
-    (tmp_path / "a-file").write_text("")
-    assert runlog.check_output_dir(tmp_path / "a-file" / "run", overwrite=False).startswith(
-        f"cannot write to output directory {tmp_path / 'a-file' / 'run'}")

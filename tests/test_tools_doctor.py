@@ -99,3 +99,12 @@ def test_example_hostfiles_parse(name):
     assert hosts and all(slots >= 1 for slots in hosts.values())
     if name == "two-loopback-hosts":
         assert tuple(hosts) == HOSTS and set(hosts.values()) == {1}
+
+
+def test_a_host_name_that_ssh_would_read_as_an_option_fails(tmp_path, capsys):
+    hostfile = tmp_path / "hosts"
+    hostfile.write_text(f"-oProxyCommand=touch${{IFS}}{tmp_path}/ran slots=1\n127.0.0.1 slots=1\n")
+    code = doctor.main(["--hostfile", str(hostfile), "--master_port", str(free_port())])
+    out = capsys.readouterr().out
+    assert code == 1 and "begins with '-', which ssh reads as an option" in out
+    assert rows_of(out)[("hostfile", str(hostfile))] == "FAIL" and not (tmp_path / "ran").exists()

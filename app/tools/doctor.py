@@ -54,7 +54,7 @@ def _probe_over_ssh(host, ssh_port, args) -> tuple:
     """(probe result or None, the reason ssh failed) for one host, run with this same Python's path there."""
     code = f"{inspect.getsource(probe)}\nimport json\nprint(json.dumps(probe(*{args!r})))"
     port = ["-p", str(ssh_port)] if ssh_port else []
-    cmd = ["ssh", "-o", "BatchMode=yes", "-o", f"ConnectTimeout={SSH_TIMEOUT_S}", *port, host,
+    cmd = ["ssh", "-o", "BatchMode=yes", "-o", f"ConnectTimeout={SSH_TIMEOUT_S}", *port, "--", host,  # a host, never an option
            shlex.join([sys.executable, "-c", code])]
     try:
         done = subprocess.run(cmd, capture_output=True, text=True, timeout=SSH_TIMEOUT_S + 20)
@@ -84,6 +84,10 @@ def read_hosts(args) -> dict:
         active = runner.apply_num_nodes_and_gpus(active, args.num_nodes, args.num_gpus)
     except ValueError as e:
         raise UserError(f"{args.hostfile}: {e}") from None
+    for host in pool:
+        if host.startswith("-"):  # ssh and pdsh would read it as an option: code on this machine
+            raise UserError(f"{args.hostfile}: host name {host!r} begins with '-', which ssh reads as an option; "
+                            f"fix the hostfile")
     return {host: len(slots) for host, slots in active.items()}
 
 
