@@ -112,11 +112,21 @@ def _trial(ds: dict, micro: int, layout, task, build, train_set, where: str, ran
     # one step is taken; a length past the warm-up keeps DeepSpeed from warning that it is shorter
     trial = fill_scheduler_length(trial, max(1, (trial.get("scheduler") or {}).get("params", {}).get(
         "warmup_num_steps", 1)))
-    agreed = lambda part: _agreed(part, micro, where, ran)  # noqa: E731
     try:
-        with contextlib.redirect_stdout(io.StringIO()):  # each trial engine's start-up lines are the run's already
-            engine = loop.build_engine(build(trial), layout.engine_config(trial))
-            forward = layout.forward(engine, task, False)
+        return _trial_steps(trial, micro, layout, task, build, train_set, lambda part: _agreed(part, micro, where, ran))
+    finally:  # the trial's frame is gone: its engine is garbage now, unless DeepSpeed's globals still hold it
+        ds_internals.forget_parallel_groups()
+        ds_internals.forget_unfinished_forward()
+        here = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+        reset_peak_memory(here)  # the trial's memory given back: collected, the heap trimmed, the cache emptied
+
+
+def _trial_steps(trial: dict, micro: int, layout, task, build, train_set, agreed) -> str:
+    """A forward, backward and optimizer step of `micro` samples on an engine of its own; '' or why it failed."""
+    with contextlib.redirect_stdout(io.StringIO()):  # each trial engine's start-up lines are the run's already
+        engine = loop.build_engine(build(trial), layout.engine_config(trial))
+        forward = layout.forward(engine, task, False)
+    try:
         batch = next(iter(build_loader(train_set, micro, layout.replica, layout.replicas, False, 0)))
         if hasattr(forward, "logits_and_losses"):  # agreed after the forward, before any gradient is reduced
             held = {}
@@ -126,9 +136,7 @@ def _trial(ds: dict, micro: int, layout, task, build, train_set, where: str, ran
             return agreed(lambda: (engine.backward(held.pop("loss")), engine.step()))
         return agreed(lambda: forward.micro_step(batch, Meter(["loss"], engine.device)))
     finally:
-        ds_internals.forget_parallel_groups()
-        here = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
-        reset_peak_memory(here)  # the trial's memory given back: collected, the heap trimmed, the cache emptied
+        engine.destroy()  # its hooks on the parameters (held by torch's autograd, out of gc's sight) go
 
 
 def _forward(forward, batch):

@@ -116,7 +116,7 @@ def _rng_state() -> dict:
             "numpy": [name, keys.tolist(), int(pos), int(has_gauss), float(cached)],
             "torch": torch.get_rng_state().tolist(),
             # the rank's own GPU only: a resume may see fewer GPUs (one per task under srun, a smaller node)
-            "cuda": [s.tolist() for s in torch.cuda.get_rng_state_all()] if torch.cuda.is_available() else []}
+            "cuda": [torch.cuda.get_rng_state().tolist()] if torch.cuda.is_available() else []}
 
 
 def save(engine, output_dir: Path, state: TrainerState, keep_last: int, extra=None, every_rank=None):

@@ -180,3 +180,37 @@ def test_a_rank_out_of_memory_alone_in_training_ends_the_run_in_one_line_not_a_h
                           "lower train_micro_batch_size_per_gpu", anywhere=True)
     assert took < 60, f"ended after {took:.0f} s: the bounded wait in training is 5 s"
     assert not (out / "metrics.csv").exists()
+
+
+def _engines_left_after_the_search(rank, world, config, out, report):
+    """Train one step after a search whose trials ran out of memory; count the DeepSpeed engines alive when
+    the search has returned."""
+    import gc
+    import os
+    from deepspeed.runtime.engine import DeepSpeedEngine
+    from app import config as app_config, dist, launch, train
+    os.environ["APP_OOM_AT"] = "17"
+    settle, left = autobatch.settle, []
+
+    def observed(*args, **kwargs):
+        ds = settle(*args, **kwargs)  # which collects the trials' garbage itself
+        left.append(sum(DeepSpeedEngine in type(o).__mro__ for o in gc.get_objects()))
+        return ds
+    autobatch.settle = observed
+    launch.prepare_environment()
+    settings, ds = app_config.parse(["--deepspeed_config", str(config), "--max_steps", "1", "--output_dir",
+                                     str(out)])
+    code = train.run(settings, ds, launch.setup(timeout_s=60), time.perf_counter())
+    dist.teardown()
+    report.write_text(json.dumps([code, left]))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["dp", "zero3"])
+def test_trial_engines_are_gone_before_the_run_builds_its_own(name, tmp_path):
+    """A trial engine left alive holds its weights, optimizer state and buckets on the GPU while the next trial
+    and the run's engine are built: spurious out-of-memory, a smaller micro batch than fits."""
+    from conftest import spawn_ranks
+    report = tmp_path / "report.json"
+    spawn_ranks(1, _engines_left_after_the_search, _auto(tmp_path, name, 64), tmp_path / "run", report)
+    assert json.loads(report.read_text()) == [0, [0]]

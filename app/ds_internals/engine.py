@@ -99,6 +99,14 @@ def forget_parallel_groups():
     groups.mpu = None
 
 
+def forget_unfinished_forward():
+    """Let go of the modules of a forward that raised: ZeRO-3 pushes each module whose forward is under way onto a
+    module-level stack (parameter_offload.FWD_MODULE_STACK) and pops it when the forward ends, so a forward that
+    ran out of memory leaves its module there, and through its hooks the whole engine, on the GPU."""
+    from deepspeed.runtime.zero import parameter_offload
+    parameter_offload.FWD_MODULE_STACK.clear()
+
+
 def engine_hooks_eager(engine):
     """Run the engine's own forward hooks outside a compiled graph.
 
