@@ -5,9 +5,12 @@ On a GPU the host queues work and runs ahead; a read of a device value (`.item()
 `float()` or `int()` of a tensor, `.cpu()`, `.numpy()`, an op whose output size depends on the data such as
 `nonzero` or a boolean mask) or a device synchronize makes it wait until the device has caught up. A
 TorchFunctionMode sees each of those calls on any device, CPU included, so a CPU run counts what a GPU run
-would wait on (the CUDA-only branches of DeepSpeed excepted: `torch.cuda.set_sync_debug_mode("error")` in the
-GPU run of this harness covers those). Reads inside app/dist.py are not counted: it reads only the host
-group's CPU tensors, which it builds from Python numbers.
+would wait on. It also counts a tensor made on the device from Python values (`torch.tensor(-1.0,
+device=...)`: on a GPU a blocking copy from the host), and the stream and device synchronizations DeepSpeed
+makes on CUDA alone: each sits behind `if not get_accelerator().resolves_data_dependency():`, which a CPU run
+asks too, so the guard's next line says what a GPU would wait on. `torch.cuda.set_sync_debug_mode("error")` in
+the GPU run of this harness checks the same on the device. Reads inside app/dist.py are not counted: it reads
+only the host group's CPU tensors, which it builds from Python numbers.
 
 Steps are told apart by the inner torch optimizer's step (a global post-step hook), so the count needs no hook
 in the app: window k runs from the end of optimizer step k to the end of step k+1 and holds one whole step
@@ -25,6 +28,7 @@ import contextlib
 import importlib
 import io
 import json
+import linecache
 import sys
 import time
 import traceback
@@ -50,6 +54,26 @@ def _source() -> str:
     return "?"
 
 
+def _frame_source(frame) -> str:
+    name = frame.f_code.co_filename.split("site-packages/")[-1].replace(REPO, "")
+    return f"{name}:{frame.f_lineno} {frame.f_code.co_name}"
+
+
+def _device_type(value) -> str:
+    return torch.device(value).type if isinstance(value, (str, torch.device)) else \
+        "cuda" if isinstance(value, int) else ""
+
+
+def _copies_python_values_to(device: torch.device, name: str, args, kwargs) -> bool:
+    """True for a tensor made on the device from Python values (`torch.tensor(-1.0, device=...)`): on a GPU, a
+    copy the host waits for. (A CPU tensor's `.to(device)` is not counted: on a CPU run it cannot be told from a
+    tensor already on the device.)"""
+    if name in ("tensor", "as_tensor"):
+        data = args[0] if args else kwargs.get("data")
+        return not isinstance(data, torch.Tensor) and _device_type(kwargs.get("device")) == device.type
+    return False
+
+
 def _boolean_index(args) -> bool:
     index = args[1] if len(args) > 1 else None
     parts = index if isinstance(index, tuple) else (index,)
@@ -73,7 +97,20 @@ class HostSyncs(TorchFunctionMode):
         real = accelerator.synchronize
         accelerator.synchronize = lambda *a, **k: (self._count("synchronize"), real(*a, **k))[1]
         self.hooks.append(_Restore(accelerator, "synchronize", real))
+        resolves = accelerator.resolves_data_dependency
+        accelerator.resolves_data_dependency = lambda: (self._cuda_only_wait(), resolves())[1]
+        self.hooks.append(_Restore(accelerator, "resolves_data_dependency", resolves))
         return super().__enter__()
+
+    def _cuda_only_wait(self):
+        """Count a wait DeepSpeed makes on CUDA alone: `if not get_accelerator().resolves_data_dependency():`
+        guards each stream or device synchronize that a CPU run skips; the guarded line says which it is."""
+        frame = sys._getframe(1)
+        while frame.f_code.co_filename.endswith(("/tests/host_syncs.py", "/ds_internals/host_waits.py")):
+            frame = frame.f_back
+        guarded = linecache.getline(frame.f_code.co_filename, frame.f_lineno + 1)
+        if "synchronize()" in guarded and self.device.type == "cpu":  # on a GPU the call itself is counted
+            self._count("synchronize (on CUDA)", frame)
 
     def __exit__(self, *exc):
         for hook in self.hooks:
@@ -83,8 +120,8 @@ class HostSyncs(TorchFunctionMode):
     def _stepped(self, optimizer, args, kwargs):
         self.steps += 1
 
-    def _count(self, kind: str):
-        source = _source()
+    def _count(self, kind: str, frame=None):
+        source = _source() if frame is None else _frame_source(frame)
         if not source.startswith("app/dist.py"):  # the host group's own CPU tensors
             self.windows[self.steps][f"{kind} at {source}"] += 1
 
@@ -96,6 +133,8 @@ class HostSyncs(TorchFunctionMode):
             # on a GPU a CPU tensor's value is already on the host
             if tensor is None or self.device.type == "cpu" or tensor.device.type != "cpu":
                 self._count(name)
+        elif _copies_python_values_to(self.device, name, args, kwargs or {}):
+            self._count(f"copy to the device ({name})")
         return func(*args, **(kwargs or {}))
 
     def per_step(self, optimizer_steps: int, first: int) -> dict:
@@ -137,11 +176,13 @@ STEPS = 6  # windows 2..5 are counted: the first two steps compile, and ZeRO-3 r
 # What offload keeps: DeepSpeed's CPU Adam steps on the host, so the norm and overflow checks of the gradients
 # it copies there read them on the host: the functions, and the count per step of the digits CNN on each rank of
 # a 1- and a 2-rank run (docs/gpu.md, "No host synchronisation inside a step").
+# ZeRO-3 offload also keeps the host's wait for the reduction stream at the end of backward: CPU Adam reads the
+# gradients there.
 OFFLOAD_REMAINS = {
     "zero2_offload": ({"update_offload_overflow_tracker", "complete_grad_norm_calculation_for_cpu_offload",
-                       "is_invalid_grad_norm"}, {1: [19], 2: [13, 11]}),
-    "zero3_offload": ({"complete_grad_norm_calculation_for_cpu_offload", "is_invalid_grad_norm"},
-                      {1: [3], 2: [3, 3]}),
+                       "is_invalid_grad_norm"}, {1: [20], 2: [14, 12]}),
+    "zero3_offload": ({"complete_grad_norm_calculation_for_cpu_offload", "is_invalid_grad_norm",
+                       "independent_gradient_partition_epilogue"}, {1: [4], 2: [4, 4]}),
 }
 
 

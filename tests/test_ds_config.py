@@ -2,6 +2,7 @@
 import json
 
 import pytest
+import torch
 
 from app import ds_config
 from app.errors import UserError
@@ -43,7 +44,9 @@ def _differences(a: dict, b: dict, prefix=""):
     ("zero1", "dp", {"zero_optimization.stage"}),
     ("zero2", "dp", {"zero_optimization.stage", "zero_optimization.overlap_comm",
                      "zero_optimization.contiguous_gradients"}),
-    ("zero3", "zero2", {"zero_optimization.stage"}),
+    # ZeRO-3 overlaps its gathers and reductions with compute (DeepSpeed's default for stage 3); ZeRO-2's overlap
+    # would make the host wait for the device at the end of every backward (README, the ds_configs table)
+    ("zero3", "zero2", {"zero_optimization.stage", "zero_optimization.overlap_comm"}),
     # offload runs the step in DeepSpeed's CPU Adam, so those files cannot ask for torch's (fused) AdamW
     ("zero2_offload", "zero2", {"zero_optimization.offload_optimizer", "zero_optimization.overlap_comm",
                                 "optimizer.params.torch_adam", "optimizer.params.fused"}),
@@ -117,9 +120,9 @@ AUTO = {"train_micro_batch_size_per_gpu": 4, "bf16": {"enabled": "auto"}}
 @pytest.mark.parametrize("ds, cuda, bf16_ok, want, note", [
     (AUTO, False, False, {"bf16": False}, 'fp32 (bf16 "auto": no CUDA device)'),
     (AUTO, True, True, {"bf16": True}, 'bf16 (bf16 "auto": the CUDA device supports bf16)'),
-    (AUTO, True, False, {"bf16": False}, 'fp32 (bf16 "auto": the CUDA device has no bf16)'),
+    (AUTO, True, False, {"bf16": False}, 'fp32 (bf16 "auto": the CUDA device has no native bf16)'),
     ({**AUTO, "fp16": {"enabled": "auto"}}, True, False, {"bf16": False, "fp16": True},
-     'fp16 (bf16/fp16 "auto": the CUDA device has no bf16)'),
+     'fp16 (bf16/fp16 "auto": the CUDA device has no native bf16)'),
     ({**AUTO, "fp16": {"enabled": "auto"}}, True, True, {"bf16": True, "fp16": False},
      'bf16 (bf16/fp16 "auto": the CUDA device supports bf16)'),
     ({**AUTO, "fp16": {"enabled": "auto"}}, False, False, {"bf16": False, "fp16": False},
@@ -136,9 +139,26 @@ def test_auto_precision_follows_the_device(ds, cuda, bf16_ok, want, note):
 def test_auto_precision_on_this_cpu_loads_as_fp32(tmp_path):
     ds = _load(tmp_path, json.loads((REPO / "ds_configs" / "zero2.json").read_text()))
     assert ds["torch_autocast"] == {"enabled": False, "dtype": "bfloat16"}
-    assert ds_config.precision_note(REPO / "ds_configs" / "zero2.json") == \
-        'fp32 (torch_autocast "auto": no CUDA device)'
-    assert ds_config.precision_note(REPO / "ds_configs" / "bf16.json") == "", "bf16.json asks for bf16 outright"
+    for name, note in (("zero2", 'fp32 (torch_autocast "auto": no CUDA device)'), ("bf16", "")):  # bf16: outright
+        unresolved = ds_config.load_ds_config(REPO / "ds_configs" / f"{name}.json", resolve=False)
+        assert ds_config.resolve_precision(unresolved, name, device=torch.device("cpu"))[1] == note
+
+
+@pytest.mark.parametrize("capability, picked", [((7, 0), "fp16"), ((7, 5), "fp16"), ((8, 0), "bf16 autocast"),
+                                                ((9, 0), "bf16 autocast")])
+def test_auto_precision_asks_the_compute_capability_not_emulated_bf16(capability, picked):
+    """V100 (7.0) and T4 (7.5) emulate bf16, which torch.cuda.is_bf16_supported() counts; they take fp16."""
+    ds = {**AUTOCAST, "fp16": {"enabled": "auto"}}
+    resolved, said = ds_config.resolve_precision(ds, "c.json", cuda=True,
+                                                 bf16_ok=ds_config.bf16_runs(capability))
+    assert said.startswith(picked + " (")
+
+
+def test_the_training_run_resolves_precision_once_the_device_is_set():
+    """config.parse leaves "auto" alone: asking the GPU then would open a context on GPU 0 in every rank."""
+    from app import config
+    _, ds = config.parse(["--deepspeed_config", str(REPO / "ds_configs" / "zero2.json")])
+    assert ds["torch_autocast"]["enabled"] == "auto"
 
 
 AUTOCAST = {"train_micro_batch_size_per_gpu": 4, "torch_autocast": {"enabled": "auto", "dtype": "bfloat16"}}
@@ -146,12 +166,12 @@ AUTOCAST = {"train_micro_batch_size_per_gpu": 4, "torch_autocast": {"enabled": "
 
 @pytest.mark.parametrize("ds, cuda, bf16_ok, want, note", [
     (AUTOCAST, True, True, True, 'bf16 autocast (torch_autocast "auto": the CUDA device supports bf16)'),
-    (AUTOCAST, True, False, False, 'fp32 (torch_autocast "auto": the CUDA device has no bf16)'),
+    (AUTOCAST, True, False, False, 'fp32 (torch_autocast "auto": the CUDA device has no native bf16)'),
     (AUTOCAST, False, False, False, 'fp32 (torch_autocast "auto": no CUDA device)'),
     ({**AUTOCAST, "fp16": {"enabled": "auto"}}, True, False, False,
-     'fp16 (torch_autocast/fp16 "auto": the CUDA device has no bf16)'),
+     'fp16 (torch_autocast/fp16 "auto": the CUDA device has no native bf16)'),
     ({"train_micro_batch_size_per_gpu": 4, "torch_autocast": {"enabled": "auto", "dtype": "float16"}}, True, False,
-     True, 'fp16 autocast (torch_autocast "auto": the CUDA device has no bf16)'),
+     True, 'fp16 autocast (torch_autocast "auto": the CUDA device has no native bf16)'),
 ])
 def test_auto_autocast_follows_the_device(ds, cuda, bf16_ok, want, note):
     """The shipped configs' precision: DeepSpeed's torch_autocast section, on where the GPU runs its dtype."""

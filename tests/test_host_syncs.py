@@ -45,6 +45,12 @@ def test_no_step_waits_on_the_device_with_one_rank(tmp_path):
 
 
 def _sync_everywhere(x):
+    from deepspeed.accelerator import get_accelerator
+    torch.tensor(-1.0, device=x.device)  # a copy from the host on a GPU
+    if not get_accelerator().resolves_data_dependency():  # skipped on a CPU; on CUDA the host waits here
+        get_accelerator().current_stream().synchronize()
+    if not get_accelerator().resolves_data_dependency():  # no wait behind this guard: not counted
+        pass
     mask = x > 0
     x.sum().item()
     bool(x.sum() > 0)
@@ -73,7 +79,8 @@ def test_the_counter_sees_every_kind_of_host_sync_and_counts_by_step():
         optimizer.step()
     kinds = {source.split(" at ")[0]: count for source, count in counter.windows[0].items()}
     assert kinds == {"item": 1, "__bool__": 1, "__float__": 1, "__int__": 1, "tolist": 1, "cpu": 1, "numpy": 1,
-                       "nonzero": 1, "__getitem__": 1, "unique": 1, "__index__": 1}, kinds
+                     "nonzero": 1, "__getitem__": 1, "unique": 1, "__index__": 1, "copy to the device (tensor)": 1,
+                     "synchronize (on CUDA)": 1}, kinds
     assert all(" at tests/test_host_syncs.py:" in source for source in counter.windows[0])
     assert 1 not in counter.windows and sum(counter.windows[2].values()) == 1
     assert list(counter.per_step(optimizer_steps=3, first=1)) == [1, 2]
