@@ -138,7 +138,7 @@ def parse(argv=None):
     values = {f.name: getattr(args, f.name) for f in fields(Settings) if f.name != "deepspeed_config"}
     values["deepspeed_config"] = args.deepspeed_config or str(DEFAULT_DS_CONFIG)
     settings = Settings(**values)
-    return settings, load_ds_config(settings.deepspeed_config)
+    return settings, load_ds_config(settings.deepspeed_config, resolve=False)  # precision: once the device is set
 
 
 def settings_dict(settings: Settings) -> dict:

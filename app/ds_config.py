@@ -16,10 +16,11 @@ MICRO = "train_micro_batch_size_per_gpu"
 SCHEDULERS_WITH_TOTAL = ("WarmupDecayLR", "WarmupCosineLR")
 
 
-def load_ds_config(path, cuda=None, bf16_ok=None) -> dict:
+def load_ds_config(path, cuda=None, bf16_ok=None, resolve: bool = True) -> dict:
     """Read a DeepSpeed JSON file, resolve "auto" precision for this machine (cuda: whether it trains on a
-    CUDA device, bf16_ok: whether that device has bf16; default: what is visible), and refuse anything
-    DeepSpeed would silently ignore."""
+    CUDA device, bf16_ok: whether that device has bf16; default: the current device), and refuse anything
+    DeepSpeed would silently ignore. resolve=False leaves "auto" precision to resolve_precision once the rank's
+    device is set (the training run: asking before would open a CUDA context on GPU 0 in every rank)."""
     path = Path(path)
     if not path.is_file():
         raise UserError(f"DeepSpeed config {path} not found; pass --deepspeed_config with one of "
@@ -34,11 +35,12 @@ def load_ds_config(path, cuda=None, bf16_ok=None) -> dict:
         raise UserError(f"{path}: {e}") from None
     if not isinstance(ds, dict):
         raise UserError(f"{path} must hold a JSON object at the top level")
-    ds, _ = resolve_precision(ds, str(path), cuda, bf16_ok)
-    check_value_types(ds, str(path))
-    activations.check(ds, str(path))
-    check_ds_keys(ds, str(path))
-    return ds
+    resolved, _ = resolve_precision(ds, str(path), cuda, bf16_ok) if resolve else \
+        resolve_precision(ds, str(path), cuda=False)  # checked as on a CPU: the same keys
+    check_value_types(resolved, str(path))
+    activations.check(resolved, str(path))
+    check_ds_keys(resolved, str(path))
+    return resolved if resolve else ds
 
 
 # Sections that switch a lower precision on, in the order "auto" prefers them. torch_autocast keeps fp32 weights
@@ -55,14 +57,25 @@ def _label(ds: dict, name: str) -> str:
     return f"{DTYPE_NAMES.get(str(ds[name].get('dtype', 'bfloat16')).replace('torch.', ''), 'bf16')} autocast"
 
 
-def resolve_precision(ds: dict, where: str, cuda=None, bf16_ok=None) -> tuple:
+def bf16_runs(capability: tuple) -> bool:
+    """Whether a CUDA device of this compute capability runs bf16 natively: Ampere (8.0) and later. Older GPUs
+    (V100 7.0, T4 7.5) emulate it, slower than fp16, which torch.cuda.is_bf16_supported() counts as support."""
+    return tuple(capability) >= (8, 0)
+
+
+def resolve_precision(ds: dict, where: str, cuda=None, bf16_ok=None, device=None) -> tuple:
     """(ds with "enabled": "auto" made true or false, a note on what was picked and why).
 
     auto picks the first section in PRECISIONS order that the device can run: bf16 (autocast or weights) on a
-    CUDA device that supports it, fp16 on one that does not, and fp32 on CPU, where bf16 matmuls are slower
-    than fp32 and fp16 has no kernels. A section set to true wins over every "auto".
+    CUDA device that runs it natively, fp16 on one that does not, and fp32 on CPU, where bf16 matmuls are slower
+    than fp32 and fp16 has no kernels. A section set to true wins over every "auto". The device is `device`
+    (the rank's own, once set), else the current CUDA device; its compute capability is read without
+    allocating on it.
     """
     import torch
+    if device is not None:
+        cuda = device.type == "cuda"
+        bf16_ok = cuda and bf16_runs(torch.cuda.get_device_capability(device)) if bf16_ok is None else bf16_ok
     sections = [name for name in PRECISIONS if isinstance(ds.get(name), dict)]
     for name in sections:
         enabled = ds[name].get("enabled", False)
@@ -72,7 +85,7 @@ def resolve_precision(ds: dict, where: str, cuda=None, bf16_ok=None) -> tuple:
     if not autos:
         return ds, ""
     cuda = torch.cuda.is_available() if cuda is None else cuda
-    bf16_ok = cuda and (torch.cuda.is_bf16_supported() if bf16_ok is None else bf16_ok)
+    bf16_ok = cuda and (bf16_runs(torch.cuda.get_device_capability()) if bf16_ok is None else bf16_ok)
     runs = {"bf16": bf16_ok, "fp16": cuda}
     fixed = [name for name in sections if ds[name].get("enabled") is True]
     pick = fixed[0] if fixed else next((name for name in autos if runs[_label(ds, name).split()[0]]), "")
@@ -82,14 +95,8 @@ def resolve_precision(ds: dict, where: str, cuda=None, bf16_ok=None) -> tuple:
         if name == pick == "torch_autocast":
             ds[name].setdefault("dtype", "bfloat16")
     why = "no CUDA device" if not cuda else "the CUDA device supports bf16" if bf16_ok else \
-        "the CUDA device has no bf16"
+        "the CUDA device has no native bf16"
     return ds, f"{_label(ds, pick) if pick else 'fp32'} ({'/'.join(autos)} \"auto\": {why})"
-
-
-def precision_note(path) -> str:
-    """What "auto" precision in the JSON at path resolved to on this machine, or '' when it names none."""
-    ds = json.loads(Path(path).read_text())
-    return resolve_precision(ds, str(path))[1]
 
 
 def _no_duplicate_keys(pairs):

@@ -79,6 +79,7 @@ def run(settings: Settings, ds: dict, world: World, started: float) -> int:  # l
     """One training job inside an existing process group: build, resume, fit, summarise."""
     stop = None
     try:
+        ds, precision = ds_config.resolve_precision(ds, settings.deepspeed_config, device=world.device)
         ranks = parallel.layout(ds, world.world_size, world.rank, settings.deepspeed_config)
         ds = ds_config.resolve_batch_sizes(ds, ranks.replicas, settings.deepspeed_config)
         output_dir = output_dir_for(settings)
@@ -100,7 +101,7 @@ def run(settings: Settings, ds: dict, world: World, started: float) -> int:  # l
         folder, saved, ds = resume.plan_resume(output_dir, settings.resume, state, ds, settings.overwrite)
         engine = loop.build_engine(trained, ranks.engine_config(ds_config.fill_scheduler_length(ds, steps)))
         state.deepspeed_config = ds  # as the engine got it: scheduler length filled, universal loading named
-        say_mode(settings, world, engine, steps, output_dir, ranks)
+        say_mode(settings, world, engine, steps, output_dir, ranks, precision)
         log_throughput = throughput_for(task, flops, engine, settings)
         start = resume.load(engine, folder, saved, ranks.replicas) if folder else (0, 0)
         if nothing_to_do(engine, steps):
@@ -144,10 +145,10 @@ def loaders(train_set, eval_set, ds: dict, settings: Settings, world: World, ran
     return build_loader(train_set, micro, shuffle=True, **args), build_loader(eval_set, micro, shuffle=False, **args)
 
 
-def say_mode(settings: Settings, world: World, engine, steps: int, output_dir: Path, ranks: parallel.Layout):
-    """The start-up lines: how the run is laid out, and the precision picked."""
+def say_mode(settings: Settings, world: World, engine, steps: int, output_dir: Path, ranks: parallel.Layout,
+             note: str):
+    """The start-up lines: how the run is laid out, and the precision picked (note: why "auto" picked it)."""
     precision = compiler.precision_name(engine)
-    note = ds_config.precision_note(settings.deepspeed_config)  # why "auto" picked it, when it did
     precision = note if note.startswith(precision + " (") else precision
     tf32 = compiler.set_tf32(world.device, compiler.compute_dtype(engine), settings.tf32)
     batch = ranks.replicas * engine.train_micro_batch_size_per_gpu() * engine.gradient_accumulation_steps()
