@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 
 from app import ds_internals, wire
+from app.data.loader import usable_cores
 from app.dist import World, barrier, start_host_group
 from app.errors import UserError
 
@@ -180,7 +181,7 @@ def _device(local_rank: int, local_world_size: int) -> tuple:
     """(device, backend) of this rank: its own GPU with NCCL, or the CPU (its share of the cores) with gloo."""
     if not torch.cuda.is_available():
         if "OMP_NUM_THREADS" not in os.environ:  # ranks on one node share its cores instead of fighting
-            torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world_size))
+            torch.set_num_threads(max(1, usable_cores() // local_world_size))
         return torch.device("cpu"), "gloo"
     if os.environ.get(SHARE_GPU) == "1":
         torch.cuda.set_device(0)

@@ -16,7 +16,7 @@ from app import (autobatch, checkpoint, compiler, config, dist, ds_config, ds_in
                  outdir, parallel, preemption, resume, runlog, tasks)
 from app.checkpoint import TrainerState, checkpoint_root
 from app.config import Settings
-from app.data.loader import build_loader, feeding
+from app.data.loader import build_loader, feeding, usable_cores
 from app.dist import World
 from app.errors import UserError, report
 
@@ -135,14 +135,15 @@ def nothing_to_do(engine, steps: int) -> bool:
 
 def loaders(train_set, eval_set, ds: dict, settings: Settings, world: World, ranks: parallel.Layout) -> tuple:
     """(train loader, eval loader) over this data-parallel replica's shard (the stages of a pipeline share one)."""
-    workers, pin = feeding(train_set, world.device.type == "cuda", (os.cpu_count() or 1) // world.local_world_size,
+    workers, pin = feeding(train_set, world.device.type == "cuda", usable_cores() // world.local_world_size,
                            settings.num_workers, settings.pin_memory)
     if workers or pin:
         dist.print0(f"data: {workers} loader worker(s) per rank, {'pinned' if pin else 'pageable'} host memory")
     args = dict(rank=ranks.replica, world_size=ranks.replicas, seed=settings.seed, num_workers=workers,
                 pin_memory=pin)
     micro = ds["train_micro_batch_size_per_gpu"]
-    return build_loader(train_set, micro, shuffle=True, **args), build_loader(eval_set, micro, shuffle=False, **args)
+    return (build_loader(train_set, micro, shuffle=True, **args),
+            build_loader(eval_set, micro, shuffle=False, persistent=False, **args))
 
 
 def say_mode(settings: Settings, world: World, engine, steps: int, output_dir: Path, ranks: parallel.Layout,

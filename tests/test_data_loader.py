@@ -69,3 +69,31 @@ def test_auto_feeding_pins_and_adds_workers_only_where_a_gpu_waits_on_the_data()
     assert feeding(decoded, cuda=False, cores_per_rank=8) == (0, False), "on a CPU the step uses every core"
     assert feeding(decoded, cuda=True, cores_per_rank=8, num_workers=2, pin_memory="off") == (2, False)
     assert feeding(tensors, cuda=False, cores_per_rank=8, num_workers=0, pin_memory="on") == (0, True)
+
+
+def test_workers_are_counted_from_the_cores_the_process_may_use():
+    """Slurm and containers limit a job's CPUs through its affinity; os.cpu_count() sees the whole machine."""
+    import os
+    from app.data.loader import usable_cores
+    allowed = os.sched_getaffinity(0)
+    try:
+        os.sched_setaffinity(0, {min(allowed)})
+        assert usable_cores() == 1
+    finally:
+        os.sched_setaffinity(0, allowed)
+    assert usable_cores() == len(allowed)
+
+
+def test_evaluation_workers_live_only_while_it_evaluates():
+    """The training loader keeps its workers through the run; evaluation's start and end with each pass, so a
+    rank holds one budget of workers, not two."""
+    from types import SimpleNamespace
+    from torch.utils.data import TensorDataset
+    from app import train
+    data = TensorDataset(torch.zeros(16, 2), torch.zeros(16))
+    settings = SimpleNamespace(seed=0, num_workers=2, pin_memory="off")
+    world = SimpleNamespace(device=torch.device("cpu"), local_world_size=1)
+    train_loader, eval_loader = train.loaders(data, data, {"train_micro_batch_size_per_gpu": 4}, settings, world,
+                                              SimpleNamespace(replica=0, replicas=1))
+    assert (train_loader.num_workers, train_loader.persistent_workers) == (2, True)
+    assert (eval_loader.num_workers, eval_loader.persistent_workers) == (2, False)

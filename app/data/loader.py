@@ -1,5 +1,6 @@
 """Per-rank loaders: every rank takes its share of one global order, padded to equal steps."""
 import math
+import os
 
 import torch
 from torch.utils.data import DataLoader, Dataset, Subset, TensorDataset
@@ -75,8 +76,17 @@ def feeding(dataset, cuda: bool, cores_per_rank: int, num_workers: int = -1, pin
     return workers, (cuda if pin_memory == "auto" else pin_memory == "on")
 
 
-def build_loader(dataset, batch_size, rank, world_size, shuffle, seed, num_workers=0, pin_memory=False):
-    """A DataLoader over this rank's shard of dataset."""
+def usable_cores() -> int:
+    """The cores this process may run on: its CPU affinity, which Slurm's and containers' CPU limits set, where
+    os.cpu_count() counts every core of the machine."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+def build_loader(dataset, batch_size, rank, world_size, shuffle, seed, num_workers=0, pin_memory=False,
+                 persistent=True):
+    """A DataLoader over this rank's shard of dataset; persistent: its workers live from epoch to epoch (the
+    training loader's), else they start for each pass and end with it (evaluation's, so that a rank's worker
+    budget is not held twice through training)."""
     sampler = ShardSampler(len(dataset), batch_size, rank, world_size, shuffle, seed)
     return DataLoader(Weighted(dataset), batch_sampler=sampler, num_workers=num_workers, pin_memory=pin_memory,
-                      persistent_workers=num_workers > 0)
+                      persistent_workers=persistent and num_workers > 0)
