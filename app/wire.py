@@ -30,33 +30,31 @@ def decode(raw: bytes, where: str):
                         f"something else reached the run's ports; firewall them (README \"Trust\")") from None
 
 
-def _bound_socket(addr: str, port: int):
-    """A listening socket on addr:port when addr is an IP address of this machine, else None. A host name stays
+def _bound_socket(addr: str, port: int) -> tuple:
+    """(a listening socket on addr:port, or None; whether addr is an IP address of this machine). A host name stays
     torch's (every interface): on rank 0's node it may resolve to a loopback address the other nodes cannot use."""
     try:
         ip = ipaddress.ip_address(addr)
     except ValueError:
-        return None
+        return None, False
     sock = socket.socket(socket.AF_INET6 if ip.version == 6 else socket.AF_INET, socket.SOCK_STREAM)
     try:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind((addr, port))
         sock.listen(1024)
-        return sock
+        return sock, True
     except OSError as e:
         sock.close()
-        if e.errno == errno.EADDRINUSE:
-            raise RuntimeError(f"{addr}:{port}: {e.strerror}") from None
-        return None  # not an address of this machine
+        return None, e.errno == errno.EADDRINUSE  # in use: by this process's own store (reused), or torch says so
 
 
 def open_store(addr: str, port: int, world_size: int, serve: bool, timeout: datetime.timedelta):
     """The start-up rendezvous store at addr:port: served by this process when serve (rank 0), bound to addr
     when that is an IP address of this machine; else torch's default, every interface, which rank 0 says."""
-    sock = _bound_socket(addr, port) if serve else None
-    if sock is None:
+    sock, local = _bound_socket(addr, port) if serve else (None, True)
+    if sock is None:  # multi-tenant: a store this process already serves on the port is reused
         store = dist.TCPStore(addr, port, world_size, serve, timeout, wait_for_workers=False, multi_tenant=True)
-        if serve:
+        if not local:
             print(f"note: rank 0's rendezvous store listens on port {store.port} of every interface of this machine "
                   f"(MASTER_ADDR {addr} is not an IP address of it); firewall that port (README \"Trust\")",
                   flush=True)
