@@ -260,6 +260,18 @@ def resolve_batch_sizes(ds: dict, world_size: int, where: str) -> dict:
     return ds
 
 
+REDUCE_BUCKET = int(5e8)  # DeepSpeed's reduce_bucket_size when the JSON sets none, in elements
+
+
+def fit_buckets(ds: dict, trainable: int) -> dict:
+    """ds with ZeRO's reduce bucket no larger than the model's trainable parameters where the JSON leaves it unset:
+    DeepSpeed allocates whole buckets (5e8 elements: 2 GB in fp32, per gradient dtype) whatever the model holds."""
+    zero = ds.get("zero_optimization") or {}
+    if zero_stage(ds) == 0 or "reduce_bucket_size" in zero:
+        return ds
+    return {**ds, "zero_optimization": {**zero, "reduce_bucket_size": min(REDUCE_BUCKET, max(1, trainable))}}
+
+
 def zero_stage(ds: dict) -> int:
     """The ZeRO stage a DeepSpeed dict asks for (0 when it names none)."""
     return int((ds.get("zero_optimization") or {}).get("stage", 0))

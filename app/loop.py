@@ -4,6 +4,7 @@ import time
 from dataclasses import dataclass
 
 from app import dist, ds_internals
+from app.ds_config import fit_buckets
 from app.errors import RankAlone, SaidByAnotherRank, UserError
 from app.metrics import MEMORY_ADVICE, Meter, Stopwatch, out_of_memory
 from app.runlog import RunLog
@@ -15,6 +16,7 @@ def build_engine(model, ds_config: dict):
     # The app times its own steps. DeepSpeed's throughput timer would synchronise the GPU in every forward and,
     # read by its forward hook, recompile a compiled model at each of the first steps; off unless the JSON sets it.
     ds_config = {"timers": {"throughput": {"enabled": False}}, **ds_config}
+    ds_config = fit_buckets(ds_config, sum(p.numel() for p in model.parameters() if p.requires_grad))
     try:
         engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=ds_config)
     except (TypeError, ValueError, AssertionError, KeyError) as e:

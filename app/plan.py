@@ -16,7 +16,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from app import activations
-from app.ds_config import zero_stage
+from app.ds_config import fit_buckets, zero_stage
 
 FP32 = 4
 # What a GPU gives a run of its memory: the CUDA context and the caching allocator's fragmentation take the rest.
@@ -98,15 +98,46 @@ def model_states(sizes: list, ds: dict, ranks: int) -> tuple:
     return device, host
 
 
-def working_bytes(sizes: list, ds: dict, ranks: int, largest_block: int) -> int:
-    """The transient buffers of a step: the flat gradient all-reduce (ZeRO 0 on several ranks), ZeRO 1-2's
-    reduce bucket, ZeRO-3's gathered layers (the largest block and the next prefetched) and its parameters too
-    small to partition (kept whole on every rank)."""
+# The modules whose weights DeepSpeed's torch_autocast communicates in the autocast dtype by default
+# (runtime/torch_autocast.py: the module's class exactly, not a subclass).
+LOWER_PRECISION_SAFE = ("Linear", "Conv1d", "Conv2d", "Conv3d")
+
+
+def comm_kinds(model) -> tuple:
+    """(whether the model has weights DeepSpeed's autocast would communicate in its dtype, whether it has others)."""
+    safe = {id(p) for m in model.modules() if type(m).__name__ in LOWER_PRECISION_SAFE and
+            type(m).__module__.startswith("torch.nn") for p in m.parameters(recurse=False)}
+    params = list(model.parameters())
+    return any(id(p) in safe for p in params), any(id(p) not in safe for p in params)
+
+
+def bucket_bytes(total: int, ds: dict, kinds: tuple = (True, True)) -> int:
+    """ZeRO's reduce buckets, as DeepSpeed allocates them: reduce_bucket_size elements each (the app caps an unset
+    size at the model's parameters: ds_config.fit_buckets), one per gradient communication dtype, two of each for
+    ZeRO 1-2 with overlap_comm. Under torch_autocast, Linear and Conv weights communicate in the autocast dtype
+    unless lower_precision_safe_modules is [] (kinds: comm_kinds of the model), so there may be two dtypes:
+    ZeRO 1-2's buckets hold the weights' dtype, ZeRO-3's each its own."""
+    zero = fit_buckets(ds, total).get("zero_optimization") or {}
+    elements, stage = int(zero["reduce_bucket_size"]), zero_stage(ds)
+    width = 2 if any((ds.get(name) or {}).get("enabled") is True for name in ("bf16", "fp16")) else FP32
+    autocast = ds.get("torch_autocast") or {}
+    lower, full = kinds if autocast.get("enabled") is True and autocast.get("lower_precision_safe_modules") != [] \
+        else (False, True)
+    if stage == 3:
+        return elements * (width * full + 2 * lower)
+    overlap = zero.get("overlap_comm", False) is True
+    return elements * width * (full + lower) * (2 if overlap else 1)
+
+
+def working_bytes(sizes: list, ds: dict, ranks: int, largest_block: int, kinds: tuple = (True, True)) -> int:
+    """The transient buffers of a step: the flat gradient all-reduce (ZeRO 0 on several ranks), ZeRO's reduce
+    buckets, ZeRO-3's gathered layers (the largest block and the next prefetched) and its parameters too small
+    to partition (kept whole on every rank)."""
     stage, total = zero_stage(ds), sum(sizes)
     zero = ds.get("zero_optimization") or {}
     if stage == 0:
         return FP32 * min(total, int(5e8)) if ranks > 1 else 0
-    bucket = FP32 * min(total, int(zero.get("reduce_bucket_size", 5e8)))
+    bucket = bucket_bytes(total, ds, kinds)
     if stage < 3:
         return bucket
     persistent = sum(size for size in sizes if size < int(zero.get("stage3_param_persistence_threshold", 1e5)))
@@ -161,8 +192,10 @@ def activation_bytes(build, inputs, loss, micro: int, dtype, checkpointed: bool,
         return tracker.peak
 
 
-def plan(config: str, ds: dict, ranks: int, sizes: list, largest_block: int, measured: tuple) -> Plan:
-    """The Plan of one config: measured is (bytes of one sample, bytes of a micro batch whatever its size)."""
+def plan(config: str, ds: dict, ranks: int, sizes: list, largest_block: int, measured: tuple,
+         kinds: tuple = (True, True)) -> Plan:
+    """The Plan of one config: measured is (bytes of one sample, bytes of a micro batch whatever its size); kinds:
+    comm_kinds of the model."""
     device, host = model_states(sizes, ds, ranks)
-    device["working"] = working_bytes(sizes, ds, ranks, largest_block)
+    device["working"] = working_bytes(sizes, ds, ranks, largest_block, kinds)
     return Plan(config, sum(sizes), device, host, *measured)

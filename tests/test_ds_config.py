@@ -138,7 +138,7 @@ def test_auto_precision_follows_the_device(ds, cuda, bf16_ok, want, note):
 
 def test_auto_precision_on_this_cpu_loads_as_fp32(tmp_path):
     ds = _load(tmp_path, json.loads((REPO / "ds_configs" / "zero2.json").read_text()))
-    assert ds["torch_autocast"] == {"enabled": False, "dtype": "bfloat16"}
+    assert ds["torch_autocast"] == {"enabled": False, "dtype": "bfloat16", "lower_precision_safe_modules": []}
     for name, note in (("zero2", 'fp32 (torch_autocast "auto": no CUDA device)'), ("bf16", "")):  # bf16: outright
         unresolved = ds_config.load_ds_config(REPO / "ds_configs" / f"{name}.json", resolve=False)
         assert ds_config.resolve_precision(unresolved, name, device=torch.device("cpu"))[1] == note

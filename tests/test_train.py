@@ -122,3 +122,20 @@ def test_gradient_accumulation_counts_optimizer_steps(tmp_path):
     rows = read_metrics(out)[0]
     assert [r["step"] for r in rows] == [1, 2, 3, 4]
     assert json.loads((out / "summary.json").read_text())["samples"] == 4 * 32
+
+
+@pytest.mark.slow
+def test_under_bf16_autocast_every_zero_stage_reduces_gradients_in_fp32(tmp_path):
+    """The shipped configs' "lower_precision_safe_modules": [] keeps DeepSpeed's torch_autocast from reducing
+    Linear and Conv gradients in bf16 under ZeRO 1-3 (ZeRO 0 reduces in fp32): with bf16 autocast on, 2 ranks
+    train the same losses under every stage, as the raw loop's recipe does."""
+    autocast = {"enabled": True, "dtype": "bfloat16", "lower_precision_safe_modules": []}
+    for name in STAGES:
+        (tmp_path / name).mkdir()
+    jobs = [["--deepspeed_config", config_variant(tmp_path / name, name, torch_autocast=autocast), "--max_steps", 6,
+             "--log_interval", 1, "--output_dir", tmp_path / name / "run"] for name in STAGES]
+    outputs = train_jobs("deepspeed", 2, jobs)
+    assert all("precision: bf16 autocast" in output for output in outputs)
+    losses = {name: [r["loss"] for r in read_metrics(tmp_path / name / "run")[0]] for name in STAGES}
+    for name in STAGES[1:]:
+        assert losses[name] == pytest.approx(losses["dp"], abs=1e-6), (name, losses)

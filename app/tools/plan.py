@@ -105,7 +105,7 @@ def measure(args, named: dict) -> dict:
     from torch._subclasses.fake_tensor import FakeTensorMode
     with FakeTensorMode():
         model = build()
-        sizes = [p.numel() for p in model.parameters()]
+        sizes, kinds = [p.numel() for p in model.parameters()], plan.comm_kinds(model)
         largest = max((sum(p.numel() for p in b.parameters()) for b in activations.blocks(model)), default=0)
     cache, plans = {}, {}
     for name, ds in named.items():
@@ -115,7 +115,7 @@ def measure(args, named: dict) -> dict:
         if (dtype, checkpointed) not in cache:
             one, two = (plan.activation_bytes(build, inputs, loss, micro, dtype, checkpointed) for micro in (1, 2))
             cache[dtype, checkpointed] = (two - one, 2 * one - two)
-        plans[name] = plan.plan(name, ds, args.world_size, sizes, largest, cache[dtype, checkpointed])
+        plans[name] = plan.plan(name, ds, args.world_size, sizes, largest, cache[dtype, checkpointed], kinds)
         plans[name].largest_layer = largest
     return plans
 
