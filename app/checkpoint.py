@@ -15,6 +15,7 @@ import torch
 
 from app import disk, dist, ds_internals, faults
 from app.errors import UserError
+from app.redact import redacted
 
 MANIFEST = "manifest.json"
 STATE = "trainer_state.json"
@@ -52,7 +53,8 @@ class TrainerState:
     """Ranks each layer's matmuls were sharded across (DeepSpeed AutoTP)."""
 
     def to_json(self) -> str:
-        return json.dumps(asdict(self), indent=2)
+        """The state as written: a secret in the DeepSpeed dict (a monitor's api_key) is kept out of the file."""
+        return json.dumps(redacted(asdict(self)), indent=2)
 
     @classmethod
     def from_json(cls, text: str, where) -> "TrainerState":
@@ -174,7 +176,8 @@ def _write(engine, root: Path, folder: Path, state: TrainerState, extra, every_r
         folder.mkdir(parents=True, exist_ok=True)
         (folder / SAVING).write_text(json.dumps({"pid": os.getpid()}))  # marks the folder as the app's to clear
     dist.barrier()
-    engine.save_checkpoint(str(root), tag=folder.name, save_latest=False)
+    with ds_internals.config_saved_as(engine, redacted(engine.config)):  # its files keep a copy of the dict
+        engine.save_checkpoint(str(root), tag=folder.name, save_latest=False)
     if every_rank is not None:
         every_rank(engine, folder)
     faults.kill_at("shards", state.step)

@@ -228,3 +228,19 @@ def test_overwrite_leaves_one_timeline_and_the_users_folders(saved_run, tmp_path
     assert latest.name == "step00000002" and (latest / "manifest.json").is_file()
     assert json.loads((latest / "trainer_state.json").read_text())["settings"]["max_steps"] == 2, "this run's"
     assert mine.read_text() == "mine" and [r["step"] for r in read_metrics(out)[0]] == [2.0], "no row of the old run"
+
+
+@pytest.mark.slow
+def test_a_monitors_key_in_the_json_stays_out_of_the_checkpoint(tmp_path):
+    """DeepSpeed copies the dict it was built from into its own files, and the trainer state holds it too."""
+    ds = json.loads((REPO / "ds_configs" / "dp.json").read_text())
+    ds["comet"] = {"enabled": False, "api_key": "KEY-8f3a1c", "project": "p"}
+    (tmp_path / "with_key.json").write_text(json.dumps(ds))
+    out = tmp_path / "run"
+    train("python", 1, "--deepspeed_config", tmp_path / "with_key.json", "--max_steps", 2, "--save_interval", 2,
+          "--output_dir", out)
+    files = [p for p in out.rglob("*") if p.is_file()]
+    assert not [p for p in files if b"KEY-8f3a1c" in p.read_bytes()]
+    assert any(b"<redacted>" in p.read_bytes() for p in files if p.suffix == ".pt")  # DeepSpeed's copy, hidden
+    state = json.loads(next(out.rglob("trainer_state.json")).read_text())
+    assert state["deepspeed_config"]["comet"] == {"enabled": False, "api_key": "<redacted>", "project": "p"}

@@ -5,8 +5,8 @@ optimizers, the shape of its launcher's arguments, file names it picks, the line
 against WRITTEN_FOR; `version_note()` says in one line what to do when another version is installed.
 """
 from app.ds_internals.config import Recorder, parse_config, scalar_defaults, section_fields
-from app.ds_internals.engine import (count_every_stage_in_grad_norm, drop_other_stages, engine_hooks_eager,
-                                     forget_unfinished_forward,
+from app.ds_internals.engine import (config_saved_as, count_every_stage_in_grad_norm, drop_other_stages,
+                                     engine_hooks_eager, forget_unfinished_forward,
                                      forget_parallel_groups, gathered_state_dict, lighten_plain_step,
                                      replay_cpu_adam_steps, skip_bad_steps_on_device, uncompile)
 from app.ds_internals.host_waits import step_without_host_waits
@@ -15,7 +15,8 @@ from app.ds_internals.launcher import (drop_shm_names, launcher_world_info, op_l
 from app.ds_internals.state import deepspeed_estimate, module_states, state_bytes, storages, zero_tensors
 
 WRITTEN_FOR = "0.19.8"
-__all__ = ["Recorder", "parse_config", "scalar_defaults", "section_fields", "count_every_stage_in_grad_norm",
+__all__ = ["Recorder", "parse_config", "scalar_defaults", "section_fields", "config_saved_as",
+           "count_every_stage_in_grad_norm",
            "drop_other_stages", "engine_hooks_eager", "forget_parallel_groups", "forget_unfinished_forward", "gathered_state_dict",
            "lighten_plain_step", "replay_cpu_adam_steps", "skip_bad_steps_on_device", "step_without_host_waits",
            "uncompile", "drop_shm_names", "launcher_world_info", "op_loads_quiet", "pin_device", "quiet_deepspeed",

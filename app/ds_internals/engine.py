@@ -1,6 +1,22 @@
 """The engine and its optimizers: the step made lighter and sync-free, compile around its hooks, pipeline
 stages, groups left behind, CPU Adam's resume."""
+import contextlib
+
 import torch
+
+
+@contextlib.contextmanager
+def config_saved_as(engine, config: dict):
+    """Inside, engine.save_checkpoint writes `config` as the dict its files hold (their `ds_config`).
+
+    DeepSpeed reads `engine.config` (the dict it was built from) only to copy it into the model-state and
+    ZeRO files it saves, and to set up offload while it is built; what it runs on is `engine._config`."""
+    built = engine.config
+    engine.config = config
+    try:
+        yield
+    finally:
+        engine.config = built
 
 
 def lighten_plain_step(engine):

@@ -1,0 +1,23 @@
+"""Names that look like secrets (an api key, a token, a password), and copies of a dict with their values hidden."""
+import re
+
+REDACTED = "<redacted>"
+# Whole words of a name, so that TOKENIZERS_PARALLELISM, NCCL_IB_PKEY (a partition key) and
+# PYTHON_KEYRING_BACKEND, none a secret, are not taken for one; APITOKEN or ACCESSTOKEN are.
+_ENDINGS = ("TOKEN", "SECRET", "PASSWORD", "PASSWD", "APIKEY")
+
+
+def looks_secret(name: str) -> bool:
+    """True when a variable's or a key's name says its value is a secret: HF_TOKEN, WANDB_API_KEY, api_key."""
+    words = [word for word in re.split(r"[^A-Z0-9]+", name.upper()) if word]
+    return any(word in ("KEY", "KEYS") or word.endswith(_ENDINGS) for word in words)
+
+
+def redacted(value):
+    """value with every non-empty string under a secret-looking key replaced by REDACTED, at any depth."""
+    if isinstance(value, dict):
+        return {key: REDACTED if looks_secret(str(key)) and isinstance(item, str) and item else redacted(item)
+                for key, item in value.items()}
+    if isinstance(value, list):
+        return [redacted(item) for item in value]
+    return value
