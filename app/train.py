@@ -13,7 +13,7 @@ import numpy as np
 import torch
 
 from app import (autobatch, checkpoint, compiler, config, dist, ds_config, ds_internals, launch, loop, metrics,
-                 outdir, parallel, preemption, resume, runlog, tasks)
+                 node_shell, outdir, parallel, preemption, resume, runlog, tasks)
 from app.checkpoint import TrainerState, checkpoint_root
 from app.config import Settings
 from app.data.loader import build_loader, feeding, usable_cores
@@ -67,7 +67,9 @@ def main(argv=None) -> int:
     launch.prepare_environment()
     try:
         settings, ds = config.parse(argv)
+        node_shell.check_launch_hosts(dist.rank())
         world = launch.setup(settings.single_process, settings.dist_timeout)
+        node_shell.check_launch_line(sys.argv[1:] if argv is None else argv)
         return run(settings, ds, world, started)
     except UserError as e:
         return report(e)

@@ -76,10 +76,37 @@ def test_deepspeed_through_pdsh_and_ssh(cluster, reference, tmp_path):
     """`deepspeed --hostfile`: pdsh starts launch.py on each host over a real ssh connection."""
     before, out = shm_segments(), tmp_path / "run"
     output = launch(deepspeed_cmd(TWO_HOSTS, free_port()) + ["--output_dir", str(out)],
-                    cluster.env())
+                    cluster.env(MLFLOW_TRACKING_TOKEN="tok-5e1d"))
     check_run(out, output, reference, "deepspeed", f"2 node(s): {HOSTS[0]} (rank 0), {HOSTS[1]} (rank 1)", before)
     # pdsh prefixes each line with the host it came from: node 1 ran its own launch.py
     assert f"{HOSTS[1]}: " in output and f"{HOSTS[0]}: mode: started by deepspeed" in output
+    # the runner exports MLFLOW* on pdsh's command line, for every user's `ps` to read: rank 0 says so, once
+    warned = [line for line in output.splitlines() if "MLFLOW_TRACKING_TOKEN travels to the nodes" in line]
+    assert len(warned) == 1 and warned[0].startswith(f"{HOSTS[0]}: warning: "), output[-3000:]
+
+
+def test_shell_code_that_pdsh_handed_the_nodes_stops_the_run(cluster, tmp_path):
+    """DeepSpeed's pdsh runner passes `$(...)` in an argument to each node's shell, which runs it before the app
+    starts (tests/test_node_shell.py: the doctor refuses it first); rank 0 then ends the run in one line."""
+    out = tmp_path / "run"
+    result = run(deepspeed_cmd(TWO_HOSTS, free_port()) + ["--output_dir", f"{out}$(touch {tmp_path}/ran)"],
+                 timeout=300, **cluster.env())
+    assert result.returncode != 0
+    assert_one_error_line(result.stdout + result.stderr, "handed every node's shell '$('", anywhere=True)
+    assert (tmp_path / "ran").exists() and not out.exists()  # it ran on the nodes; nothing of the run was written
+
+
+def test_a_host_name_that_is_an_ssh_option_stops_the_run(cluster, tmp_path):
+    """A second host `-oProxyCommand=...` passes DeepSpeed's ssh check (it tries the first host only) and reaches
+    pdsh; the rank that starts ends the run naming it (the doctor refuses the hostfile before any launch)."""
+    hostfile = tmp_path / "hosts"
+    hostfile.write_text(f"{HOSTS[0]} slots=1\n-oProxyCommand=touch${{IFS}}{tmp_path}/ran slots=1\n")
+    result = run(deepspeed_cmd(hostfile, free_port()) + ["--dist_timeout", "10", "--output_dir", str(tmp_path / "run")],
+                 timeout=300, **cluster.env())
+    assert result.returncode != 0
+    assert_one_error_line(result.stdout + result.stderr, "begins with '-', which ssh reads as an option",
+                          anywhere=True)
+    assert not (tmp_path / "run").exists()
 
 
 def test_deepspeed_no_ssh_one_launcher_per_node(cluster, reference, tmp_path):

@@ -41,6 +41,7 @@ def test_good_set_up_passes(cluster, tmp_path):
         for check in ("ssh", "versions", "port reach"):
             assert rows[(check, host)] == "ok", result.stdout
     assert rows[("master port", f"{HOSTS[0]}:{port}")] == "ok"
+    assert rows[("shell", "pdsh")] == rows[("secrets", "pdsh")] == "ok"
     assert ("config", str(REPO / "ds_configs" / "dp.json")) in rows and "global batch 64" in result.stdout
     assert "all checks passed" in result.stdout
 
@@ -108,3 +109,15 @@ def test_a_host_name_that_ssh_would_read_as_an_option_fails(tmp_path, capsys):
     out = capsys.readouterr().out
     assert code == 1 and "begins with '-', which ssh reads as an option" in out
     assert rows_of(out)[("hostfile", str(hostfile))] == "FAIL" and not (tmp_path / "ran").exists()
+
+
+@pytest.mark.slow
+def test_shell_code_in_a_flag_and_a_secret_on_pdshs_command_line_fail(cluster, monkeypatch, capsys, tmp_path):
+    """Before any launch: the flags as DeepSpeed's pdsh runner would write them hold `$(...)`, and a token would
+    ride on its command line (the launch itself would run the one and show the other)."""
+    monkeypatch.setenv("MLFLOW_TRACKING_TOKEN", "tok-5e1d")
+    code, out = doctor_in_process(cluster, monkeypatch, capsys, "--hostfile", TWO_HOSTS, "--master_port",
+                                  free_port(), "--", "--dataset", f"data $(touch {tmp_path}/ran)")
+    rows = rows_of(out)
+    assert code == 1 and rows[("shell", "pdsh")] == "FAIL" and rows[("secrets", "pdsh")] == "FAIL", out
+    assert "'$('" in out and "MLFLOW_TRACKING_TOKEN travels" in out and not (tmp_path / "ran").exists()

@@ -1,8 +1,10 @@
-"""DeepSpeed's launcher and start-up: the hosts it was given, its shared-memory segments, its log lines."""
+"""DeepSpeed's launcher and start-up: the hosts it was given, what its pdsh runner sends the nodes, its
+shared-memory segments, its log lines."""
 import base64
 import contextlib
 import json
 import os
+import re
 
 import psutil
 
@@ -14,6 +16,62 @@ def launcher_world_info() -> dict:
             if arg.startswith("--world_info="):
                 return json.loads(base64.urlsafe_b64decode(arg.split("=", 1)[1]))
     return {}
+
+
+def started_by_pdsh() -> bool:
+    """True in a rank whose launch.py DeepSpeed's pdsh runner started over ssh (not --no_ssh, not one node)."""
+    with contextlib.suppress(psutil.Error):
+        launcher = psutil.Process().parent()
+        if not any(arg.startswith("--world_info=") for arg in launcher.cmdline()):
+            return False
+        runner = launcher.parent()  # a shell that ssh started, else the runner itself (one node, --no_ssh)
+        return not any(os.path.basename(arg) in ("deepspeed", "ds", "deepspeed.launcher.runner")
+                       for arg in (runner.cmdline() if runner else [])[:4])
+    return False
+
+
+def node_shell_line() -> tuple:
+    """(names exported, launch directory, everything after launch.py's name) as the pdsh runner wrote the nodes'
+    shell line (`export N=v; ...; cd <dir>; <python> -u -m deepspeed.launcher.launch <...>`), before a shell
+    expanded it; None when it is not to be seen here.
+
+    It is the `-c` of our launch.py's shell, unless that shell ran launch.py in its place (bash does); else, on
+    the machine the launch started from, the command line of pdsh (and its ssh) for this launch."""
+    with contextlib.suppress(psutil.Error):
+        launcher = psutil.Process().parent()
+        ours = [f" {arg} " for arg in launcher.cmdline() if arg.startswith(("--world_info=", "--master_port="))]
+        for process in [launcher.parent(), *psutil.process_iter()]:
+            with contextlib.suppress(psutil.Error, AttributeError):
+                line = " ".join(process.cmdline())
+                found = re.search(r"[;\s]cd (.*); \S+ -u -m deepspeed\.launcher\.launch (.*)", line, re.S)
+                if found and len(ours) == 2 and all(arg in f" {line} " for arg in ours):
+                    exported = re.findall(r"[;\s]export ([^=;\s]+)=", line[:found.start() + 1])
+                    return exported, found.group(1), found.group(2)
+    return None
+
+
+def pdsh_words(user_args: list) -> list:
+    """The arguments as DeepSpeed's pdsh runner writes them into the nodes' shell line (quoted against spaces)."""
+    from types import SimpleNamespace
+    from deepspeed.launcher.multinode_runner import PDSHRunner
+    return PDSHRunner.parse_user_args(SimpleNamespace(args=SimpleNamespace(user_args=list(user_args))))
+
+
+def pdsh_exports(env, here: str = ".") -> list:
+    """(name, where from) of each variable the pdsh runner exports on its command line: set ones named by its
+    prefixes (PYTHON, MLFLOW, UCX, MV2, NCCL on GPUs), and every line of .deepspeed_env in ~ and here."""
+    from deepspeed.accelerator import get_accelerator
+    from deepspeed.launcher import runner
+    excluded = [name for key, names in runner.EXCLUDE_ENVS.items() if key in env for name in names]
+    prefixes = runner.EXPORT_ENVS + get_accelerator().export_envs()
+    found = [(name, "environment") for name in env if name.startswith(tuple(prefixes)) and name not in excluded]
+    name = env.get("DS_ENV_FILE", ".deepspeed_env")  # read as the runner reads it when it is imported
+    for folder in (os.path.expanduser("~"), here):
+        path = os.path.join(folder, name)
+        if os.path.isfile(path):
+            with contextlib.suppress(OSError, UnicodeDecodeError), open(path) as lines:
+                found += [(line.split("=", 1)[0].strip(), path) for line in lines if "=" in line]
+    return found
 
 
 def drop_shm_names(rank: int):

@@ -1,6 +1,7 @@
 """Pre-flight checks for a (multi-node) launch, reported in one table; exit 0 only when all pass.
 
-    python -m app.tools.doctor --deepspeed_config ds_configs/zero2.json --hostfile hostfiles/two-loopback-hosts
+    python -m app.tools.doctor --deepspeed_config ds_configs/zero2.json --hostfile hostfiles/two-loopback-hosts \
+        -- <the training flags>
 """
 import argparse
 import concurrent.futures
@@ -8,6 +9,7 @@ import contextlib
 import inspect
 import json
 import logging
+import os
 import re
 import shlex
 import shutil
@@ -16,7 +18,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from app import ds_config, launch
+from app import ds_config, ds_internals, launch, node_shell
 from app.errors import UserError
 
 # What each launcher runs: binaries needed where the launch starts, and on every node.
@@ -84,10 +86,7 @@ def read_hosts(args) -> dict:
         active = runner.apply_num_nodes_and_gpus(active, args.num_nodes, args.num_gpus)
     except ValueError as e:
         raise UserError(f"{args.hostfile}: {e}") from None
-    for host in pool:
-        if host.startswith("-"):  # ssh and pdsh would read it as an option: code on this machine
-            raise UserError(f"{args.hostfile}: host name {host!r} begins with '-', which ssh reads as an option; "
-                            f"fix the hostfile")
+    node_shell.check_hosts(pool, args.hostfile)  # ssh and pdsh would read such a host as an option
     return {host: len(slots) for host, slots in active.items()}
 
 
@@ -150,6 +149,8 @@ def run_checks(args) -> list:
         row("config", args.deepspeed_config, "", check_config(args.deepspeed_config, sum(hosts.values()) or 1))
     except UserError as e:
         row("config", args.deepspeed_config, str(e))
+    if args.hostfile and args.launcher == "pdsh":
+        shell_rows(row, args)
     local, remote = LAUNCHERS[args.launcher] if args.hostfile else ((), ())
     missing = [b for b in local if not shutil.which(b)]
     row("launcher", "here", f"{', '.join(missing)} not found: install them (see README, Multi-node)" if missing else "",
@@ -170,6 +171,18 @@ def run_checks(args) -> list:
     row("disk", where, f"only {free / 2**30:.1f} GiB free" if free < MIN_FREE_BYTES else "",
         f"{free / 2**30:.1f} GiB free")
     return rows
+
+
+def shell_rows(row, args):
+    """What DeepSpeed's pdsh runner would hand each node's shell: the training flags and this folder as plain
+    words, and no secret among the variables it exports on its command line."""
+    try:
+        node_shell.check_arguments([args.output_dir, *args.train_args], str(Path.cwd()))
+        row("shell", "pdsh", "", "flags and launch folder pass as plain words")
+    except UserError as e:
+        row("shell", "pdsh", str(e))
+    warning = node_shell.secrets_warning(name for name, _ in ds_internals.pdsh_exports(dict(os.environ)))
+    row("secrets", "pdsh", warning.removeprefix("warning: "), "no secret-looking variable on it")
 
 
 def _compare(row, host, mine, theirs, busy, master_addr, master_port):
@@ -208,12 +221,15 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--ssh_port", type=int, default=None, help="as deepspeed's --ssh_port")
     parser.add_argument("--launcher", choices=sorted(LAUNCHERS), default="pdsh", help="as deepspeed's --launcher")
     parser.add_argument("--output_dir", default="runs", help="where the run will write (default: %(default)s)")
+    parser.add_argument("train_args", nargs=argparse.REMAINDER,
+                        help="-- then the training flags: checked for what the nodes' shells would run")
     return parser
 
 
 def main(argv=None) -> int:
     """Run every check, print the table; 0 when all pass, 1 otherwise."""
     args = build_parser().parse_args(argv)
+    args.train_args = args.train_args[1:] if args.train_args[:1] == ["--"] else args.train_args
     launch.prepare_environment()
     rows = run_checks(args)
     print(format_table(rows), flush=True)
