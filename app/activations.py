@@ -9,8 +9,9 @@ leave alone, breaks the graph around itself), and it is the flavour PyTorch reco
 frozen parameters, which the app never has.
 
 DeepSpeed's own "activation_checkpointing" section in the JSON turns it on (it owns the memory a rank needs,
-beside ZeRO and offload); its options belong to DeepSpeed's reentrant implementation and must stay at their
-defaults.
+beside ZeRO and offload). Its options belong to DeepSpeed's reentrant implementation for Megatron's models
+(partitioning checkpoints across model-parallel ranks, keeping them contiguous or on the CPU): a file that sets
+them still trains, with every block checkpointed, and rank 0 says in one line which options do not apply.
 """
 import contextlib
 import functools
@@ -35,11 +36,6 @@ def check(ds: dict, where: str):
         return
     if not isinstance(section, dict):
         raise UserError(f"{where}: {SECTION} must be an object, e.g. {{}} to checkpoint every model's blocks")
-    for key, value in section.items():
-        if key in DEFAULTS and value != DEFAULTS[key]:
-            raise UserError(f"{where}: {SECTION}.{key} is an option of DeepSpeed's own checkpointing function; "
-                            f"the app checkpoints each block with torch's (non-reentrant), which keeps "
-                            f"checkpoints on the device: leave {key} at {DEFAULTS[key]!r}")
     if ds.get("pipeline"):
         raise UserError(f"{where}: a pipeline checkpoints its layers itself: set pipeline."
                         f"activation_checkpoint_interval and drop the {SECTION} section")
@@ -52,6 +48,10 @@ def apply(model: nn.Module, ds: dict) -> nn.Module:
         from app import dist
         dist.print0(f"activation checkpointing: {len(found)} {type(found[0]).__name__ if found else 'block'}(s) "
                     f"keep only their inputs and recompute their activations in the backward pass")
+        unused = [key for key, value in ds[SECTION].items() if key in DEFAULTS and value != DEFAULTS[key]]
+        if unused:
+            dist.print0(f"activation checkpointing: {', '.join(unused)} belong to DeepSpeed's checkpointing for "
+                        f"Megatron's models; torch's checkpoint of each block, kept on the device, is used instead")
     return model
 
 

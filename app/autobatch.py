@@ -27,6 +27,7 @@ from app import dist, ds_internals, loop
 from app.checkpoint import STATE, checkpoint_root, complete_checkpoints
 from app.compiler import describe, to_device
 from app.data.loader import build_loader
+from app.ds_auto import fill_lengths
 from app.ds_config import MICRO, fill_scheduler_length, resolve_batch_sizes
 from app.errors import UserError
 from app.metrics import Meter, out_of_memory, reset_peak_memory
@@ -109,7 +110,9 @@ def _trial(ds: dict, micro: int, layout, task, build, train_set, where: str, ran
     ran: the largest micro batch that ran so far (0: none), for the line of a rank that must end the run."""
     trial = resolve_batch_sizes({**ds, MICRO: micro, "gradient_accumulation_steps": 1,
                                  "train_batch_size": micro * layout.replicas}, layout.replicas, "a trial")
-    # one step is taken; a length past the warm-up keeps DeepSpeed from warning that it is shorter
+    # one step is taken; a length past the warm-up keeps DeepSpeed from warning that it is shorter ("auto" lengths
+    # wait for the run's step count, which the micro batch decides: one step stands in)
+    trial = fill_lengths(trial, 1, {})
     trial = fill_scheduler_length(trial, max(1, (trial.get("scheduler") or {}).get("params", {}).get(
         "warmup_num_steps", 1)))
     try:

@@ -5,7 +5,8 @@ import difflib
 import json
 from pathlib import Path
 
-from app import activations, ds_internals
+from app import activations, ds_auto, ds_internals
+from app.precision import resolve_precision
 from app.errors import UserError
 
 REPO = Path(__file__).resolve().parent.parent
@@ -35,68 +36,36 @@ def load_ds_config(path, cuda=None, bf16_ok=None, resolve: bool = True) -> dict:
         raise UserError(f"{path}: {e}") from None
     if not isinstance(ds, dict):
         raise UserError(f"{path} must hold a JSON object at the top level")
+    ds = without_comments(ds)
     resolved, _ = resolve_precision(ds, str(path), cuda, bf16_ok) if resolve else \
         resolve_precision(ds, str(path), cuda=False)  # checked as on a CPU: the same keys
-    check_value_types(resolved, str(path))
-    activations.check(resolved, str(path))
-    check_ds_keys(resolved, str(path))
-    return resolved if resolve else ds
+    ds_auto.check(resolved, str(path))
+    checked = ds_auto.stand_in(resolved)
+    check_value_types(checked, str(path))
+    activations.check(checked, str(path))
+    ignored = check_ds_keys(checked, str(path))
+    return drop_keys(resolved if resolve else ds, ignored)
 
 
-# Sections that switch a lower precision on, in the order "auto" prefers them. torch_autocast keeps fp32 weights
-# and runs the forward in bf16 under torch.autocast (the recipe of plain PyTorch at its best); DeepSpeed's bf16
-# and fp16 sections keep 16-bit weights behind an optimizer wrapper (README "Precision").
-PRECISIONS = ("torch_autocast", "bf16", "fp16")
-DTYPE_NAMES = {"bfloat16": "bf16", "bf16": "bf16", "float16": "fp16", "fp16": "fp16", "half": "fp16"}
+def without_comments(ds, top: bool = True):
+    """ds without the keys that begin with '_' (`_comment`, `_doc`), at any depth: notes for people, which
+    DeepSpeed never reads; and without top-level keys set to null, which DeepSpeed's defaults then fill (it
+    would read a null section or number as a value and fail on it)."""
+    if not isinstance(ds, dict):
+        return ds
+    return {key: without_comments(value, False) for key, value in ds.items()
+            if not str(key).startswith("_") and not (top and value is None)}
 
 
-def _label(ds: dict, name: str) -> str:
-    """What a precision section computes in: 'bf16 autocast', 'bf16' or 'fp16'."""
-    if name != "torch_autocast":
-        return name
-    return f"{DTYPE_NAMES.get(str(ds[name].get('dtype', 'bfloat16')).replace('torch.', ''), 'bf16')} autocast"
-
-
-def bf16_runs(capability: tuple) -> bool:
-    """Whether a CUDA device of this compute capability runs bf16 natively: Ampere (8.0) and later. Older GPUs
-    (V100 7.0, T4 7.5) emulate it, slower than fp16, which torch.cuda.is_bf16_supported() counts as support."""
-    return tuple(capability) >= (8, 0)
-
-
-def resolve_precision(ds: dict, where: str, cuda=None, bf16_ok=None, device=None) -> tuple:
-    """(ds with "enabled": "auto" made true or false, a note on what was picked and why).
-
-    auto picks the first section in PRECISIONS order that the device can run: bf16 (autocast or weights) on a
-    CUDA device that runs it natively, fp16 on one that does not, and fp32 on CPU, where bf16 matmuls are slower
-    than fp32 and fp16 has no kernels. A section set to true wins over every "auto". The device is `device`
-    (the rank's own, once set), else the current CUDA device; its compute capability is read without
-    allocating on it.
-    """
-    import torch
-    if device is not None:
-        cuda = device.type == "cuda"
-        bf16_ok = cuda and bf16_runs(torch.cuda.get_device_capability(device)) if bf16_ok is None else bf16_ok
-    sections = [name for name in PRECISIONS if isinstance(ds.get(name), dict)]
-    for name in sections:
-        enabled = ds[name].get("enabled", False)
-        if not isinstance(enabled, bool) and enabled != "auto":
-            raise UserError(f"{where}: {name}.enabled must be true, false or \"auto\", got {enabled!r}")
-    autos = [name for name in sections if ds[name].get("enabled") == "auto"]
-    if not autos:
-        return ds, ""
-    cuda = torch.cuda.is_available() if cuda is None else cuda
-    bf16_ok = cuda and (bf16_runs(torch.cuda.get_device_capability()) if bf16_ok is None else bf16_ok)
-    runs = {"bf16": bf16_ok, "fp16": cuda}
-    fixed = [name for name in sections if ds[name].get("enabled") is True]
-    pick = fixed[0] if fixed else next((name for name in autos if runs[_label(ds, name).split()[0]]), "")
+def drop_keys(ds: dict, paths: list) -> dict:
+    """ds without the (section, key) paths the check found DeepSpeed ignores."""
     ds = copy.deepcopy(ds)
-    for name in autos:
-        ds[name]["enabled"] = name == pick
-        if name == pick == "torch_autocast":
-            ds[name].setdefault("dtype", "bfloat16")
-    why = "no CUDA device" if not cuda else "the CUDA device supports bf16" if bf16_ok else \
-        "the CUDA device has no native bf16"
-    return ds, f"{_label(ds, pick) if pick else 'fp32'} ({'/'.join(autos)} \"auto\": {why})"
+    for path in paths:
+        holder = ds
+        for part in path[:-1]:
+            holder = holder.get(part, {})
+        holder.pop(path[-1], None)
+    return ds
 
 
 def _no_duplicate_keys(pairs):
@@ -108,8 +77,9 @@ def _no_duplicate_keys(pairs):
     return seen
 
 
-def check_ds_keys(ds: dict, where: str):
-    """Fail on keys DeepSpeed does not know, at the top level and inside sections."""
+def check_ds_keys(ds: dict, where: str) -> list:
+    """Fail on a key DeepSpeed does not know that looks like one it does (a typo); the paths of the others, which
+    DeepSpeed ignores, at the top level and inside sections."""
     from pydantic import ValidationError
     auto = _check_auto_micro(ds, where)
     for key in BATCH_KEYS:
@@ -117,8 +87,6 @@ def check_ds_keys(ds: dict, where: str):
         if value is not None and not (auto and key == MICRO) and \
                 (not isinstance(value, int) or isinstance(value, bool) or value < 1):
             raise UserError(f"{where}: {key} must be a positive integer, got {value!r}")
-    if MICRO not in ds and "train_batch_size" not in ds:
-        raise UserError(f"{where}: set train_micro_batch_size_per_gpu (and gradient_accumulation_steps)")
     # DeepSpeed's parser needs numbers: a micro batch "auto" is checked as one global batch of micro batches of 1
     recorder = ds_internals.Recorder({**copy.deepcopy(ds), **({MICRO: 1, "gradient_accumulation_steps":
                                                                ds["train_batch_size"]} if auto else {})})
@@ -135,20 +103,32 @@ def check_ds_keys(ds: dict, where: str):
     except Exception as e:  # DeepSpeed's own config errors are plain exceptions with a sentence
         raise UserError(f"{where}: DeepSpeed rejected the config: {str(e).splitlines()[0]}") from None
     known_top = recorder.read | set(BATCH_KEYS)
-    for key in ds:
-        if key not in known_top:
-            raise UserError(f"{where}: unknown DeepSpeed key {key!r}{suggest(key, known_top)}")
+    ignored = [(key,) for key in ds if key not in known_top and _unknown(where, key, known_top)]
     for key, sub in user_keys.items():
         section = dict.__getitem__(recorder, key)
         # Sections read key by key have a record; sections handed whole to pydantic were checked there.
         if sub and isinstance(section, ds_internals.Recorder) and section.read and not _pydantic_checked(ds, key):
-            for sub_key in sub:
-                if sub_key not in section.read:
-                    raise UserError(f"{where}: unknown key {key}.{sub_key}{suggest(sub_key, section.read)}")
+            ignored += [(key, sub_key) for sub_key in sub
+                        if sub_key not in section.read and _unknown(where, f"{key}.{sub_key}", section.read)]
+    return ignored
+
+
+def _unknown(where: str, key: str, known) -> bool:
+    """A key DeepSpeed does not read: one line when it looks like a misspelling of one it does, else a warning
+    (rank 0) that it is ignored, as DeepSpeed ignores it; True then."""
+    name = key.rsplit(".", 1)[-1]
+    close = suggest(name, known)
+    if close:
+        raise UserError(f"{where}: unknown DeepSpeed key {key!r}{close}")
+    from app import dist
+    dist.print0(f"warning: {where}: DeepSpeed does not read {key!r}; ignored")
+    return True
 
 
 # Top-level keys DeepSpeed gives no typed default for, but reads as numbers.
 NUMBERS = {"steps_per_print": int}
+# Optimizer and scheduler parameters that are words, not numbers (DeepSpeed's schedulers).
+TEXT_PARAMS = {"warmup_type", "cycle_momentum", "decay_mode"}
 
 
 def _number(value) -> bool:
@@ -169,9 +149,11 @@ def check_value_types(ds: dict, where: str):
     defaults = ds_internals.scalar_defaults()
     for key, value in ds.items():
         expected = NUMBERS.get(key) or type(defaults.get(key))
+        if expected is int and isinstance(value, float) and value.is_integer():
+            ds[key] = value = int(value)  # 1e5 in JSON is a float; DeepSpeed wants the whole number it means
         wrong = (expected is bool and not isinstance(value, bool)) or \
             (expected in (int, float) and not _number(value)) or (expected is int and isinstance(value, float))
-        if key in BATCH_KEYS or not wrong:
+        if key in BATCH_KEYS or value is None or not wrong:
             continue
         kind = {bool: "true or false", int: "a whole number", float: "a number"}.get(expected, expected.__name__)
         raise UserError(f"{where}: {key} must be {kind}, got {value!r}" +
@@ -179,18 +161,16 @@ def check_value_types(ds: dict, where: str):
     for section in ("optimizer", "scheduler"):
         params = (ds.get(section) or {}).get("params") or {}
         for key, value in params.items() if isinstance(params, dict) else ():
-            if _numeric_text(value) or (isinstance(value, list) and any(_numeric_text(v) for v in value)):
-                raise UserError(f"{where}: {section}.params.{key} must be a number, got {value!r} (a string: "
-                                f"drop the quotes)")
+            texts = [v for v in (value if isinstance(value, list) else [value]) if isinstance(v, str)]
+            if texts and key not in TEXT_PARAMS:
+                hint = " (a string: drop the quotes)" if all(_numeric_text(v) for v in texts) else ""
+                raise UserError(f"{where}: {section}.params.{key} must be a number, got {value!r}{hint}")
 
 
 def _check_auto_micro(ds: dict, where: str) -> bool:
     """Whether the micro batch is "auto" (found at start, app/autobatch.py); one line for what cannot go with it."""
-    if ds.get(MICRO) != "auto":
+    if ds.get(MICRO) != "auto":  # beside a global batch: ds_auto gives one where the file has none
         return False
-    if not isinstance(ds.get("train_batch_size"), int) or isinstance(ds.get("train_batch_size"), bool):
-        raise UserError(f"{where}: train_micro_batch_size_per_gpu \"auto\" finds the largest micro batch that fits "
-                        f"and keeps the global batch: set train_batch_size to that global batch")
     if "gradient_accumulation_steps" in ds:
         raise UserError(f"{where}: with train_micro_batch_size_per_gpu \"auto\", gradient_accumulation_steps follows "
                         f"from the micro batch found (train_batch_size / micro batch / data-parallel ranks): drop it")

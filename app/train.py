@@ -12,8 +12,8 @@ if __package__ in (None, ""):  # run as `python app/train.py` or by a launcher: 
 import numpy as np
 import torch
 
-from app import (autobatch, checkpoint, compiler, config, dist, ds_config, ds_internals, launch, loop, metrics,
-                 node_shell, outdir, parallel, preemption, resume, runlog, tasks)
+from app import (autobatch, checkpoint, compiler, config, dist, ds_auto, ds_config, ds_internals, launch, loop,
+                 metrics, models, node_shell, outdir, parallel, precision, preemption, resume, runlog, tasks)
 from app.checkpoint import TrainerState, checkpoint_root
 from app.config import Settings
 from app.data.loader import build_loader, feeding, usable_cores
@@ -81,12 +81,13 @@ def run(settings: Settings, ds: dict, world: World, started: float) -> int:  # l
     """One training job inside an existing process group: build, resume, fit, summarise."""
     stop = None
     try:
-        ds, precision = ds_config.resolve_precision(ds, settings.deepspeed_config, device=world.device)
+        ds, precision_note = precision.resolve_precision(ds, settings.deepspeed_config, device=world.device)
         ranks = parallel.layout(ds, world.world_size, world.rank, settings.deepspeed_config)
+        task = tasks.build(settings)
+        ds, filled = ds_auto.fill(ds, auto_facts(task), ranks.replicas)
         ds = ds_config.resolve_batch_sizes(ds, ranks.replicas, settings.deepspeed_config)
         output_dir = output_dir_for(settings)
         seed_everything(settings.seed)
-        task = tasks.build(settings)
         train_set, eval_set, info = task.build_data(output_dir)
         ds = autobatch.settle(ds, settings.deepspeed_config, ranks, task, lambda trial: ranks.prepare(
             task.build_model(info, trial), task, settings.model)[0], train_set, output_dir, settings.resume)
@@ -97,13 +98,16 @@ def run(settings: Settings, ds: dict, world: World, started: float) -> int:  # l
         train_loader, eval_loader = loaders(train_set, eval_set, ds, settings, world, ranks)
         steps = loop.total_steps(settings.max_steps, settings.epochs, len(train_loader),
                                  ds["gradient_accumulation_steps"])
+        ds = ds_auto.fill_lengths(ds, steps, filled)
         state = TrainerState(0, 0, 0, settings.model, settings.dataset, world.world_size, ds_config.zero_stage(ds),
                              config.settings_dict(settings), asdict(info), ds,
                              ranks.split.stages if ranks.split else 0, ranks.replicas, ranks.tensor)
         folder, saved, ds = resume.plan_resume(output_dir, settings.resume, state, ds, settings.overwrite)
         engine = loop.build_engine(trained, ranks.engine_config(ds_config.fill_scheduler_length(ds, steps)))
         state.deepspeed_config = ds  # as the engine got it: scheduler length filled, universal loading named
-        say_mode(settings, world, engine, steps, output_dir, ranks, precision)
+        say_mode(settings, world, engine, steps, output_dir, ranks, precision_note)
+        if filled:
+            dist.print0(ds_auto.say(ds, filled, output_dir, dist.is_main()))
         log_throughput = throughput_for(task, flops, engine, settings)
         start = resume.load(engine, folder, saved, ranks.replicas) if folder else (0, 0)
         if nothing_to_do(engine, steps):
@@ -124,6 +128,19 @@ def run(settings: Settings, ds: dict, world: World, started: float) -> int:  # l
             stop.close()
         outdir.unlock()
         ds_internals.forget_parallel_groups()  # another job may follow in this process (the tests pool them)
+
+
+def auto_facts(task) -> ds_auto.Facts:
+    """What "auto" values depend on besides the JSON: whether the model loads trained weights, its hidden size."""
+    spec = getattr(task, "spec", None)
+    if spec is None:
+        return ds_auto.Facts()
+    config = spec.config
+    hidden = getattr(config, "hidden_size", None) or getattr(config, "n_embd", None) or getattr(config, "d_model", 0)
+    folder = Path(spec.pretrained) if spec.pretrained else None
+    weights = bool(spec.pretrained) and not (folder.is_dir() and not any(
+        any(folder.glob(pattern)) for pattern in models.WEIGHT_FILES))
+    return ds_auto.Facts(pretrained=weights, hidden=int(hidden or 0))
 
 
 def nothing_to_do(engine, steps: int) -> bool:
@@ -151,8 +168,8 @@ def loaders(train_set, eval_set, ds: dict, settings: Settings, world: World, ran
 def say_mode(settings: Settings, world: World, engine, steps: int, output_dir: Path, ranks: parallel.Layout,
              note: str):
     """The start-up lines: how the run is laid out, and the precision picked (note: why "auto" picked it)."""
-    precision = compiler.precision_name(engine)
-    precision = note if note.startswith(precision + " (") else precision
+    shown = compiler.precision_name(engine)
+    shown = note if note.startswith(shown + " (") else shown
     tf32 = compiler.set_tf32(world.device, compiler.compute_dtype(engine), settings.tf32)
     batch = ranks.replicas * engine.train_micro_batch_size_per_gpu() * engine.gradient_accumulation_steps()
     dist.print0(f"mode: {world.description}; ZeRO stage {engine.zero_optimization_stage()}, "
@@ -160,7 +177,7 @@ def say_mode(settings: Settings, world: World, engine, steps: int, output_dir: P
     layout = ranks.describe(engine)
     if layout:
         dist.print0(layout)
-    dist.print0(f"precision: {precision}{'; ' + tf32 if tf32 else ''}")
+    dist.print0(f"precision: {shown}{'; ' + tf32 if tf32 else ''}")
     warning = ds_internals.version_note()
     if warning:
         dist.print0(warning)

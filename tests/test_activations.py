@@ -47,16 +47,23 @@ def test_recomputing_gives_the_same_gradients_names_and_batch_norm_statistics(na
         "the recomputation does not update running statistics a second time"
 
 
-@pytest.mark.parametrize("section, message", [
-    ({"cpu_checkpointing": True}, "activation_checkpointing.cpu_checkpointing is an option of DeepSpeed's own"),
-    ({"partition_activations": True}, "leave partition_activations at False"),
-    ([], "activation_checkpointing must be an object"),
-])
-def test_options_the_app_cannot_honour_are_one_line(section, message, tmp_path):
-    with pytest.raises(UserError, match=message):
-        ds_config.load_ds_config(config_variant(tmp_path, "dp", activation_checkpointing=section))
+def test_a_section_the_app_cannot_honour_is_one_line(tmp_path):
+    with pytest.raises(UserError, match="activation_checkpointing must be an object"):
+        ds_config.load_ds_config(config_variant(tmp_path, "dp", activation_checkpointing=[]))
     with pytest.raises(UserError, match="a pipeline checkpoints its layers itself"):
         ds_config.load_ds_config(config_variant(tmp_path, "pipeline", activation_checkpointing={}))
+
+
+def test_megatron_options_load_and_are_named_as_not_applying(tmp_path, capsys):
+    """Megatron-DeepSpeed's files partition checkpoints and keep them contiguous or on the CPU: they train here,
+    every block checkpointed by torch, and rank 0 says which options do not apply."""
+    section = {"partition_activations": True, "contiguous_memory_optimization": True, "cpu_checkpointing": True,
+               "number_checkpoints": 4, "synchronize_checkpoint_boundary": False, "profile": False}
+    ds = ds_config.load_ds_config(config_variant(tmp_path, "dp", activation_checkpointing=section))
+    activations.apply(models.build_model("cnn", DataInfo(10, 1, 8)), ds)
+    said = capsys.readouterr().out
+    assert "partition_activations, contiguous_memory_optimization, cpu_checkpointing, number_checkpoints " \
+           "belong to DeepSpeed's checkpointing for Megatron's models" in said
 
 
 STAGES = ("dp", "zero1", "zero2", "zero3")

@@ -30,8 +30,7 @@ def test_the_search_takes_the_largest_that_runs_trying_the_whole_share_first(fit
     assert all(size > fits for size in failed)
 
 
-@pytest.mark.parametrize("changes, message", [
-    ({"train_micro_batch_size_per_gpu": "auto"}, "set train_batch_size to that global batch"),
+@pytest.mark.parametrize("changes, message", [  # with no global batch at all: tests/test_ds_auto.py
     ({"train_micro_batch_size_per_gpu": "auto", "train_batch_size": 64, "gradient_accumulation_steps": 2},
      "gradient_accumulation_steps follows from the micro batch found"),
     ({"train_micro_batch_size_per_gpu": "often", "train_batch_size": 64},

@@ -4,7 +4,7 @@ import json
 import pytest
 import torch
 
-from app import ds_config
+from app import ds_config, precision
 from app.errors import UserError
 from conftest import REPO
 
@@ -131,7 +131,7 @@ AUTO = {"train_micro_batch_size_per_gpu": 4, "bf16": {"enabled": "auto"}}
      'bf16 (fp16 "auto": the CUDA device supports bf16)'),
 ])
 def test_auto_precision_follows_the_device(ds, cuda, bf16_ok, want, note):
-    resolved, said = ds_config.resolve_precision(ds, "c.json", cuda=cuda, bf16_ok=bf16_ok)
+    resolved, said = precision.resolve_precision(ds, "c.json", cuda=cuda, bf16_ok=bf16_ok)
     assert {name: resolved[name]["enabled"] for name in want} == want and said == note
     assert ds["bf16"]["enabled"] in ("auto", True), "the caller's dict is left as it was"
 
@@ -141,7 +141,7 @@ def test_auto_precision_on_this_cpu_loads_as_fp32(tmp_path):
     assert ds["torch_autocast"] == {"enabled": False, "dtype": "bfloat16", "lower_precision_safe_modules": []}
     for name, note in (("zero2", 'fp32 (torch_autocast "auto": no CUDA device)'), ("bf16", "")):  # bf16: outright
         unresolved = ds_config.load_ds_config(REPO / "ds_configs" / f"{name}.json", resolve=False)
-        assert ds_config.resolve_precision(unresolved, name, device=torch.device("cpu"))[1] == note
+        assert precision.resolve_precision(unresolved, name, device=torch.device("cpu"))[1] == note
 
 
 @pytest.mark.parametrize("capability, picked", [((7, 0), "fp16"), ((7, 5), "fp16"), ((8, 0), "bf16 autocast"),
@@ -149,8 +149,8 @@ def test_auto_precision_on_this_cpu_loads_as_fp32(tmp_path):
 def test_auto_precision_asks_the_compute_capability_not_emulated_bf16(capability, picked):
     """V100 (7.0) and T4 (7.5) emulate bf16, which torch.cuda.is_bf16_supported() counts; they take fp16."""
     ds = {**AUTOCAST, "fp16": {"enabled": "auto"}}
-    resolved, said = ds_config.resolve_precision(ds, "c.json", cuda=True,
-                                                 bf16_ok=ds_config.bf16_runs(capability))
+    resolved, said = precision.resolve_precision(ds, "c.json", cuda=True,
+                                                 bf16_ok=precision.bf16_runs(capability))
     assert said.startswith(picked + " (")
 
 
@@ -175,7 +175,7 @@ AUTOCAST = {"train_micro_batch_size_per_gpu": 4, "torch_autocast": {"enabled": "
 ])
 def test_auto_autocast_follows_the_device(ds, cuda, bf16_ok, want, note):
     """The shipped configs' precision: DeepSpeed's torch_autocast section, on where the GPU runs its dtype."""
-    resolved, said = ds_config.resolve_precision(ds, "c.json", cuda=cuda, bf16_ok=bf16_ok)
+    resolved, said = precision.resolve_precision(ds, "c.json", cuda=cuda, bf16_ok=bf16_ok)
     assert resolved["torch_autocast"]["enabled"] is want and said == note
     assert ds["torch_autocast"]["enabled"] == "auto", "the caller's dict is left as it was"
 

@@ -18,7 +18,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from app import ds_config, ds_internals, launch, node_shell
+from app import ds_auto, ds_config, ds_internals, launch, node_shell
 from app.errors import UserError
 
 # What each launcher runs: binaries needed where the launch starts, and on every node.
@@ -98,7 +98,11 @@ def package_names() -> list:
 
 def check_config(path, slots) -> tuple:
     """The DeepSpeed JSON, and its batch sizes against the total slots."""
-    ds = ds_config.resolve_batch_sizes(ds_config.load_ds_config(path), slots, path)
+    ds = ds_auto.fill(ds_config.load_ds_config(path), ds_auto.Facts(), slots)[0]  # "auto" as a run fills it
+    ds = ds_config.resolve_batch_sizes(ds, slots, path)
+    if ds["train_micro_batch_size_per_gpu"] == ds_auto.AUTO:
+        return (f"micro batch: the largest that runs, found at start, x accumulation x {slots} rank(s) = global "
+                f"batch {ds['train_batch_size']}")
     return (f"micro batch {ds['train_micro_batch_size_per_gpu']} x accumulation {ds['gradient_accumulation_steps']}"
             f" x {slots} rank(s) = global batch {ds['train_batch_size']}")
 

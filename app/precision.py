@@ -1,0 +1,77 @@
+"""Precision "auto": which of the JSON's lower-precision sections the rank's device runs, decided once its
+device is set."""
+import copy
+
+from app.errors import UserError
+
+# Sections that switch a lower precision on, in the order "auto" prefers them. torch_autocast keeps fp32 weights
+# and runs the forward in bf16 under torch.autocast (the recipe of plain PyTorch at its best); DeepSpeed's bf16
+# and fp16 sections keep 16-bit weights behind an optimizer wrapper (README "Precision").
+PRECISIONS = ("torch_autocast", "bf16", "fp16")
+DTYPE_NAMES = {"bfloat16": "bf16", "bf16": "bf16", "float16": "fp16", "fp16": "fp16", "half": "fp16"}
+
+
+def _label(ds: dict, name: str) -> str:
+    """What a precision section computes in: 'bf16 autocast', 'bf16' or 'fp16'."""
+    if name != "torch_autocast":
+        return name
+    return f"{DTYPE_NAMES.get(str(ds[name].get('dtype', 'bfloat16')).replace('torch.', ''), 'bf16')} autocast"
+
+
+def bf16_runs(capability: tuple) -> bool:
+    """Whether a CUDA device of this compute capability runs bf16 natively: Ampere (8.0) and later. Older GPUs
+    (V100 7.0, T4 7.5) emulate it, slower than fp16, which torch.cuda.is_bf16_supported() counts as support."""
+    return tuple(capability) >= (8, 0)
+
+
+def resolve_precision(ds: dict, where: str, cuda=None, bf16_ok=None, device=None) -> tuple:
+    """(ds with "enabled": "auto" made true or false, a note on what was picked and why).
+
+    auto picks the first section in PRECISIONS order that the device can run: bf16 (autocast or weights) on a
+    CUDA device that runs it natively, fp16 on one that does not, and fp32 on CPU, where bf16 matmuls are slower
+    than fp32 and fp16 has no kernels. A section set to true wins over every "auto". The device is `device`
+    (the rank's own, once set), else the current CUDA device; its compute capability is read without
+    allocating on it.
+    """
+    import torch
+    ds, cpu_note = _sixteen_bit_on_a_cpu(ds, where, device, cuda)
+    if device is not None:
+        cuda = device.type == "cuda"
+        bf16_ok = cuda and bf16_runs(torch.cuda.get_device_capability(device)) if bf16_ok is None else bf16_ok
+    sections = [name for name in PRECISIONS if isinstance(ds.get(name), dict)]
+    for name in sections:
+        enabled = ds[name].get("enabled", False)
+        if not isinstance(enabled, bool) and enabled != "auto":
+            raise UserError(f"{where}: {name}.enabled must be true, false or \"auto\", got {enabled!r}")
+    autos = [name for name in sections if ds[name].get("enabled") == "auto"]
+    if not autos:
+        return ds, cpu_note
+    cuda = torch.cuda.is_available() if cuda is None else cuda
+    bf16_ok = cuda and (bf16_runs(torch.cuda.get_device_capability()) if bf16_ok is None else bf16_ok)
+    runs = {"bf16": bf16_ok, "fp16": cuda}
+    fixed = [name for name in sections if ds[name].get("enabled") is True]
+    pick = fixed[0] if fixed else next((name for name in autos if runs[_label(ds, name).split()[0]]), "")
+    ds = copy.deepcopy(ds)
+    for name in autos:
+        ds[name]["enabled"] = name == pick
+        if name == pick == "torch_autocast":
+            ds[name].setdefault("dtype", "bfloat16")
+    why = "no CUDA device" if not cuda else "the CUDA device supports bf16" if bf16_ok else \
+        "the CUDA device has no native bf16"
+    return ds, f"{_label(ds, pick) if pick else 'fp32'} ({'/'.join(autos)} \"auto\": {why})"
+
+
+def _sixteen_bit_on_a_cpu(ds: dict, where: str, device, cuda) -> tuple:
+    """(ds, note): an "fp16" section set true where there is no CUDA device trains in fp32 here, so that a
+    cluster's config can be tried on a laptop as it is; a GPU runs the file as written. (DeepSpeed has no fp16
+    on a CPU: it would stop with "Type fp16 is not supported on your device".)"""
+    on_cuda = device.type == "cuda" if device is not None else cuda
+    if on_cuda is None:
+        import torch
+        on_cuda = torch.cuda.is_available()
+    section = ds.get("fp16")
+    if on_cuda or not isinstance(section, dict) or section.get("enabled") is not True:
+        return ds, ""
+    ds = {**ds, "fp16": {**section, "enabled": False}}
+    return ds, (f"fp32 ({where} sets fp16.enabled true, which needs a CUDA device: this CPU run trains in fp32, "
+                f"a GPU runs the file as written)")
