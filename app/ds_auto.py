@@ -86,7 +86,7 @@ def stand_in(ds: dict) -> dict:
     """ds with each "auto" the checks cannot read as a value of its kind: numbers where numbers go, batch keys
     left for the batch check, precision switches left for the device."""
     ds = copy.deepcopy(ds)
-    for path in auto_paths(ds):
+    for path in sorted(auto_paths(ds), key=lambda p: _dotted(p) == "scheduler.params.warmup_max_lr"):  # lr first
         key = _dotted(path)
         if key in STAND_INS:
             _set(ds, path, STAND_INS[key])
@@ -133,7 +133,7 @@ def fill(ds: dict, facts: Facts, replicas: int) -> tuple:
               "zero_optimization.stage3_param_persistence_threshold": 10 * hidden or None,
               "zero_optimization.stage3_gather_16bit_weights_on_model_save": True,
               "zero_optimization.stage3_gather_fp16_weights_on_model_save": True}
-    for path in auto_paths(ds):
+    for path in sorted(auto_paths(ds), key=lambda p: _dotted(p) == "scheduler.params.warmup_max_lr"):  # lr first
         key = _dotted(path)
         if key == "scheduler.params.warmup_max_lr":
             _set(ds, path, ds["optimizer"].get("params", {}).get("lr", lr))

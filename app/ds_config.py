@@ -37,6 +37,8 @@ def load_ds_config(path, cuda=None, bf16_ok=None, resolve: bool = True) -> dict:
     if not isinstance(ds, dict):
         raise UserError(f"{path} must hold a JSON object at the top level")
     ds = without_comments(ds)
+    if "bfloat16" in ds and "bf16" not in ds:  # DeepSpeed's older name for the section, read the same
+        ds["bf16"] = ds.pop("bfloat16")
     resolved, _ = resolve_precision(ds, str(path), cuda, bf16_ok) if resolve else \
         resolve_precision(ds, str(path), cuda=False)  # checked as on a CPU: the same keys
     ds_auto.check(resolved, str(path))
@@ -108,8 +110,9 @@ def check_ds_keys(ds: dict, where: str) -> list:
         section = dict.__getitem__(recorder, key)
         # Sections read key by key have a record; sections handed whole to pydantic were checked there.
         if sub and isinstance(section, ds_internals.Recorder) and section.read and not _pydantic_checked(ds, key):
+            known = section.read | READ_LATER.get(key, set())
             ignored += [(key, sub_key) for sub_key in sub
-                        if sub_key not in section.read and _unknown(where, f"{key}.{sub_key}", section.read)]
+                        if sub_key not in known and _unknown(where, f"{key}.{sub_key}", known)]
     return ignored
 
 
@@ -117,7 +120,7 @@ def _unknown(where: str, key: str, known) -> bool:
     """A key DeepSpeed does not read: one line when it looks like a misspelling of one it does, else a warning
     (rank 0) that it is ignored, as DeepSpeed ignores it; True then."""
     name = key.rsplit(".", 1)[-1]
-    close = suggest(name, known)
+    close = suggest(name, known, cutoff=0.85)  # a letter or two off: 'comms_config' is no 'comms_logger'
     if close:
         raise UserError(f"{where}: unknown DeepSpeed key {key!r}{close}")
     from app import dist
@@ -125,10 +128,15 @@ def _unknown(where: str, key: str, known) -> bool:
     return True
 
 
+# Keys of sections DeepSpeed reads when it builds the engine, not when it parses the config.
+READ_LATER = {"optimizer": {"type", "params", "legacy_fusion"}, "scheduler": {"type", "params"}}
 # Top-level keys DeepSpeed gives no typed default for, but reads as numbers.
 NUMBERS = {"steps_per_print": int}
-# Optimizer and scheduler parameters that are words, not numbers (DeepSpeed's schedulers).
-TEXT_PARAMS = {"warmup_type", "cycle_momentum", "decay_mode"}
+# Optimizer and scheduler parameters that are numbers (torch's optimizers, DeepSpeed's schedulers); others may be
+# words (1-bit optimizers' comm_backend_name, warmup_type).
+NUMERIC_PARAMS = {"lr", "betas", "eps", "weight_decay", "momentum", "warmup_min_lr", "warmup_max_lr",
+                  "warmup_num_steps", "total_num_steps", "warmup_min_ratio", "cos_min_ratio", "last_batch_iteration",
+                  "cycle_min_lr", "cycle_max_lr", "decay_lr_rate", "cycle_first_step_size"}
 
 
 def _number(value) -> bool:
@@ -162,7 +170,7 @@ def check_value_types(ds: dict, where: str):
         params = (ds.get(section) or {}).get("params") or {}
         for key, value in params.items() if isinstance(params, dict) else ():
             texts = [v for v in (value if isinstance(value, list) else [value]) if isinstance(v, str)]
-            if texts and key not in TEXT_PARAMS:
+            if texts and (key in NUMERIC_PARAMS or all(_numeric_text(v) for v in texts)):
                 hint = " (a string: drop the quotes)" if all(_numeric_text(v) for v in texts) else ""
                 raise UserError(f"{where}: {section}.params.{key} must be a number, got {value!r}{hint}")
 
@@ -198,8 +206,8 @@ def _section_of(ds, first):
     return None
 
 
-def suggest(key, known):
-    match = difflib.get_close_matches(key, sorted(known), n=1)
+def suggest(key, known, cutoff: float = 0.6):
+    match = difflib.get_close_matches(key, sorted(known), n=1, cutoff=cutoff)
     return f" (did you mean {match[0]!r}?)" if match else ""
 
 

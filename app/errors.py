@@ -43,3 +43,17 @@ def first_line(error: Exception) -> str:
     while error.__cause__ is not None or error.__context__ is not None:
         error = error.__cause__ or error.__context__
     return (str(error).strip().splitlines() or [type(error).__name__])[0]
+
+
+def deepspeed_failure(error: Exception, when: str) -> "UserError | None":
+    """The one line for an error DeepSpeed raised from its own code (the innermost frame is DeepSpeed's) while
+    building the engine or stepping: a feature of the JSON that this model or machine does not suit, which the
+    user changes in the JSON; None for an error from elsewhere (the app's own are bugs, with a traceback)."""
+    import traceback
+    frames = traceback.extract_tb(error.__traceback__)
+    if not frames or "/deepspeed/" not in frames[-1].filename:
+        return None
+    where = frames[-1].filename.split("/deepspeed/")[-1]
+    return UserError(f"DeepSpeed failed {when} ({type(error).__name__}: {first_line(error)}, in deepspeed/{where}:"
+                     f"{frames[-1].lineno}): a section of the DeepSpeed config this model or machine does not suit; "
+                     f"remove it or try it on the hardware it was written for")

@@ -5,7 +5,7 @@ from dataclasses import dataclass
 
 from app import dist, ds_internals
 from app.ds_config import fit_buckets
-from app.errors import RankAlone, SaidByAnotherRank, UserError
+from app.errors import RankAlone, SaidByAnotherRank, UserError, deepspeed_failure
 from app.metrics import MEMORY_ADVICE, Meter, Stopwatch, out_of_memory
 from app.runlog import RunLog
 
@@ -22,6 +22,11 @@ def build_engine(model, ds_config: dict):
     except (TypeError, ValueError, AssertionError, KeyError) as e:
         text = str(e).splitlines()[0] if str(e) else type(e).__name__
         raise UserError(f"DeepSpeed could not build the engine from this config: {text}") from None
+    except (RuntimeError, AttributeError, NotImplementedError, IndexError) as e:
+        said = deepspeed_failure(e, "building the engine")
+        if said is None:
+            raise
+        raise said from None
     plain = engine.zero_optimization_stage() == 0 and not (engine.fp16_enabled() or engine.bfloat16_enabled())
     if plain and not engine.pipeline_parallelism and engine.autotp_size() <= 1:  # there, ranks hold parts of them
         ds_internals.lighten_plain_step(engine)
@@ -94,6 +99,7 @@ class Loop:
                 raise
             except Exception as e:  # noqa: BLE001 (sorted: the run's end in one line, or not the app's to say)
                 said = out_of_memory(e)
+                e = e if said else deepspeed_failure(e, f"in training step {self.engine.global_steps + 1}") or e
                 if said or isinstance(e, UserError):
                     raise self._ended("memory" if said else "error", said or str(e)) from None
                 if dist.another_rank_left():

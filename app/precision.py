@@ -34,6 +34,9 @@ def resolve_precision(ds: dict, where: str, cuda=None, bf16_ok=None, device=None
     allocating on it.
     """
     import torch
+    for name in PRECISIONS:  # DeepSpeed reads the word as set (even "false"); take it as meant
+        if isinstance(ds.get(name), dict) and ds[name].get("enabled") in ("true", "false"):
+            ds = {**ds, name: {**ds[name], "enabled": ds[name]["enabled"] == "true"}}
     ds, cpu_note = _sixteen_bit_on_a_cpu(ds, where, device, cuda)
     if device is not None:
         cuda = device.type == "cuda"
@@ -54,6 +57,8 @@ def resolve_precision(ds: dict, where: str, cuda=None, bf16_ok=None, device=None
     ds = copy.deepcopy(ds)
     for name in autos:
         ds[name]["enabled"] = name == pick
+        if name == "fp16" and name != pick and ds[name].get("auto_cast"):
+            ds[name]["auto_cast"] = False  # DeepSpeed casts inputs to fp16 by it even with fp16 off
         if name == pick == "torch_autocast":
             ds[name].setdefault("dtype", "bfloat16")
     why = "no CUDA device" if not cuda else "the CUDA device supports bf16" if bf16_ok else \
@@ -72,6 +77,6 @@ def _sixteen_bit_on_a_cpu(ds: dict, where: str, device, cuda) -> tuple:
     section = ds.get("fp16")
     if on_cuda or not isinstance(section, dict) or section.get("enabled") is not True:
         return ds, ""
-    ds = {**ds, "fp16": {**section, "enabled": False}}
+    ds = {**ds, "fp16": {**section, "enabled": False, **({"auto_cast": False} if section.get("auto_cast") else {})}}
     return ds, (f"fp32 ({where} sets fp16.enabled true, which needs a CUDA device: this CPU run trains in fp32, "
                 f"a GPU runs the file as written)")

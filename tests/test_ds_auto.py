@@ -133,3 +133,18 @@ def test_configs_people_bring_train_on_a_cpu_and_resume_exactly(tmp_path):
     assert saved["train_batch_size"]["value"] == 32
     whole = {r["step"]: r["loss"] for r in read_metrics(tmp_path / "hf_zero2")[0]}
     assert {r["step"]: r["loss"] for r in read_metrics(resumed)[0]} == {3: whole[3]}
+
+
+def test_older_names_and_words_for_switches_load_as_deepspeed_reads_them(tmp_path):
+    """transformers' bf16 file names the section "bfloat16"; Open-Assistant's writes "enabled": "true"; InternVL's
+    asks fp16 to cast the inputs ("auto_cast"), which DeepSpeed does even with fp16 off."""
+    ds = ds_config.load_ds_config(_write(tmp_path, "old", {"train_micro_batch_size_per_gpu": 4,
+                                                           "bfloat16": {"enabled": "auto"}}), resolve=False)
+    assert ds["bf16"] == {"enabled": "auto"} and "bfloat16" not in ds
+    words = {"train_micro_batch_size_per_gpu": 4, "fp16": {"enabled": "true", "auto_cast": True}}
+    resolved, note = precision.resolve_precision(words, "w.json", cuda=False)
+    assert resolved["fp16"] == {"enabled": False, "auto_cast": False} and "needs a CUDA device" in note
+    cast = {"train_micro_batch_size_per_gpu": 4, "fp16": {"enabled": "auto", "auto_cast": True},
+            "bf16": {"enabled": "auto"}}
+    resolved, _ = precision.resolve_precision(cast, "c.json", cuda=True, bf16_ok=True)
+    assert resolved["bf16"]["enabled"] is True and resolved["fp16"] == {"enabled": False, "auto_cast": False}

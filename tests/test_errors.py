@@ -168,3 +168,22 @@ def test_first_line_is_the_innermost_cause():
     except ValueError as chained:
         assert first_line(chained) == "'text'"
     assert first_line(ValueError()) == "ValueError" and first_line(ValueError("  one\ntwo")) == "one"
+
+
+def test_an_error_raised_in_deepspeeds_code_is_one_line_naming_where():
+    """A section of a borrowed config that the model or machine does not suit fails inside DeepSpeed: one line
+    saying where, not a traceback; an error from elsewhere stays the bug it is."""
+    from app.errors import deepspeed_failure
+    scope = {}
+    exec(compile("def step():\n    raise RuntimeError('start (114) + length (1843) exceeds dimension size (114).')",
+                 "/venv/site-packages/deepspeed/runtime/zenflow/engine.py", "exec"), scope)
+    try:
+        scope["step"]()
+    except RuntimeError as e:
+        said = str(deepspeed_failure(e, "in training step 1"))
+    assert said.startswith("DeepSpeed failed in training step 1 (RuntimeError: start (114)") and \
+        "deepspeed/runtime/zenflow/engine.py:2" in said and "\n" not in said
+    try:
+        raise RuntimeError("ours")
+    except RuntimeError as e:
+        assert deepspeed_failure(e, "x") is None

@@ -15,12 +15,13 @@ def zero_tensors(engine) -> dict:
     elif stage == 3:
         grads = [optimizer.grad_partitions_flat_buffer]
     else:
-        grads = [g for group in optimizer.averaged_gradients.values() for g in group or ()]  # None between steps
+        grads = [g for group in getattr(optimizer, "averaged_gradients", {}).values()  # None between steps; the
+                 for g in group or ()]  # bf16 section's ZeRO-1 optimizer (BF16_Optimizer) keeps none apart
     inner = getattr(optimizer, "optimizer", optimizer)
     moments = [t for state in inner.state.values() for t in state.values()]
     # DeepSpeed's ZeRO optimizers keep an fp32 master partition even when training in fp32
     masters = getattr(optimizer, "single_partition_of_fp32_groups", None) or \
-        getattr(optimizer, "fp32_partitioned_groups_flat", [])
+        getattr(optimizer, "fp32_partitioned_groups_flat", None) or getattr(optimizer, "fp32_groups_flat_partition", [])
     return {"params": params, "grads": grads, "moments": moments, "masters": list(masters)}
 
 
