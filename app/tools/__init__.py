@@ -1,1 +1,2 @@
-"""Tools beside training: bench, doctor, commcheck, export, plan, restart, build_ops. Each reuses the training core."""
+"""Tools beside training: bench, doctor, commcheck, export, plan, restart, build_ops, try_configs. Each reuses the
+training core."""
