@@ -92,11 +92,7 @@ def stand_in(ds: dict) -> dict:
             _set(ds, path, STAND_INS[key])
         elif key.startswith(("zero_optimization.", "scheduler.params.")):
             _set(ds, path, True if key.endswith("_on_model_save") else 0 if key.endswith("min_lr") else 1)
-        elif key in ("train_batch_size", "gradient_accumulation_steps"):
-            _set(ds, path, None)
-    if ds.get("train_micro_batch_size_per_gpu") in (AUTO, None) and not isinstance(ds.get("train_batch_size"), int):
-        ds.pop("gradient_accumulation_steps", None)
-        ds.update(train_micro_batch_size_per_gpu=AUTO, train_batch_size=SAMPLES_PER_REPLICA)
+    _fill_batch(ds, 1, {})
     return ds
 
 
@@ -120,7 +116,8 @@ def fill(ds: dict, facts: Facts, replicas: int) -> tuple:
     lr = LR_PRETRAINED if facts.pretrained else LR_SCRATCH
     if "optimizer" not in ds:
         ds["optimizer"] = default_optimizer(ds, lr)
-        said["optimizer"] = f"the app's default, AdamW at lr {lr} ({'loaded weights' if facts.pretrained else 'from scratch'}): the file has none"
+        weights = "loaded weights" if facts.pretrained else "from scratch"
+        said["optimizer"] = f"the app's default, AdamW at lr {lr} ({weights}): the file has none"
         if "scheduler" not in ds:
             ds["scheduler"] = copy.deepcopy(DEFAULT_SCHEDULER)
             said["scheduler"] = "the app's default, a linear warm-up into a cosine decay: the file has none"

@@ -16,8 +16,8 @@ from app.ds_internals.state import deepspeed_estimate, module_states, state_byte
 
 WRITTEN_FOR = "0.19.8"
 __all__ = ["Recorder", "parse_config", "scalar_defaults", "section_fields", "config_saved_as",
-           "count_every_stage_in_grad_norm",
-           "drop_other_stages", "engine_hooks_eager", "forget_parallel_groups", "forget_unfinished_forward", "gathered_state_dict",
+           "count_every_stage_in_grad_norm", "drop_other_stages", "engine_hooks_eager", "forget_parallel_groups",
+           "forget_unfinished_forward", "gathered_state_dict",
            "lighten_plain_step", "replay_cpu_adam_steps", "skip_bad_steps_on_device", "step_without_host_waits",
            "uncompile", "drop_shm_names", "launcher_world_info", "node_shell_line", "pdsh_exports", "pdsh_words",
            "started_by_pdsh", "op_loads_quiet", "pin_device", "quiet_deepspeed",
