@@ -2,6 +2,7 @@
 import os
 import sys
 import time
+from pathlib import Path
 
 
 class UserError(Exception):
@@ -57,3 +58,13 @@ def deepspeed_failure(error: Exception, when: str) -> "UserError | None":
     return UserError(f"DeepSpeed failed {when} ({type(error).__name__}: {first_line(error)}, in deepspeed/{where}:"
                      f"{frames[-1].lineno}): a section of the DeepSpeed config this model or machine does not suit; "
                      f"remove it or try it on the hardware it was written for")
+
+
+def folder_files(folder, patterns) -> str:
+    """The files of folder that match patterns, for a line naming what could not be read: folder/name, or
+    folder (name, name), or the folder alone when none is there."""
+    found = sorted({p.name for pattern in patterns for p in Path(folder).glob(pattern)})
+    if len(found) == 1:
+        return str(Path(folder) / found[0])
+    return f"{folder} ({', '.join(found)})" if found else str(folder)
+

@@ -12,12 +12,31 @@ if __package__ in (None, ""):  # run as `python app/train.py` or by a launcher: 
 import numpy as np
 import torch
 
-from app import (autobatch, checkpoint, compiler, config, dist, ds_auto, ds_config, ds_internals, launch, loop,
-                 metrics, models, node_shell, outdir, parallel, precision, preemption, resume, runlog, tasks)
-from app.checkpoint import TrainerState, checkpoint_root
-from app.config import Settings
-from app.data.loader import build_loader, feeding, usable_cores
-from app.dist import World
+from app.memory import autobatch
+from app.checkpoint import save as checkpoint
+from app.core import step as compiler
+from app import settings as config
+from app.distributed import dist
+from app.ds import auto as ds_auto
+from app.ds import config as ds_config
+from app.ds import internals as ds_internals
+from app.distributed import launch
+from app.core import loop
+from app.observe import metrics
+from app.core import models
+from app.distributed import node_shell
+from app.checkpoint import outdir
+from app.parallel import layout as parallel
+from app.ds import precision
+from app.distributed import preemption
+from app.checkpoint import resume
+from app.observe import runlog
+from app.core import tasks
+from app.checkpoint.save import TrainerState, checkpoint_root
+from app.settings import Settings
+from app.data.loader import build_loader, feeding
+from app.distributed.cores import usable_cores
+from app.distributed.dist import World
 from app.errors import UserError, report
 
 
@@ -90,10 +109,10 @@ def run(settings: Settings, ds: dict, world: World, started: float) -> int:  # l
         seed_everything(settings.seed)
         train_set, eval_set, info = task.build_data(output_dir)
         ds = autobatch.settle(ds, settings.deepspeed_config, ranks, task, lambda trial: ranks.prepare(
-            task.build_model(info, trial), task, settings.model)[0], train_set, output_dir, settings.resume)
+            task.build_model(info, trial), task, settings.model, trial)[0], train_set, output_dir, settings.resume)
         model = task.build_model(info, ds)
         flops = task.flops_per_sample(model, info) if task.tokens_per_sample else 0.0  # before AutoTP shards it
-        trained, save_files, every_rank = ranks.prepare(model, task, settings.model)
+        trained, save_files, every_rank = ranks.prepare(model, task, settings.model, ds)
         del model  # a pipeline stage keeps only its own layers
         train_loader, eval_loader = loaders(train_set, eval_set, ds, settings, world, ranks)
         steps = loop.total_steps(settings.max_steps, settings.epochs, len(train_loader),

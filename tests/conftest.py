@@ -202,7 +202,7 @@ def write_text_rows(path: Path, n: int, seed: int = 0, labelled: bool = False) -
 
 
 def _rank_main(rank, world, port, fn, args):
-    from app.launch import rank_env
+    from app.distributed.launch import rank_env
     os.environ.update(rank_env(rank, world, port))
     fn(rank, world, *args)
 

@@ -9,7 +9,7 @@ would wait on. It also counts a tensor made on the device from Python values (`t
 device=...)`: on a GPU a blocking copy from the host), and the stream and device synchronizations DeepSpeed
 makes on CUDA alone: each sits behind `if not get_accelerator().resolves_data_dependency():`, which a CPU run
 asks too, so the guard's next line says what a GPU would wait on. `torch.cuda.set_sync_debug_mode("error")` in
-the GPU run of this harness checks the same on the device. Reads inside app/dist.py are not counted: it reads
+the GPU run of this harness checks the same on the device. Reads inside app/distributed/dist.py are not counted: it reads
 only the host group's CPU tensors, which it builds from Python numbers.
 
 Steps are told apart by the inner torch optimizer's step (a global post-step hook), so the count needs no hook
@@ -122,7 +122,7 @@ class HostSyncs(TorchFunctionMode):
 
     def _count(self, kind: str, frame=None):
         source = _source() if frame is None else _frame_source(frame)
-        if not source.startswith("app/dist.py"):  # the host group's own CPU tensors
+        if not source.startswith("app/distributed/dist.py"):  # the host group's own CPU tensors
             self.windows[self.steps][f"{kind} at {source}"] += 1
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
@@ -228,7 +228,11 @@ def count_in_launch(nproc: int, jobs: list, *flags, base_env=None) -> list:
 
 
 def main(jobs_file: str, report: str, *flags):
-    from app import config, dist, ds_config, launch, train
+    from app import train
+    from app import settings as config
+    from app.distributed import dist
+    from app.ds import config as ds_config
+    from app.distributed import launch
     launch.prepare_environment()
     parsed = []
     for argv in json.loads(Path(jobs_file).read_text()):

@@ -3,7 +3,7 @@
     deepspeed --num_gpus 2 tests/jobs.py <jobs.json> <report folder>
 
 jobs.json holds a list of train.py argument lists, or of {"argv": [...], "env": {...}} for a job that needs
-variables of its own (the fault points of app/faults.py). For job i each rank writes what it printed, stdout
+variables of its own (the fault points of app/distributed/faults.py). For job i each rank writes what it printed, stdout
 and stderr, to <report folder>/<i>.rank<r>.txt and its exit code to <i>.rank<r>.code, as if it had been its
 own launch: a job that ends in a user error says its one line and exits 2, and the next job runs.
 """
@@ -19,7 +19,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch._dynamo  # noqa: E402
 
-from app import config, dist, launch, train  # noqa: E402
+from app import train  # noqa: E402
+from app import settings as config
+from app.distributed import dist
+from app.distributed import launch
 from app.errors import UserError, report as say  # noqa: E402
 
 

@@ -5,14 +5,16 @@ import copy
 import pytest
 import torch
 
-from app import activations, ds_config, models
+from app.parallel import activations
+from app.ds import config as ds_config
+from app.core import models
 from app.data import DataInfo
 from app.errors import UserError
 from conftest import REPO, config_variant, read_metrics, train_jobs, write_text_rows
 
 
 def _hf(name):
-    from app.models import HFLogits, hf_class, hf_spec
+    from app.core.models import HFLogits, hf_class, hf_spec
     spec = hf_spec(name)
     return HFLogits(hf_class(spec.task).from_config(spec.config))
 

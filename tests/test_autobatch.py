@@ -7,7 +7,8 @@ import time
 
 import pytest
 
-from app import autobatch, ds_config
+from app.memory import autobatch
+from app.ds import config as ds_config
 from app.errors import UserError
 from conftest import (REPO, assert_one_error_line, config_variant, read_metrics, run, train_command, train_jobs,
                       write_text_rows)
@@ -187,7 +188,10 @@ def _engines_left_after_the_search(rank, world, config, out, report):
     import gc
     import os
     from deepspeed.runtime.engine import DeepSpeedEngine
-    from app import config as app_config, dist, launch, train
+    from app import train
+    from app import settings as app_config
+    from app.distributed import dist
+    from app.distributed import launch
     os.environ["APP_OOM_AT"] = "17"
     settle, left = autobatch.settle, []
 

@@ -8,7 +8,7 @@ import sys
 import pytest
 import torch
 
-from app.checkpoint import sha256_of
+from app.checkpoint.save import sha256_of
 from app.tools.export import fp32_state_dict
 from conftest import (REPO, TWO_RANK_ARGS, TWO_RANK_STEPS, assert_one_error_line, read_metrics, run, train,
                       train_command, train_jobs, two_rank_steps)
@@ -205,7 +205,7 @@ def test_a_checkpoint_file_carrying_code_is_refused_and_nothing_runs(saved_run, 
     exported = run([sys.executable, "-m", "app.tools.export", crafted, tmp_path / "x.safetensors"])
     _fails(exported, f"{shard} is not a file of tensors and plain values")
     torch.save({"optimizer_state_dict": Payload(marker)}, folder / "zero_pp_rank_0_mp_rank_00_optim_states.pt")
-    converted = run([sys.executable, "-m", "app.ds_internals.universal", "--input_folder", folder, "--output_folder",
+    converted = run([sys.executable, "-m", "app.ds.internals.universal", "--input_folder", folder, "--output_folder",
                      tmp_path / "universal", "--num_extract_workers", "1", "--num_merge_workers", "1"])
     _fails(converted, "nothing of it ran")
     assert not marker.exists(), "the checkpoint's code ran"

@@ -17,7 +17,7 @@ def compiled_one_process(tmp_path_factory):
     return one_process_reference(tmp_path_factory.mktemp("compiled-one"), *COMPILE)
 
 
-# Runs that fail on purpose, in the same launch (app/faults.py): inductor refuses rank 1's backward graph, or
+# Runs that fail on purpose, in the same launch (app/distributed/faults.py): inductor refuses rank 1's backward graph, or
 # every rank's forward graph; rank 1 runs out of memory in its first compiled step.
 FAULTS = {"backward-on-rank-1": ("zero2", {"APP_FAIL_COMPILE": "backward:1"}, 0),
           "forward-everywhere": ("dp", {"APP_FAIL_COMPILE": "forward"}, 0),

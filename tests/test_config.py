@@ -1,7 +1,7 @@
 """The app's own Settings and command line: impossible values refused, flags parsed with the default config."""
 import pytest
 
-from app import config
+from app import settings as config
 from app.errors import UserError
 
 

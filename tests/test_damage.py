@@ -6,7 +6,7 @@ import shutil
 
 import pytest
 
-from app import outdir
+from app.checkpoint import outdir
 from conftest import REPO, assert_one_error_line, main_each, run, train_command, write_text_rows
 
 pytestmark = pytest.mark.slow  # every case runs app/train.py's main in a spawned process

@@ -74,7 +74,7 @@ def test_auto_feeding_pins_and_adds_workers_only_where_a_gpu_waits_on_the_data()
 def test_workers_are_counted_from_the_cores_the_process_may_use():
     """Slurm and containers limit a job's CPUs through its affinity; os.cpu_count() sees the whole machine."""
     import os
-    from app.data.loader import usable_cores
+    from app.distributed.cores import usable_cores
     allowed = os.sched_getaffinity(0)
     try:
         os.sched_setaffinity(0, {min(allowed)})

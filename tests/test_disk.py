@@ -8,7 +8,9 @@ import time
 
 import pytest
 
-from app import disk, outdir, resume
+from app.checkpoint import disk
+from app.checkpoint import outdir
+from app.checkpoint import resume
 from conftest import assert_one_error_line, read_metrics, run, train, train_command
 
 pytestmark = [pytest.mark.slow,

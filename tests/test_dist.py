@@ -12,9 +12,10 @@ import psutil
 import pytest
 import torch
 
-from app import dist, launch
+from app.distributed import dist
+from app.distributed import launch
 from app.errors import RankAlone, SaidByAnotherRank, UserError
-from app.metrics import Meter
+from app.observe.metrics import Meter
 from conftest import spawn_ranks
 
 
@@ -124,7 +125,9 @@ def test_collectives_across_ranks(world, tmp_path):
 def _beside_a_device_only_group(rank, world, tmp):
     """What NCCL does to a CPU tensor, on a CPU: a default group registered for cuda alone refuses it. The app's
     bookkeeping (meters, votes, summaries, probes, checkpoint agreement) must never touch that group."""
-    from app import preemption, runlog, train
+    from app import train
+    from app.distributed import preemption
+    from app.observe import runlog
     torch.distributed.init_process_group("cuda:gloo", rank=rank, world_size=world,
                                          timeout=datetime.timedelta(seconds=60))
     with pytest.raises(RuntimeError, match="No backend type associated with device type cpu"):

@@ -5,7 +5,9 @@ import json
 
 import pytest
 
-from app import ds_auto, ds_config, precision
+from app.ds import auto as ds_auto
+from app.ds import config as ds_config
+from app.ds import precision
 from app.errors import UserError
 from conftest import read_metrics, read_summary, train_jobs
 

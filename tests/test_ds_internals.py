@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from app.ds_internals.host_waits import _ConstantsOnDevice, _constants_on_device
+from app.ds.internals.host_waits import _ConstantsOnDevice, _constants_on_device
 
 
 @pytest.mark.parametrize("data, kwargs", [(-1.0, {"dtype": torch.float}), (-1.0, {}), ([2.5], {}), ([1.0], {}),

@@ -24,7 +24,12 @@ def _train_each(rank, world, jobs, report):
 
     First, rank 0 reports how much of gpt2-tiny each rank holds when it is built under ZeRO-3.
     """
-    from app import config, dist, ds_config, launch, models, train
+    from app import train
+    from app import settings as config
+    from app.distributed import dist
+    from app.ds import config as ds_config
+    from app.distributed import launch
+    from app.core import models
     from app.data import DataInfo
     from app.data.tokenizers import byte_tokenizer
     launch.prepare_environment()
@@ -88,7 +93,7 @@ def test_tiny_classifier_learns_the_rule(runs):
 
 def _held_out_loss(model, runs, name) -> float:
     """The run's held-out loss recomputed outside the app: mean over blocks of the next-token cross entropy."""
-    from app.checkpoint import STATE, TrainerState
+    from app.checkpoint.save import STATE, TrainerState
     from app.data import text
     from transformers import AutoTokenizer
     state_file = runs / name / "checkpoints" / "step00000006" / STATE

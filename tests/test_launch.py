@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from app import launch
+from app.distributed import launch
 from app.errors import UserError
 from conftest import REPO, spawn_ranks, write_text_rows
 
@@ -110,7 +110,9 @@ def _devices_deepspeed_asks_for(rank, world, out, corpus):
     import os
     import time
     from deepspeed.accelerator import get_accelerator
-    from app import config, dist, train as app_train
+    from app import train as app_train
+    from app import settings as config
+    from app.distributed import dist
     os.environ["LOCAL_RANK"] = str(rank + 1)
     accelerator, asked = get_accelerator(), []
     name = accelerator.device_name

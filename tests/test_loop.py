@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from app import loop
+from app.core import loop
 from app.errors import UserError
 from conftest import spawn_ranks
 
@@ -80,9 +80,10 @@ class StopAt:
 def _fit(total, start, at_step, stop_at, intervals):
     """(rows, saves, result) of Loop.fit over 10 samples in micro batches of 4 (3 per epoch, the last padded)."""
     import torch
-    from app import runlog, tasks
-    from app.compiler import Forward
-    from app.config import Settings
+    from app.observe import runlog
+    from app.core import tasks
+    from app.core.step import Forward
+    from app.settings import Settings
     from app.data.loader import build_loader
     gen = torch.Generator().manual_seed(1)
     data = torch.utils.data.TensorDataset(torch.randn(10, 2, generator=gen), torch.randint(0, 3, (10,), generator=gen))
@@ -102,7 +103,8 @@ def _fit(total, start, at_step, stop_at, intervals):
 
 
 def _fit_every_scenario(rank, world, report):
-    from app import dist, launch
+    from app.distributed import dist
+    from app.distributed import launch
     launch.prepare_environment()
     launch.setup(timeout_s=120)
     try:

@@ -5,7 +5,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from app import metrics
+from app.observe import metrics
 
 
 class Clock:

@@ -2,10 +2,10 @@
 import pytest
 import torch
 
-from app import models
+from app.core import models
 from app.data import DataInfo
 from app.errors import UserError
-from app.tasks import next_token_correct, next_token_loss
+from app.core.tasks import next_token_correct, next_token_loss
 
 
 @pytest.mark.parametrize("name, info", [

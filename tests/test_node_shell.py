@@ -5,8 +5,9 @@ import subprocess
 
 import pytest
 
-from app import ds_internals, node_shell
-from app.checkpoint import TrainerState
+from app.ds import internals as ds_internals
+from app.distributed import node_shell
+from app.checkpoint.save import TrainerState
 from app.errors import UserError
 from app.redact import REDACTED, looks_secret, redacted
 

@@ -9,9 +9,10 @@ import time
 
 import pytest
 
-from app import checkpoint, outdir
+from app.checkpoint import save as checkpoint
+from app.checkpoint import outdir
 from conftest import REPO, assert_one_error_line, run, train_command
-from app.checkpoint import MANIFEST, SAVING, complete_checkpoints, unfinished_saves
+from app.checkpoint.save import MANIFEST, SAVING, complete_checkpoints, unfinished_saves
 
 
 def _checkpoint(root, step, complete=True):

@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from app import parallel
+from app.parallel import layout as parallel
 from app.errors import UserError
 from conftest import REPO
 

@@ -6,7 +6,8 @@ import pytest
 import torch
 from torch import nn
 
-from app import models, pipeline
+from app.core import models
+from app.parallel import pipeline
 from app.data import DataInfo
 from app.data.loader import ShardSampler
 from app.errors import UserError
@@ -235,10 +236,14 @@ def test_gpt2_pipeline_learns_and_checkpointing_activations_changes_nothing(pipe
 
 def _tied_after_training(rank, world):
     """2 stages of gpt2-tiny train 3 steps; the token embedding both stages hold must still be one tensor."""
-    from app import dist, ds_config, launch, loop, tasks
-    from app.config import Settings
+    from app.distributed import dist
+    from app.ds import config as ds_config
+    from app.distributed import launch
+    from app.core import loop
+    from app.core import tasks
+    from app.settings import Settings
     from app.data.tokenizers import byte_tokenizer
-    from app.metrics import Meter
+    from app.observe.metrics import Meter
     launch.setup(False, 120)
     ds = {**PIPE, "train_micro_batch_size_per_gpu": 4, "train_batch_size": 4}
     torch.manual_seed(0)

@@ -6,7 +6,7 @@ import json
 import pytest
 import torch
 
-from app import plan
+from app.memory import plan
 from app.tools import plan as plan_tool
 from conftest import REPO
 
@@ -48,7 +48,7 @@ def test_the_largest_micro_batch_is_what_the_usable_memory_leaves():
 
 
 def _tiny_gpt():
-    from app import models
+    from app.core import models
     from transformers import AutoModelForCausalLM
     spec = models.hf_spec("gpt2-tiny")
     return models.HFLogits(AutoModelForCausalLM.from_config(spec.config))
@@ -57,7 +57,7 @@ def _tiny_gpt():
 @pytest.mark.parametrize("checkpointed", [False, True])
 def test_fake_tensors_count_the_activation_bytes_real_ones_hold(checkpointed):
     """No weight allocated, the same count: the plan measures a 7B model on a laptop."""
-    from app.tasks import next_token_loss
+    from app.core.tasks import next_token_loss
     torch.manual_seed(0)
 
     def inputs(b):
@@ -69,7 +69,7 @@ def test_fake_tensors_count_the_activation_bytes_real_ones_hold(checkpointed):
 
 
 def test_checkpointing_holds_fewer_activations():
-    from app.tasks import next_token_loss
+    from app.core.tasks import next_token_loss
 
     def inputs(b):
         ids = torch.randint(8000, (b, 128))
@@ -98,7 +98,7 @@ def test_mistakes_are_one_line(argv, message, capsys):
 
 
 def test_a_config_only_folder_plans_and_the_fastest_config_that_fits_is_recommended(tmp_path, capsys):
-    from app import models
+    from app.core import models
     models.hf_spec("gpt2-tiny").config.save_pretrained(tmp_path / "gpt2")  # config.json, no weights
     assert plan_tool.main(["--model", str(tmp_path / "gpt2"), "--world_size", "2", "--micro_batch", "64",
                            "--seq_len", "128", "--gpu_memory", "1.4GB"]) == 0
@@ -114,7 +114,8 @@ def _buckets_deepspeed_allocates(rank, world, cases, report):
     """Bytes of the reduce buckets a real engine allocates (ZeRO 1-2: during backward; ZeRO-3: at start) for each
     (config, torch_autocast section) in cases, with the plan's figure beside it."""
     import torch
-    from app import launch, loop
+    from app.distributed import launch
+    from app.core import loop
     launch.prepare_environment()
     launch.setup(timeout_s=60)
     found = []

@@ -7,8 +7,9 @@ import json
 import pytest
 import torch
 
-from app import checkpoint, resume
-from app.checkpoint import MANIFEST, STATE, TrainerState
+from app.checkpoint import save as checkpoint
+from app.checkpoint import resume
+from app.checkpoint.save import MANIFEST, STATE, TrainerState
 from app.errors import UserError
 
 

@@ -4,7 +4,8 @@ import json
 
 import pytest
 
-from app import metrics, runlog
+from app.observe import metrics
+from app.observe import runlog
 
 
 def test_run_log_without_an_output_dir_writes_nothing(tmp_path, monkeypatch, capsys):

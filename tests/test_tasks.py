@@ -5,8 +5,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from app import tasks
-from app.config import Settings
+from app.core import tasks
+from app.settings import Settings
 from app.data import DataInfo
 from app.errors import UserError
 

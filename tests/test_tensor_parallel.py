@@ -5,7 +5,8 @@ import json
 import pytest
 import torch
 
-from app import models, tensor_parallel
+from app.core import models
+from app.parallel import tensor_parallel
 from app.data import DataInfo
 from app.data.tokenizers import byte_tokenizer
 from app.errors import UserError

@@ -59,7 +59,9 @@ def test_quick_benchmark_reports_every_field_for_every_mode(tmp_path):
 def _the_plan_predicts_what_the_engine_holds(modes):
     """The memory plan's model states, from parameter sizes alone, against the tensors a real engine holds in a
     step (rank 0's), under ZeRO 0-3 on 1 and 2 ranks: within 5% for each kind and in all."""
-    from app import ds_config, models, plan
+    from app.ds import config as ds_config
+    from app.core import models
+    from app.memory import plan
     from app.data import DataInfo
     sizes = [p.numel() for p in models.build_model("cnn", DataInfo(10, 1, 8)).parameters()]
     kinds = {"params_bytes": "weights", "grads_bytes": "gradients", "optimizer_bytes": "optimizer",

@@ -16,7 +16,7 @@ CONFIGS = ["dp", "zero1", "zero2", "zero3", "zero3_offload", "bf16", "bf16-weigh
 def _config(name: str) -> dict:
     """ds_configs/<name>.json; bf16-weights is dp.json with DeepSpeed's own bf16 section (bf16 weights behind an
     fp32 master copy) instead of bf16 autocast (fp32 weights)."""
-    from app import ds_config
+    from app.ds import config as ds_config
     if name != "bf16-weights":
         return ds_config.load_ds_config(REPO / "ds_configs" / f"{name}.json")
     dp = ds_config.load_ds_config(REPO / "ds_configs" / "dp.json")
@@ -25,7 +25,15 @@ def _config(name: str) -> dict:
 
 def _save_and_record(rank, world, out):
     """On each rank: train each config 3 steps, save a checkpoint, and keep rank 0's view of the live weights."""
-    from app import checkpoint, compiler, config, dist, ds_config, launch, loop, models, tasks
+    from app.checkpoint import save as checkpoint
+    from app.core import step as compiler
+    from app import settings as config
+    from app.distributed import dist
+    from app.ds import config as ds_config
+    from app.distributed import launch
+    from app.core import loop
+    from app.core import models
+    from app.core import tasks
     from app.data import DataInfo
     launch.prepare_environment()
     # loaded before the group exists, as the app does: DeepSpeed's own check then counts one rank
@@ -88,7 +96,7 @@ def test_export_loads_without_deepspeed(saved, tmp_path):
         "from safetensors import safe_open\n"
         "from safetensors.torch import load_file\n"
         "from app.data import DataInfo\n"
-        "from app.models import build_model\n"
+        "from app.core.models import build_model\n"
         f"meta = safe_open({str(target)!r}, 'pt').metadata()\n"
         "model = build_model(json.loads(meta['model']), DataInfo(**json.loads(meta['data_info'])))\n"
         f"model.load_state_dict(load_file({str(target)!r}), strict=True)\n"

@@ -1,5 +1,5 @@
 """Data: image sources (images.py), text sources (text.py) and tokenizers (tokenizers.py) make datasets;
-loader.py shards them across ranks. DataInfo tells the model what the data looks like."""
+loader.py shards them across ranks. DataInfo tells the model what the data looks like; TextModel tells text data what the model reads."""
 from dataclasses import dataclass
 
 
@@ -15,3 +15,13 @@ class DataInfo:
     """Tokens in the tokenizer (text only)."""
     seq_len: int = 0
     """Tokens per sample (text only): the block length, or the padded row length."""
+
+
+@dataclass(frozen=True)
+class TextModel:
+    """What text data needs to know of a transformers model."""
+    source: str
+    """A save_pretrained folder or hub name its own tokenizer may come from; '' for a model built from a preset."""
+    vocab_size: int
+    """Tokens its embedding really has (without padding rows)."""
+    max_positions: int

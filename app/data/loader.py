@@ -1,6 +1,5 @@
 """Per-rank loaders: every rank takes its share of one global order, padded to equal steps."""
 import math
-import os
 
 import torch
 from torch.utils.data import DataLoader, Dataset, Subset, TensorDataset
@@ -74,12 +73,6 @@ def feeding(dataset, cuda: bool, cores_per_rank: int, num_workers: int = -1, pin
     workers = num_workers if num_workers >= 0 else \
         min(4, max(0, cores_per_rank - 1)) if cuda and not in_memory else 0
     return workers, (cuda if pin_memory == "auto" else pin_memory == "on")
-
-
-def usable_cores() -> int:
-    """The cores this process may run on: its CPU affinity, which Slurm's and containers' CPU limits set, where
-    os.cpu_count() counts every core of the machine."""
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
 def build_loader(dataset, batch_size, rank, world_size, shuffle, seed, num_workers=0, pin_memory=False,

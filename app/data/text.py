@@ -6,12 +6,11 @@ from pathlib import Path
 import torch
 from torch.utils.data import Dataset
 
-from app import dist
-from app.data import DataInfo
+from app.distributed import dist
+from app.data import DataInfo, TextModel
 from app.data.tokenizers import run_tokenizer
 from app.errors import UserError, first_line
-from app.config import Settings
-from app.models import HFSpec, vocab_size
+from app.settings import Settings
 
 # datasets.load_dataset builder for each file suffix it can read
 FILE_BUILDERS = {".txt": "text", ".text": "text", ".json": "json", ".jsonl": "json", ".csv": "csv",
@@ -157,20 +156,20 @@ def _longest(dataset) -> int:
     return pc.max(pc.list_value_length(dataset.data.column("input_ids"))).as_py() or 0
 
 
-def build_text_sets(settings: Settings, spec: HFSpec, task: str, output_dir: Path):
+def build_text_sets(settings: Settings, model: TextModel, task: str, output_dir: Path):
     """(train, held-out, DataInfo, tokenizer) for a transformers model, tokenized on the main rank first."""
     with dist.main_process_first():
         train, eval_set = load_splits(settings.dataset, settings.dataset_config, settings.eval_file,
                                   settings.eval_fraction, settings.seed)
         column = pick_column(train, settings.text_column, "text", ("text",))
-        tokenizer = run_tokenizer(settings, spec, train, column, output_dir)
-        if len(tokenizer) > vocab_size(spec.config):
+        tokenizer = run_tokenizer(settings, model, train, column, output_dir)
+        if len(tokenizer) > model.vocab_size:
             raise UserError(f"the tokenizer has {len(tokenizer)} tokens but {settings.model} embeds only "
-                            f"{vocab_size(spec.config)}; use the model's own tokenizer, or --tokenizer bytes")
-        block = settings.block_size or min(spec.max_positions, 1024)
-        if block > spec.max_positions:
-            raise UserError(f"--block_size {block} is longer than {settings.model}'s {spec.max_positions} positions; "
-                            f"pass --block_size {spec.max_positions} or less")
+                            f"{model.vocab_size}; use the model's own tokenizer, or --tokenizer bytes")
+        block = settings.block_size or min(model.max_positions, 1024)
+        if block > model.max_positions:
+            raise UserError(f"--block_size {block} is longer than {settings.model}'s {model.max_positions} positions; "
+                            f"pass --block_size {model.max_positions} or less")
         if task == "causal_lm":
             train = lm_blocks(train, tokenizer, column, block, "train")
             eval_set = lm_blocks(eval_set, tokenizer, column, block, "held-out")

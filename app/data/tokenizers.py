@@ -1,10 +1,10 @@
 """Tokenizers: the model's own, a byte-level one built locally, or BPE trained on the data; saved with the run."""
 from pathlib import Path
 
-from app import dist
-from app.errors import UserError, first_line
-from app.config import Settings
-from app.models import HFSpec, folder_files, vocab_size
+from app.distributed import dist
+from app.data import TextModel
+from app.errors import UserError, first_line, folder_files
+from app.settings import Settings
 
 BOS = "<|endoftext|>"  # the locally built tokenizers' one separator: document end, and first token of a row
 PAD = "<pad>"
@@ -76,13 +76,13 @@ def build_tokenizer(choice: str, model_source: str, vocab_size: int, texts):
     return tokenizer
 
 
-def run_tokenizer(settings: Settings, spec: HFSpec, train, column: str, output_dir: Path):
+def run_tokenizer(settings: Settings, model: TextModel, train, column: str, output_dir: Path):
     """The main rank builds the run's tokenizer and saves it in output_dir; the other ranks load that copy."""
     from transformers import AutoTokenizer
     saved = Path(output_dir) / TOKENIZER_DIR
     if dist.is_main() and not (settings.resume and saved.is_dir()):
         texts = (batch[column] for batch in train.iter(batch_size=1000))
-        tokenizer = build_tokenizer(settings.tokenizer, spec.pretrained, vocab_size(spec.config), texts)
+        tokenizer = build_tokenizer(settings.tokenizer, model.source, model.vocab_size, texts)
         tokenizer.save_pretrained(saved)
         return tokenizer
     return AutoTokenizer.from_pretrained(saved)

@@ -13,8 +13,12 @@ from pathlib import Path
 
 import torch
 
-from app import dist, ds_config, launch, parallel, tasks
-from app.config import Settings
+from app.distributed import dist
+from app.ds import config as ds_config
+from app.distributed import launch
+from app.parallel import layout as parallel
+from app.core import tasks
+from app.settings import Settings
 from app.errors import UserError, report
 from app.tools.bench_modes import COMPILE_SUFFIX, build_model, build_workload, measure
 from app.tools.bench_report import TORCH_MODES, add_ratios, checkpointing, headline, plot, splitting, table

@@ -1,15 +1,24 @@
 """What the benchmark measures: each mode's training loop on the same model, data and global batch, timed
-step by step on every rank. The app modes run the app's own loop (app/loop.py), not a copy of it."""
+step by step on every rank. The app modes run the app's own loop (app/core/loop.py), not a copy of it."""
 import logging
 import statistics
 import time
 from dataclasses import dataclass
 
 import torch
-import torch._dynamo
 
-from app import activations, compiler, dist, ds_config, ds_internals, loop, metrics, parallel, runlog, tasks
-from app.config import Settings
+from app.ds.internals import torch_private
+from app.parallel import activations
+from app.core import step as compiler
+from app.distributed import dist
+from app.ds import config as ds_config
+from app.ds import internals as ds_internals
+from app.core import loop
+from app.observe import metrics
+from app.parallel import layout as parallel
+from app.observe import runlog
+from app.core import tasks
+from app.settings import Settings
 from app.data.loader import build_loader
 from app.tools.bench_report import TORCH_MODES
 
@@ -226,7 +235,7 @@ def _start_mode(world, threads: int):
     """Start a mode as if in its own process: its threads, an empty compile cache (no recompile limit carried
     over), torch's TF32 defaults (the mode then sets TF32 as the app would), a fresh memory peak."""
     torch.set_num_threads(threads)
-    torch._dynamo.reset()
+    torch_private.dynamo_reset()
     if world.device.type == "cuda":
         torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = False, True
     metrics.reset_peak_memory(world.device)
@@ -254,8 +263,8 @@ class EagerFallbacks(logging.Handler):
             self.model_frames.append(text.splitlines()[1].strip() if "\n" in text else text)
 
     def __enter__(self):
-        logging.getLogger("torch._dynamo").addHandler(self)
+        logging.getLogger(torch_private.DYNAMO_LOGGER).addHandler(self)
         return self
 
     def __exit__(self, *exc):
-        logging.getLogger("torch._dynamo").removeHandler(self)
+        logging.getLogger(torch_private.DYNAMO_LOGGER).removeHandler(self)

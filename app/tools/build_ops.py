@@ -32,7 +32,7 @@ def shipped_ops(accelerator: str) -> set:
 
 def main():
     """Load (compiling where not cached) each op the shipped configs use on this machine's accelerator."""
-    from app.launch import prepare_environment
+    from app.distributed.launch import prepare_environment
     prepare_environment()
     from deepspeed.accelerator import get_accelerator
     accelerator = get_accelerator()

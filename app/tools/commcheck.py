@@ -11,8 +11,8 @@ import time
 import torch
 import torch.distributed as dist
 
-from app import launch
-from app.dist import host_max, print0, teardown
+from app.distributed import launch
+from app.distributed.dist import host_max, print0, teardown
 from app.errors import UserError, report
 
 

@@ -18,7 +18,11 @@ import subprocess
 import sys
 from pathlib import Path
 
-from app import ds_auto, ds_config, ds_internals, launch, node_shell
+from app.ds import auto as ds_auto
+from app.ds import config as ds_config
+from app.ds import internals as ds_internals
+from app.distributed import launch
+from app.distributed import node_shell
 from app.errors import UserError
 
 # What each launcher runs: binaries needed where the launch starts, and on every node.

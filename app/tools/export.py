@@ -9,8 +9,11 @@ from pathlib import Path
 
 import torch
 
-from app import checkpoint, ds_internals, pipeline, resume, tensor_parallel
-from app.ds_internals.safe_load import data_only
+from app.ds import internals as ds_internals
+from app.parallel import pipeline
+from app.checkpoint import resume
+from app.parallel import tensor_parallel
+from app.ds.internals.safe_load import data_only
 from app.errors import UserError, report
 
 def fp32_state_dict(folder: Path) -> dict:
@@ -35,8 +38,8 @@ def _fp32_state_dict(folder: Path) -> dict:
 def save_pretrained(folder: Path, state: dict, task: str, out: Path):
     """Write a transformers model folder (config, safetensors weights, tokenizer) that from_pretrained loads."""
     from transformers import AutoConfig, AutoTokenizer
-    from app.models import hf_class
-    files = folder / checkpoint.HF_FILES
+    from app.core.models import HF_FILES, hf_class
+    files = folder / HF_FILES
     hf = hf_class(task).from_config(AutoConfig.from_pretrained(files))
     missing, unexpected = hf.load_state_dict({k.removeprefix("hf."): v for k, v in state.items()}, strict=False)
     tied = {name for name, p in hf.named_parameters(remove_duplicate=False)} - dict(hf.named_parameters()).keys()

@@ -11,8 +11,14 @@ from pathlib import Path
 
 import torch
 
-from app import activations, ds_config, ds_internals, models, plan, tasks
-from app.config import Settings
+from app.ds.internals import torch_private
+from app.parallel import activations
+from app.ds import config as ds_config
+from app.ds import internals as ds_internals
+from app.core import models
+from app.memory import plan
+from app.core import tasks
+from app.settings import Settings
 from app.data import DataInfo
 from app.errors import UserError, report
 
@@ -102,8 +108,7 @@ def configs(args) -> dict:
 def measure(args, named: dict) -> dict:
     """{name: Plan} of each config: one fake forward and backward per precision and checkpointing asked."""
     build, inputs, loss = workload(args)
-    from torch._subclasses.fake_tensor import FakeTensorMode
-    with FakeTensorMode():
+    with torch_private.fake_tensor_mode():
         model = build()
         sizes, kinds = [p.numel() for p in model.parameters()], plan.comm_kinds(model)
         largest = max((sum(p.numel() for p in b.parameters()) for b in activations.blocks(model)), default=0)
@@ -173,7 +178,7 @@ def recommend(fitting: list, plans: dict, budget: float, args) -> str:
 
 def main(argv=None) -> int:
     """Print the plan; returns the exit code."""
-    from app.launch import prepare_environment
+    from app.distributed.launch import prepare_environment
     prepare_environment()
     try:
         args = parse(argv)

@@ -1,0 +1,197 @@
+"""Resume: find the checkpoint to continue from, check it against its manifest and the run, convert it for
+another world size, and restore everything it holds."""
+import json
+import random
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from app.distributed import dist
+from app.ds import internals as ds_internals
+from app.checkpoint import outdir
+from app.ds.internals.safe_load import check_files, data_only
+from app.checkpoint.save import MANIFEST, STATE, UNIVERSAL, TrainerState, checkpoint_root, complete_checkpoints, \
+    atomic_write, sha256_of
+from app.errors import UserError, first_line
+
+
+def _set_rng_state(saved: dict):
+    version, state, gauss = saved["python"]
+    random.setstate((version, tuple(state), gauss))
+    name, keys, pos, has_gauss, cached = saved["numpy"]
+    np.random.set_state((name, np.array(keys, dtype=np.uint32), pos, has_gauss, cached))
+    torch.set_rng_state(torch.tensor(saved["torch"], dtype=torch.uint8))
+    if saved["cuda"] and torch.cuda.is_available():  # the rank's own GPU's (checkpoints before held every GPU's)
+        index = torch.cuda.current_device()
+        own = saved["cuda"][index] if len(saved["cuda"]) > index else saved["cuda"][0]
+        torch.cuda.set_rng_state(torch.tensor(own, dtype=torch.uint8))
+
+
+def checkpoint_folder(path) -> Path:
+    """The checkpoint a path names: a checkpoint folder itself, or the newest complete checkpoint of a run folder
+    (or of its checkpoints folder), which users have at hand more often."""
+    path = Path(path)
+    for root in (path / "checkpoints", path):
+        if root.is_dir() and not (root / MANIFEST).exists() and any(root.glob("step*")):
+            done = complete_checkpoints(root)
+            if not done:
+                raise UserError(f"{path} holds no complete checkpoint (every save in {root} was cut short); "
+                                f"start a new run")
+            return done[-1]
+    return path
+
+
+def verify(folder: Path) -> TrainerState:
+    """The checkpoint's saved state, after checking every file against the manifest."""
+    manifest_path = folder / MANIFEST
+    if not manifest_path.is_file():
+        raise UserError(f"{folder} is not a complete checkpoint (no {MANIFEST}); pass a run folder, a checkpoint "
+                        f"folder such as <output_dir>/checkpoints/step00000100, or --resume auto")
+    manifest = _read_json(folder, MANIFEST)
+    for name, expected in manifest.items():
+        path = folder / name
+        if not path.is_file():
+            raise UserError(f"checkpoint {folder} is damaged: {name} is missing; {_instead(folder)}")
+        if path.stat().st_size != expected["size"] or sha256_of(path) != expected["sha256"]:
+            raise UserError(f"checkpoint {folder} is damaged: {name} does not match its manifest; {_instead(folder)}")
+    state = TrainerState.from_json(json.dumps(_read_json(folder, STATE)), folder / STATE)
+    check_files(folder)  # whoever can write the files can write the manifest: it vouches for whole, not harmless
+    return state
+
+
+def _read_json(folder: Path, name: str):
+    """A JSON file of the checkpoint, or one line when it is cut short or not JSON."""
+    try:
+        found = json.loads((folder / name).read_bytes().decode("utf-8"))
+        if not isinstance(found, dict):
+            raise ValueError(f"a JSON {type(found).__name__}, not an object")
+        return found
+    except (OSError, UnicodeDecodeError, ValueError) as e:
+        raise UserError(f"checkpoint {folder} is damaged: {name} cannot be read ({first_line(e)}); "
+                        f"{_instead(folder)}") from None
+
+
+def _instead(folder: Path) -> str:
+    """What to resume from instead of a damaged checkpoint."""
+    older = [p for p in complete_checkpoints(folder.parent) if p.name < folder.name]
+    return f"resume from the one before it: --resume {older[-1]}" if older else "start a new --output_dir"
+
+
+def named_checkpoint(resume: str) -> Path:
+    """The checkpoint folder --resume names (not auto), or one line when there is none."""
+    folder = checkpoint_folder(resume)
+    if not folder.is_dir():
+        raise UserError(f"--resume {resume}: no such folder; pass a run folder, a checkpoint folder under "
+                        f"<output_dir>/checkpoints, or --resume auto")
+    return folder
+
+
+def run_folder_of(resume: str) -> Path:
+    """Where a run resumed from a named checkpoint without --output_dir continues: that checkpoint's own run
+    folder (<run>/checkpoints/step<N>, beside the run's metrics.csv), else one line asking for --output_dir."""
+    folder = named_checkpoint(resume).resolve()
+    run = folder.parent.parent
+    if folder.parent.name != "checkpoints" or not (run / "metrics.csv").is_file():
+        raise UserError(f"--resume {resume}: {folder} is not inside the run folder that made it, so where this run "
+                        f"should write is not known; pass --output_dir for it")
+    return run
+
+
+def find(output_dir: Path, resume: str):
+    """(folder, saved state) to resume from after checking every file, or (None, None) to start fresh."""
+    if not resume:
+        return None, None
+    if resume == "auto":
+        found = complete_checkpoints(checkpoint_root(output_dir))
+        if not found:
+            return None, None
+        folder = found[-1]
+    else:
+        folder = named_checkpoint(resume)
+        if folder != Path(resume):
+            dist.print0(f"resume: the newest complete checkpoint of {resume} is {folder.name}")
+    return folder, verify(folder)
+
+
+def check_compatible(saved: TrainerState, current: TrainerState, folder: Path):
+    """Refuse a checkpoint made for another model, dataset, ZeRO stage or pipeline split."""
+    for key in ("model", "dataset", "zero_stage", "pipeline_stages", "tensor_parallel_size"):
+        if getattr(saved, key) != getattr(current, key):
+            raise UserError(f"checkpoint {folder} was made with {key}={getattr(saved, key)!r} but this run has "
+                            f"{key}={getattr(current, key)!r}; use the same settings or start a new --output_dir")
+
+
+def needs_universal(saved: TrainerState, world_size: int) -> bool:
+    """ZeRO partitions optimizer state by world size: another world size needs a universal checkpoint."""
+    return saved.zero_stage > 0 and saved.world_size != world_size
+
+
+def plan_resume(output_dir: Path, resume: str, current: TrainerState, ds_config: dict, overwrite=False) -> tuple:
+    """(folder, saved state, DeepSpeed dict that can load it) to resume from, or (None, None, ds_config) to start
+    fresh; checked against this run and its output folder's timeline before anything is built."""
+    folder, saved = find(output_dir, resume)
+    if folder is None:
+        if resume:
+            dist.print0(f"resume: no complete checkpoint in {checkpoint_root(output_dir)}, starting fresh")
+        return None, None, ds_config
+    check_compatible(saved, current, folder)
+    mixed = dist.broadcast_object(outdir.check_timeline(output_dir, folder, overwrite) if dist.is_main() else "")
+    if mixed:
+        raise UserError(mixed)
+    if (current.pipeline_stages or current.tensor_parallel_size > 1) and saved.world_size != current.world_size:
+        kind = "pipeline" if current.pipeline_stages else "tensor-parallel"
+        raise UserError(f"checkpoint {folder} is a {kind} run of {saved.world_size} rank(s) and the app cannot "
+                        f"reshape its per-stage or per-shard state; resume it with {saved.world_size} rank(s)")
+    if needs_universal(saved, current.world_size):
+        dist.print0(f"resume: {folder} was saved by {saved.world_size} rank(s), this run has "
+                    f"{current.world_size}: converting it to a universal checkpoint")
+        folder = make_universal(folder, saved)
+        ds_config = {**ds_config, "checkpoint": {**ds_config.get("checkpoint", {}), "load_universal": True}}
+    return folder, saved, ds_config
+
+
+def make_universal(folder: Path, saved: TrainerState) -> Path:
+    """Convert a ZeRO checkpoint with DeepSpeed's ds_to_universal (once, on the main rank); return its folder."""
+    target = folder.parent / UNIVERSAL / folder.name
+    problem = ""
+    if dist.is_main() and not (target / MANIFEST).is_file():
+        shutil.rmtree(target, ignore_errors=True)
+        command = [sys.executable, "-m", "app.ds.internals.universal", "--input_folder", str(folder),
+                   "--output_folder", str(target), "--inject_missing_state", "--num_extract_workers", "1",
+                   "--num_merge_workers", "1"]
+        done = subprocess.run(command, capture_output=True, text=True, cwd=Path(__file__).resolve().parents[2])
+        if done.returncode == 0:
+            for name in (STATE, *(p.name for p in folder.glob("rng_rank*.json"))):
+                shutil.copy(folder / name, target / name)
+            atomic_write(target / MANIFEST, "{}")  # marks the conversion as finished
+        else:
+            last = (done.stderr.strip().splitlines() or ["no output"])[-1].removeprefix("error: ")
+            problem = (f"DeepSpeed cannot convert {folder} to another world size ({last}); "
+                       f"resume it with {saved.world_size} rank(s)")
+    problem = dist.broadcast_object(problem)
+    if problem:
+        raise UserError(problem)
+    return target
+
+
+def load(engine, folder: Path, saved: TrainerState, replicas: int) -> tuple:
+    """Restore engine, optimizer, scheduler and RNG; return the (epoch, micro batch) this run continues from."""
+    with data_only(f"a file under {folder}"):
+        path, _ = engine.load_checkpoint(str(folder.parent), tag=folder.name, load_optimizer_states=True,
+                                         load_lr_scheduler_states=True)
+    if path is None:
+        raise UserError(f"DeepSpeed could not load {folder}; it may come from another world size or config")
+    ds_internals.replay_cpu_adam_steps(engine)
+    rng_file = folder / f"rng_rank{dist.rank():05d}.json"
+    if rng_file.is_file():  # absent for ranks that did not exist when it was saved: they keep the seed
+        _set_rng_state(json.loads(rng_file.read_text()))
+    samples, span = saved.samples_into_epoch(), engine.train_micro_batch_size_per_gpu() * replicas
+    if samples % span:
+        dist.print0(f"resume: {samples} samples into the epoch is not a whole number of global micro "
+                    f"batches of {span}; repeating the last {samples % span}")
+    dist.print0(f"resume: {folder} at step {saved.step}, epoch {saved.epoch}, batch {saved.batch}")
+    return saved.epoch, samples // span

@@ -1,0 +1,1 @@
+"""The training core: the loop and its schedule (loop.py), the training step (step.py), one task per kind of job (tasks.py), model builders (models.py)."""

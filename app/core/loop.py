@@ -1,0 +1,169 @@
+"""The engine, the micro step, evaluation, and the training loop, whose schedule says when to log, evaluate,
+save and stop."""
+import time
+from dataclasses import dataclass
+
+from app.distributed import dist
+from app.ds import internals as ds_internals
+from app.ds.config import fit_buckets
+from app.errors import RankAlone, SaidByAnotherRank, UserError, deepspeed_failure
+from app.observe.metrics import MEMORY_ADVICE, Meter, Stopwatch, out_of_memory
+from app.observe.runlog import RunLog
+
+
+def build_engine(model, ds_config: dict):
+    """deepspeed.initialize, with DeepSpeed's complaints about the config turned into one line."""
+    import deepspeed
+    # The app times its own steps. DeepSpeed's throughput timer would synchronise the GPU in every forward and,
+    # read by its forward hook, recompile a compiled model at each of the first steps; off unless the JSON sets it.
+    ds_config = {"timers": {"throughput": {"enabled": False}}, **ds_config}
+    ds_config = fit_buckets(ds_config, sum(p.numel() for p in model.parameters() if p.requires_grad))
+    try:
+        engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=ds_config)
+    except (TypeError, ValueError, AssertionError, KeyError) as e:
+        text = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise UserError(f"DeepSpeed could not build the engine from this config: {text}") from None
+    except (RuntimeError, AttributeError, NotImplementedError, IndexError) as e:
+        said = deepspeed_failure(e, "building the engine")
+        if said is None:
+            raise
+        raise said from None
+    plain = engine.zero_optimization_stage() == 0 and not (engine.fp16_enabled() or engine.bfloat16_enabled())
+    if plain and not engine.pipeline_parallelism and engine.autotp_size() <= 1:  # there, ranks hold parts of them
+        ds_internals.lighten_plain_step(engine)
+    ds_internals.skip_bad_steps_on_device(engine)  # ZeRO 1-3: no host sync to check the gradient norm
+    ds_internals.step_without_host_waits(engine)  # nor to make constants or wait for streams
+    return engine
+
+
+def total_steps(max_steps: int, epochs: int, batches_per_epoch: int, accumulation: int) -> int:
+    """Optimizer steps the run will take: max_steps when set, else whole epochs."""
+    steps = max_steps or (epochs * batches_per_epoch) // accumulation
+    if steps < 1:
+        raise UserError(f"{epochs} epoch(s) of {batches_per_epoch} micro batches make no optimizer step with "
+                        f"gradient_accumulation_steps {accumulation}; raise --epochs or set --max_steps")
+    return steps
+
+
+@dataclass
+class Schedule:
+    """When the loop logs, evaluates, saves and stops, counted in optimizer steps."""
+    total_steps: int
+    log_interval: int = 10
+    eval_interval: int = 0
+    """0: evaluate at the end of each epoch. Always at the last step."""
+    save_interval: int = 0
+    """0: save only at the last step (or when stopped early)."""
+
+    def log_now(self, step: int, stopping: bool) -> bool:
+        return step % self.log_interval == 0 or step >= self.total_steps or stopping
+
+    def eval_now(self, step: int) -> bool:
+        return step >= self.total_steps or bool(self.eval_interval and step % self.eval_interval == 0)
+
+    def eval_after_epoch(self, step: int) -> bool:
+        """Evaluate at an epoch's end (when no interval is set and the last step has not evaluated already)."""
+        return not self.eval_interval and step < self.total_steps
+
+    def save_now(self, step: int, stopping: bool) -> bool:
+        return step >= self.total_steps or stopping or bool(self.save_interval and step % self.save_interval == 0)
+
+    def finished(self, step: int) -> bool:
+        return step >= self.total_steps
+
+
+class Loop:
+    """Trains through the loaders by the schedule: micro steps, then at each optimizer step the log row,
+    evaluation and checkpoint it calls for; stops at the last step or when every rank agrees to stop."""
+
+    def __init__(self, forward, train_loader, eval_loader, schedule: Schedule, log: RunLog, save=None, stop=None):
+        """forward: a compiler.Forward or, on a pipeline, a pipeline.PipeForward (both give micro_step and
+        evaluate); save(step, epoch, batch) writes a checkpoint; stop.agreed() says when every rank wants
+        to stop."""
+        self.forward, self.engine = forward, forward.engine
+        self.train_loader, self.eval_loader, self.schedule, self.log = train_loader, eval_loader, schedule, log
+        self.save, self.stop = save, stop
+        self.meter, self.clock = Meter(["loss"], self.engine.device), Stopwatch()
+        self.samples, self.seconds, self.last_eval, self.stopped = 0.0, 0.0, {}, False
+        self.began = time.perf_counter()  # when the micro step under way began
+
+    def fit(self, start=(0, 0)) -> dict:
+        """Train from (epoch, micro batch) start; the run's totals and its last evaluation.
+
+        An error that ends the run on some ranks (out of memory, a damaged file the loader found) is one line:
+        agreed by the ranks it ended together (rank 0 says it), or said at once by a rank it ended alone while
+        the others went on into a collective of the step, where they wait for it; they end without a line."""
+        with dist.watching_for_leavers():
+            try:
+                return self._fit(start)
+            except (RankAlone, SaidByAnotherRank):
+                raise
+            except Exception as e:  # noqa: BLE001 (sorted: the run's end in one line, or not the app's to say)
+                said = out_of_memory(e)
+                e = e if said else deepspeed_failure(e, f"in training step {self.engine.global_steps + 1}") or e
+                if said or isinstance(e, UserError):
+                    raise self._ended("memory" if said else "error", said or str(e)) from None
+                if dist.another_rank_left():
+                    raise SaidByAnotherRank(str(e)) from None
+                raise
+
+    def _ended(self, kind: str, why: str) -> UserError:
+        """The error that ends the run from this rank: agreed with the ranks that failed too, which fail within a
+        step of each other (only they post an outcome), or this rank's alone."""
+        outcomes = dist.gather_outcomes((kind, why), time.perf_counter() - self.began, patience_s=5)
+        alone = outcomes is None
+        kind, why = (kind, why) if alone else outcomes[0]
+        if kind == "error":
+            return dist.leave(why) if alone else UserError(why)
+        who = f"rank {dist.rank()}" if alone else "every rank" if len(outcomes) > 1 else "the run"
+        where = " while the other ranks went on into that step's collectives" if alone else ""
+        said = f"{who} ran out of memory after {self.engine.global_steps} step(s) ({why}){where}; {MEMORY_ADVICE}"
+        return dist.leave(said) if alone else UserError(said)
+
+    def _fit(self, start: tuple) -> dict:
+        epoch, skip = start
+        self.clock.lap()
+        self.engine.train()
+        while not self.schedule.finished(self.engine.global_steps) and not self.stopped:
+            if self._epoch(epoch, skip) and self.schedule.eval_after_epoch(self.engine.global_steps):
+                self._evaluate(epoch)
+            epoch, skip = epoch + 1, 0
+        if self.stop is not None:
+            self.stop.finish()
+        return {"steps": self.engine.global_steps, "epochs": epoch, "samples": self.samples,
+                "train_s": self.seconds, **self.log.rates(self.samples, self.seconds),
+                "stopped_early": self.stopped, **self.last_eval}
+
+    def _epoch(self, epoch: int, skip: int) -> bool:
+        """Run the epoch from micro batch skip; True when it ran to its end."""
+        self.train_loader.batch_sampler.set_epoch(epoch, skip)
+        for batch_index, batch in enumerate(self.train_loader, start=skip + 1):
+            before, self.began = self.engine.global_steps, time.perf_counter()
+            self.forward.micro_step(batch, self.meter)
+            if self.engine.global_steps == before:
+                continue  # inside a gradient accumulation window
+            self._after_step(epoch, batch_index)
+            if self.schedule.finished(self.engine.global_steps) or self.stopped:
+                return False
+        return True
+
+    def _after_step(self, epoch: int, batch_index: int):
+        """What the schedule asks for after an optimizer step: a log row, an evaluation, a checkpoint."""
+        step, schedule = self.engine.global_steps, self.schedule
+        self.log.advance(1)
+        self.stopped = self.stop is not None and self.stop.agreed()
+        if schedule.log_now(step, self.stopped):
+            result, elapsed = self.meter.reduce(), self.clock.lap()
+            self.samples, self.seconds = self.samples + result["count"], self.seconds + elapsed
+            self.log.train_row(step, epoch, result["loss"], self.engine.get_lr()[0], result["count"], elapsed)
+        if schedule.eval_now(step):
+            self._evaluate(epoch)
+        if self.save is not None and schedule.save_now(step, self.stopped):
+            with self.clock.paused():  # saving does not count against training throughput
+                done = batch_index == len(self.train_loader)
+                self.save(step, epoch + done, 0 if done else batch_index)
+
+    def _evaluate(self, epoch: int):
+        with self.clock.paused():  # nor does evaluation
+            self.last_eval = self.forward.evaluate(self.eval_loader)
+            self.log.write_row({"step": self.engine.global_steps, "epoch": epoch, **self.last_eval})

@@ -1,0 +1,252 @@
+"""Model builders by name: built-ins and torchvision classifiers (build_model), transformers presets, folders
+and hub names (hf_spec, then build_hf)."""
+import copy
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from app.data import DataInfo
+from app.errors import UserError, first_line, folder_files
+
+
+def _cnn(info: DataInfo) -> nn.Module:
+    """A small CNN: two 3x3 convolutions, pooled to 4x4, then two linear layers (the digits default)."""
+    return nn.Sequential(
+        nn.Conv2d(info.in_channels, 32, 3, padding=1), nn.ReLU(),
+        nn.Conv2d(32, 64, 3, padding=1), nn.ReLU(),
+        nn.AdaptiveAvgPool2d(4), nn.Flatten(),
+        nn.Linear(64 * 16, 128), nn.ReLU(),
+        nn.Linear(128, info.num_classes))
+
+
+def _mlp(info: DataInfo) -> nn.Module:
+    """A two-layer perceptron over the flattened image."""
+    return nn.Sequential(nn.Flatten(), nn.Linear(info.in_channels * info.image_size ** 2, 64), nn.ReLU(),
+                         nn.Linear(64, info.num_classes))
+
+
+def _torchvision(name: str, info: DataInfo) -> nn.Module:
+    """A torchvision classifier, randomly initialised, with classes and input channels fitted to the data."""
+    import torchvision
+    model = torchvision.models.get_model(name, weights=None, num_classes=info.num_classes)
+    if info.in_channels != 3:
+        _replace_first_conv(model, info.in_channels)
+    return model
+
+
+def _replace_first_conv(model: nn.Module, in_channels: int):
+    """Swap the first Conv2d for one that takes in_channels, keeping its other settings."""
+    for parent in model.modules():
+        for child_name, child in parent.named_children():
+            if isinstance(child, nn.Conv2d):
+                setattr(parent, child_name, nn.Conv2d(
+                    in_channels, child.out_channels, child.kernel_size, child.stride, child.padding,
+                    child.dilation, child.groups, child.bias is not None, child.padding_mode))
+                return
+    raise UserError("this model has no Conv2d to adapt to the dataset's channels; pick another --model")
+
+
+BUILTIN = {"cnn": _cnn, "mlp": _mlp}
+# Randomly initialised transformers built from a config, no download. No dropout, as in from-scratch pretraining.
+PRESETS = {
+    "gpt2-tiny": ("gpt2", dict(n_layer=4, n_embd=256, n_head=4, n_positions=128, vocab_size=8192)),
+    "gpt2-124m": ("gpt2", dict(n_layer=12, n_embd=768, n_head=12, n_positions=1024, vocab_size=50257)),
+    # a Llama-family model for tensor parallelism (AutoTP follows the plan transformers ships for llama)
+    "llama-tiny": ("llama", dict(num_hidden_layers=4, hidden_size=256, intermediate_size=512, num_attention_heads=4,
+                                 num_key_value_heads=2, max_position_embeddings=128, vocab_size=8192,
+                                 tie_word_embeddings=False)),
+    "bert-tiny": ("bert", dict(num_hidden_layers=2, hidden_size=128, num_attention_heads=2, intermediate_size=512,
+                               max_position_embeddings=512, vocab_size=8192)),
+    # a 1B-class shape (Llama 3.2 1B's: 1.24B parameters, tied embeddings), for the memory plan and for real runs
+    "llama-1b": ("llama", dict(num_hidden_layers=16, hidden_size=2048, intermediate_size=8192, num_attention_heads=32,
+                               num_key_value_heads=8, max_position_embeddings=2048, vocab_size=128256,
+                               tie_word_embeddings=True, rope_theta=500000.0)),
+}
+# Vocabularies are padded to a multiple of this for the matmul kernels, as nanoGPT and llm.c do (50,257 ->
+# 50,304 for GPT-2); the padded rows' logits are -inf, so they never win nor take probability.
+VOCAB_MULTIPLE = 64
+NO_DROPOUT = {"gpt2": dict(resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=None, eos_token_id=None),
+              "bert": dict(hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0),
+              "llama": dict(attention_dropout=0.0)}
+PRESET_ARCHITECTURES = {"gpt2": "GPT2LMHeadModel", "bert": "BertForSequenceClassification",
+                        "llama": "LlamaForCausalLM"}
+
+
+@dataclass
+class HFSpec:
+    """A transformers model before it is built: its config, where weights come from, what it is for."""
+    config: object
+    pretrained: str
+    """A save_pretrained folder or hub name to load weights (and a tokenizer) from; '' builds from the config."""
+    task: str
+    max_positions: int
+
+
+def _task_of(config) -> str:
+    """The task a config's architecture was saved for; if it names none, causal LM for decoder-only families."""
+    from transformers import MODEL_FOR_CAUSAL_LM_MAPPING, MODEL_FOR_MASKED_LM_MAPPING
+    arch = (config.architectures or [""])[0]
+    if arch.endswith("ForSequenceClassification"):
+        return "sequence_classification"
+    if arch.endswith(("LMHeadModel", "ForCausalLM")):
+        return "causal_lm"
+    decoder_only = type(config) in MODEL_FOR_CAUSAL_LM_MAPPING and type(config) not in MODEL_FOR_MASKED_LM_MAPPING
+    return "causal_lm" if decoder_only else "sequence_classification"
+
+
+def hf_spec(name: str):
+    """The HFSpec for a preset, a save_pretrained folder or a hub name; None for image models."""
+    if name in BUILTIN:  # before importing torchvision, which takes seconds
+        return None
+    import torchvision
+    if name in torchvision.models.list_models(module=torchvision.models):
+        return None
+    from transformers import AutoConfig
+    if name in PRESETS:
+        family, shape = PRESETS[name]
+        config, source = AutoConfig.for_model(family, **shape, **NO_DROPOUT[family]), ""
+        config.architectures = [PRESET_ARCHITECTURES[family]]
+        pad_vocab(config)
+    elif Path(name).is_dir():
+        if not (Path(name) / "config.json").is_file():
+            raise UserError(f"model folder {name} has no config.json; pass a folder written by save_pretrained")
+        try:
+            config, source = AutoConfig.from_pretrained(name), name
+        except (OSError, ValueError, KeyError) as e:
+            raise UserError(f"{Path(name) / 'config.json'} cannot be read ({first_line(e)}): the folder may be "
+                            f"damaged or cut short; write it again with save_pretrained, or copy it again") from None
+    else:
+        try:
+            config, source = AutoConfig.from_pretrained(name), name
+        except Exception:
+            raise UserError(f"unknown model {name!r}: not cnn, mlp, a torchvision classifier (resnet18, ...), a preset "
+                            f"({', '.join(PRESETS)}), a save_pretrained folder, nor a hub model that can be "
+                            f"reached now") from None
+    positions = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", 0)
+    return HFSpec(config, source, _task_of(config), positions)
+
+
+def pad_vocab(config):
+    """Round the config's vocabulary up to a multiple of VOCAB_MULTIPLE, keeping the real size beside it."""
+    real = config.vocab_size
+    config.vocab_size = -(-real // VOCAB_MULTIPLE) * VOCAB_MULTIPLE
+    if config.vocab_size != real:
+        config.unpadded_vocab_size = real
+
+
+def vocab_size(config) -> int:
+    """Tokens a config's model really has: its vocabulary without the padding rows."""
+    return getattr(config, "unpadded_vocab_size", None) or config.vocab_size
+
+
+class HFLogits(nn.Module):
+    """A transformers model that returns its logits alone, so the loop treats it like any classifier."""
+
+    def __init__(self, hf, real_vocab: int = 0):
+        super().__init__()
+        self.hf = hf
+        self.real_vocab = real_vocab  # language models with a padded vocabulary: the tokens past it are masked
+
+    @property
+    def config(self):
+        """The transformers config: DeepSpeed AutoTP reads the model family's tensor-parallel plan from it."""
+        return self.hf.config
+
+    @property
+    def _tp_plan(self):
+        """The model's own tensor-parallel plan (its output layer's entry lives only here), for AutoTP."""
+        return self.hf.__dict__.get("_tp_plan") or getattr(type(self.hf), "_tp_plan", None)
+
+    def forward(self, input_ids, attention_mask=None):
+        logits = self.hf(input_ids=input_ids, attention_mask=attention_mask).logits
+        if self.real_vocab:
+            logits[..., self.real_vocab:] = float("-inf")  # in place: no second copy of the logits
+        return logits
+
+
+def hf_class(task: str):
+    """The transformers Auto class for a task."""
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
+    return AutoModelForCausalLM if task == "causal_lm" else AutoModelForSequenceClassification
+
+
+def build_hf(spec: HFSpec, info: DataInfo, tokenizer, ds_config: dict) -> nn.Module:
+    """The transformers model, its parameters partitioned as they are made when ds_config is ZeRO-3."""
+    config = copy.deepcopy(spec.config)
+    config.update({"bos_token_id": tokenizer.bos_token_id, "eos_token_id": tokenizer.eos_token_id,
+                   "pad_token_id": tokenizer.pad_token_id, "use_cache": False})
+    if info.task == "sequence_classification" and config.num_labels != info.num_classes:
+        config.id2label = {i: str(i) for i in range(info.num_classes)}
+        config.label2id = {str(i): i for i in range(info.num_classes)}
+    zero3 = ds_config.get("zero_optimization", {}).get("stage", 0) == 3
+    if zero3:  # from_config / from_pretrained then build under deepspeed.zero.Init
+        from transformers.integrations import HfDeepSpeedConfig
+        alive = HfDeepSpeedConfig(ds_config)  # noqa: F841 (transformers holds only a weak reference)
+    cls = hf_class(info.task)
+    if spec.pretrained:
+        from safetensors import SafetensorError
+        try:
+            hf = cls.from_pretrained(spec.pretrained, config=config,  # a new classifier head may differ in size
+                                     ignore_mismatched_sizes=info.task == "sequence_classification")
+        except (OSError, ValueError, RuntimeError, SafetensorError) as e:  # however the file format says it
+            raise UserError(f"{folder_files(spec.pretrained, WEIGHT_FILES)} cannot be read ({first_line(e)}): the "
+                            f"folder may be damaged or cut short; write it again with save_pretrained, or copy it "
+                            f"again") from None
+    else:
+        hf = cls.from_config(config)
+    hf.config.architectures = [type(hf).__name__]
+    padded = info.task == "causal_lm" and vocab_size(config) < config.vocab_size
+    return HFLogits(hf, vocab_size(config) if padded else 0)
+
+
+HF_FILES = "hf"  # a checkpoint's folder for the config and tokenizer, for export in save_pretrained form
+WEIGHT_FILES = ("*.safetensors", "*.bin", "*.safetensors.index.json", "*.bin.index.json")
+
+
+def save_hf_files(config, tokenizer, folder):
+    """The config and tokenizer that make a checkpoint exportable in save_pretrained form."""
+    config.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+
+
+def train_flops_per_token(model: nn.Module, seq_len: int) -> float:
+    """6 x parameters in matmuls + 12 x layers x width x sequence (forward and backward; PaLM, appendix B).
+
+    Embedding lookups are not matmuls; an output layer tied to the input embedding is.
+    """
+    hf = model.hf
+    out, tied = hf.get_output_embeddings(), set()
+    if out is not None:
+        tied.add(id(out.weight))
+    lookups = {id(m.weight) for m in hf.modules() if isinstance(m, nn.Embedding)} - tied
+    params = sum(getattr(p, "ds_numel", p.numel()) for p in hf.parameters() if id(p) not in lookups)
+    return 6.0 * params + 12.0 * hf.config.num_hidden_layers * hf.config.hidden_size * seq_len
+
+
+def model_names() -> list:
+    """Every name --model accepts besides folders and hub names."""
+    import torchvision
+    return sorted(BUILTIN) + sorted(PRESETS) + torchvision.models.list_models(module=torchvision.models)
+
+
+def build_model(name: str, info: DataInfo) -> nn.Module:
+    """The image model called name (a built-in or a torchvision classifier), shaped for the data info describes."""
+    if name in BUILTIN:
+        return BUILTIN[name](info)
+    import torchvision
+    if name in torchvision.models.list_models(module=torchvision.models):
+        return _torchvision(name, info)
+    raise UserError(f"unknown model {name!r}; choose cnn, mlp or a torchvision classifier such as resnet18 "
+                    f"(python -c 'import torchvision; print(torchvision.models.list_models())')")
+
+
+def counted_flops_per_sample(model: nn.Module, info: DataInfo) -> float:
+    """Training FLOPs of one image sample, counted by torch on a forward and backward pass of two."""
+    from torch.utils.flop_counter import FlopCounterMode
+    x = torch.randn(2, info.in_channels, info.image_size, info.image_size)
+    with FlopCounterMode(display=False) as counter:
+        model(x).sum().backward()
+    model.zero_grad(set_to_none=True)
+    return counter.get_total_flops() / 2

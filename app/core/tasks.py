@@ -1,0 +1,173 @@
+"""One small object per kind of job: image classification, causal language modelling, sequence classification.
+
+Each builds its data and model and owns its loss, its metrics, its FLOPs per sample and the extra files its
+checkpoints carry, so train.py and the loop call it without knowing which kind of job it is.
+"""
+import math
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from app.distributed import dist
+from app.core import models
+from app.settings import Settings
+from app.data import DataInfo, TextModel
+from app.errors import UserError
+
+TEXT_TASKS = ("causal_lm", "sequence_classification")
+
+
+def class_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Cross entropy of each sample, in fp32."""
+    return F.cross_entropy(logits.float(), labels, reduction="none")
+
+
+def class_correct(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """1.0 where the top class is the label, else 0.0."""
+    return (logits.argmax(-1) == labels).float()
+
+
+def _next_token(logits: torch.Tensor, labels: torch.Tensor):
+    """Language-model logits as rows (batch x positions, vocab), each paired with the token it predicts."""
+    return logits[:, :-1].reshape(-1, logits.size(-1)), labels[:, 1:].reshape(-1)
+
+
+def next_token_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Each sample's mean next-token cross entropy, in fp32."""
+    rows, targets = _next_token(logits, labels)
+    return F.cross_entropy(rows.float(), targets, reduction="none").view(len(logits), -1).mean(1)
+
+
+def next_token_correct(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Each sample's share of next tokens predicted right."""
+    rows, targets = _next_token(logits, labels)
+    return (rows.argmax(-1) == targets).float().view(len(logits), -1).mean(1)
+
+
+class ImageClassification:
+    """A torchvision dataset or a built-in one, a built-in or torchvision classifier."""
+    name = "image_classification"
+    loss = staticmethod(class_loss)
+    correct = staticmethod(class_correct)
+    tokens_per_sample = 0
+    bench_batch = 32
+    """The global batch app.tools.bench uses unless told."""
+
+    def __init__(self, settings: Settings):
+        self.settings = settings
+
+    def build_data(self, output_dir: Path) -> tuple:
+        """(train set, eval set, DataInfo)."""
+        from app.data.images import build_image_sets, unreadable_images
+        with dist.main_process_first():  # rank 0 downloads, the others then read its files
+            sets = build_image_sets(self.settings.dataset, self.settings.data_dir, self.settings.image_size)
+        problem = dist.broadcast_object(unreadable_images(*sets[:2]) if dist.is_main() else "")  # before any write
+        if problem:
+            raise UserError(problem)
+        return sets
+
+    def sample_data(self, samples: int, seq_len: int) -> tuple:
+        """(train set, DataInfo) for benchmarks, whatever the size asked: the digits for the built-in models,
+        3x32x32 synthetic images for torchvision classifiers."""
+        from app.data.images import build_image_sets
+        return build_image_sets("digits" if self.settings.model in models.BUILTIN else "synthetic", "data")[::2]
+
+    def build_model(self, info: DataInfo, ds_config: dict) -> nn.Module:
+        return models.build_model(self.settings.model, info)
+
+    def flops_per_sample(self, model: nn.Module, info: DataInfo) -> float:
+        """Training FLOPs of one sample, counted on a forward and backward pass."""
+        return models.counted_flops_per_sample(model, info)
+
+    def eval_metrics(self, loss: float) -> dict:
+        return {}
+
+    def save_files(self, folder: Path):
+        """Extra files a checkpoint carries: none, the weights are the whole model."""
+
+
+class TextTask:
+    """What the transformers tasks share: text data through a tokenizer, the model from its HFSpec."""
+    name = ""
+    bench_batch = 16
+
+    def __init__(self, settings: Settings, spec: models.HFSpec):
+        self.settings, self.spec = settings, spec
+        self.tokenizer, self.config, self.tokens_per_sample = None, None, 0
+
+    def build_data(self, output_dir: Path) -> tuple:
+        """(train set, eval set, DataInfo), tokenized once on the main rank and cached."""
+        from app.data.images import BUILDERS
+        from app.data.text import build_text_sets
+        if self.settings.dataset in BUILDERS:
+            raise UserError(f"{self.settings.model} is a transformers model and trains on text, not "
+                            f"{self.settings.dataset}; pass --dataset <.txt/.json/.jsonl/.csv/.parquet file or "
+                            f"folder, or a hub dataset>")
+        train_set, eval_set, info, self.tokenizer = build_text_sets(self.settings, self.text_model(), self.name,
+                                                                    output_dir)
+        self.tokens_per_sample = info.seq_len
+        return train_set, eval_set, info
+
+    def text_model(self) -> TextModel:
+        return TextModel(self.spec.pretrained, models.vocab_size(self.spec.config), self.spec.max_positions)
+
+    def build_model(self, info: DataInfo, ds_config: dict) -> nn.Module:
+        model = models.build_hf(self.spec, info, self.tokenizer, ds_config)
+        self.config = model.hf.config  # not the model: a pipeline stage keeps only its own layers
+        return model
+
+    def flops_per_sample(self, model: nn.Module, info: DataInfo) -> float:
+        """Training FLOPs of one sample from the transformer formula (app/core/models.py)."""
+        return models.train_flops_per_token(model, info.seq_len) * info.seq_len
+
+    def eval_metrics(self, loss: float) -> dict:
+        return {}
+
+    def save_files(self, folder: Path):
+        """The config and tokenizer that make the checkpoint exportable in save_pretrained form."""
+        models.save_hf_files(self.config, self.tokenizer, folder / models.HF_FILES)
+
+
+class CausalLM(TextTask):
+    """Next-token prediction on blocks of text."""
+    name = "causal_lm"
+    loss = staticmethod(next_token_loss)
+    correct = staticmethod(next_token_correct)
+
+    def eval_metrics(self, loss: float) -> dict:
+        return {"eval_perplexity": math.exp(min(loss, 700))}
+
+    def sample_data(self, samples: int, seq_len: int) -> tuple:
+        """(train set, DataInfo) for benchmarks: random token blocks, the byte-level tokenizer's ids for the model."""
+        from app.data.tokenizers import byte_tokenizer
+        self.tokenizer = byte_tokenizer()
+        vocab = models.vocab_size(self.spec.config)
+        blocks = torch.randint(vocab, (samples, seq_len), generator=torch.Generator().manual_seed(0))
+        self.tokens_per_sample = seq_len
+        return torch.utils.data.TensorDataset(blocks, blocks), DataInfo(0, task=self.name, vocab_size=vocab,
+                                                                        seq_len=seq_len)
+
+
+class SequenceClassification(TextTask):
+    """One label per row of text."""
+    name = "sequence_classification"
+    loss = staticmethod(class_loss)
+    correct = staticmethod(class_correct)
+
+    def sample_data(self, samples: int, seq_len: int) -> tuple:
+        raise UserError("the benchmark runs image classifiers and causal language models; "
+                        f"{self.settings.model} is a sequence classifier")
+
+
+def build(settings: Settings):
+    """The task for settings.model and settings.task ('auto': the model's own)."""
+    spec = models.hf_spec(settings.model)
+    if settings.task != "auto" and (spec is None or settings.task not in TEXT_TASKS):
+        kinds = "transformers models" if spec is not None else "image models (leave --task auto)"
+        raise UserError(f"--task {settings.task!r} is not one of auto, {', '.join(TEXT_TASKS)} for {kinds}")
+    if spec is None:
+        return ImageClassification(settings)
+    name = spec.task if settings.task == "auto" else settings.task
+    return (CausalLM if name == "causal_lm" else SequenceClassification)(settings, spec)

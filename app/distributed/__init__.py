@@ -1,0 +1,1 @@
+"""Ranks and processes: launch time (launch.py) apart from run time (dist.py), stop requests (preemption.py), what processes send each other (wire.py), what node shells are handed (node_shell.py), test fault points (faults.py)."""

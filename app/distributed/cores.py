@@ -1,0 +1,8 @@
+"""The cores a process may use, for its CPU threads and its loader workers."""
+import os
+
+
+def usable_cores() -> int:
+    """The cores this process may run on: its CPU affinity, which Slurm's and containers' CPU limits set, where
+    os.cpu_count() counts every core of the machine."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1

@@ -1,0 +1,56 @@
+"""Every place the app touches torch's private modules, in one place: each may move or change between torch
+versions. Written against TORCH_WRITTEN_FOR (and run on 2.11 on a GPU machine)."""
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode  # the memory plan counts the bytes each op allocates
+from torch.utils._pytree import tree_flatten
+
+TORCH_WRITTEN_FOR = "2.14"
+DYNAMO_LOGGER = "torch._dynamo"
+__all__ = ["TorchDispatchMode", "tree_flatten", "default_store", "fake_tensor_mode", "dynamo_reset",
+           "is_dynamo_error", "compile_backward_with_forward", "inductor_refusing", "DYNAMO_LOGGER",
+           "TORCH_WRITTEN_FOR"]
+
+
+def default_store():
+    """The store the default process group started with, which torch.distributed keeps private."""
+    return torch.distributed.distributed_c10d._get_default_store()
+
+
+def fake_tensor_mode():
+    """A mode in which tensors have shapes and dtypes but no storage: models built in it allocate nothing."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    return FakeTensorMode()
+
+
+def dynamo_reset():
+    """Forget every compiled graph (the benchmark measures each mode's compile afresh)."""
+    import torch._dynamo
+    torch._dynamo.reset()
+
+
+def is_dynamo_error(error: BaseException) -> bool:
+    """Whether torch.compile's own machinery raised error (not the model's code run under it)."""
+    from torch._dynamo.exc import TorchDynamoException
+    return isinstance(error, TorchDynamoException)
+
+
+def compile_backward_with_forward():
+    """A context in which a compiled forward compiles its backward at once, not at the first backward (where a
+    failure would come after the gradient collectives started)."""
+    return torch._functorch.config.patch(force_non_lazy_backward_lowering=True)
+
+
+def inductor_refusing(refuse):
+    """A torch.compile backend: inductor, whose inner compile first calls refuse(is_backward) (which may raise),
+    with the on-disk caches off so that every graph reaches it."""
+    from torch._inductor.compile_fx import compile_fx, compile_fx_inner
+
+    def inner(graph, example_inputs, **kwargs):
+        refuse(kwargs.get("is_backward", False))
+        return compile_fx_inner(graph, example_inputs, **kwargs)
+
+    def backend(graph, example_inputs):
+        with torch._functorch.config.patch(enable_autograd_cache=False):
+            return compile_fx(graph, example_inputs, inner_compile=inner, config_patches={"fx_graph_cache": False})
+    return backend
+

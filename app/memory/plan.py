@@ -1,0 +1,199 @@
+"""The memory plan: what one rank of a data-parallel config holds, on its GPU and on the host, and what each sample
+of a micro batch adds, worked out from the model's shape alone (no weight is allocated, no GPU is needed).
+
+Model states follow DeepSpeed's own layout, as the engine holds it (checked against a real engine's tensors):
+ZeRO 1-2 partition the optimizer state and keep an fp32 master partition, a rank keeping the whole gradient of
+every parameter its partition touches; ZeRO-3 partitions each parameter on its own. Activations are measured:
+the model's forward and backward run under torch's FakeTensorMode, in the precision the config gets on a GPU,
+with activation checkpointing when the config asks, while a dispatch mode counts the bytes alive.
+"""
+import math
+import weakref
+from dataclasses import dataclass, field
+
+import torch
+
+from app.ds.internals import torch_private
+from app.parallel import activations
+from app.ds.config import fit_buckets, zero_stage
+
+FP32 = 4
+# What a GPU gives a run of its memory: the CUDA context and the caching allocator's fragmentation take the rest.
+USABLE = 0.92
+
+
+@dataclass
+class Plan:
+    """One config's bytes per rank; peak(micro) adds the activations of a micro batch."""
+    config: str
+    parameters: int
+    device: dict
+    """weights, gradients, optimizer (moments), masters (fp32 copies), working (buckets, gathered layers)."""
+    host: dict = field(default_factory=dict)
+    per_sample: int = 0
+    fixed: int = 0
+    """Activation bytes of one sample, and those a micro batch needs whatever its size (weights cast to bf16)."""
+
+    def states(self) -> int:
+        return sum(self.device.values())
+
+    def peak(self, micro: int) -> int:
+        """Predicted peak of the GPU's allocated bytes of one rank at this micro batch."""
+        return self.states() + self.fixed + micro * self.per_sample
+
+    def largest_micro(self, memory: int) -> int:
+        """The largest micro batch whose peak fits in memory bytes of GPU (0: not even one sample)."""
+        room = USABLE * memory - self.states() - self.fixed
+        return max(0, int(room // self.per_sample)) if self.per_sample else 0
+
+
+def _partition(total: int, ranks: int) -> int:
+    """Elements of one rank's partition of a flat ZeRO 1-2 buffer: equal parts, each a whole number of pairs."""
+    return 2 * math.ceil(total / ranks / 2) if ranks > 1 else total
+
+
+def _touched(sizes: list, rank: int, part: int) -> int:
+    """Elements of the parameters that overlap a rank's partition [rank * part, (rank + 1) * part): a ZeRO 1-2 rank
+    keeps each of their gradients whole until the step."""
+    start, total = 0, 0
+    for size in sizes:
+        if start < (rank + 1) * part and start + size > rank * part:
+            total += size
+        start += size
+    return total
+
+
+def model_states(sizes: list, ds: dict, ranks: int) -> tuple:
+    """({what: bytes} on the device, {what: bytes} on the host) of the largest rank's model states.
+
+    sizes: the model's parameter sizes in order. Weights in fp32 (autocast keeps them so) unless the config's
+    bf16 or fp16 section makes them 16-bit.
+    """
+    width = 2 if any((ds.get(name) or {}).get("enabled") is True for name in ("bf16", "fp16")) else FP32
+    stage, total = zero_stage(ds), sum(sizes)
+    zero = ds.get("zero_optimization") or {}
+    offload = ((zero.get("offload_optimizer") or {}).get("device") or "none") != "none"
+    offload_params = ((zero.get("offload_param") or {}).get("device") or "none") != "none"
+    if stage == 0:
+        return {"weights": width * total, "gradients": width * total, "optimizer": 2 * FP32 * total,
+                "masters": FP32 * total if width == 2 else 0}, {}
+    if stage == 3:
+        part = sum(math.ceil(size / ranks) for size in sizes)
+        grads = part
+    else:
+        part = _partition(total, ranks)
+        grads = max(_touched(sizes, rank, part) for rank in range(ranks))
+    weights = width * (part if stage == 3 else total)
+    optimizer = {"optimizer": 2 * FP32 * part, "masters": FP32 * part}
+    device = {"weights": weights, "gradients": width * grads}
+    host = {}
+    if offload:
+        host.update(optimizer, gradients=FP32 * part)
+        device["gradients"] = 0
+    else:
+        device.update(optimizer)
+    if offload_params:
+        host["weights"] = device.pop("weights")
+    return device, host
+
+
+# The modules whose weights DeepSpeed's torch_autocast communicates in the autocast dtype by default
+# (runtime/torch_autocast.py: the module's class exactly, not a subclass).
+LOWER_PRECISION_SAFE = ("Linear", "Conv1d", "Conv2d", "Conv3d")
+
+
+def comm_kinds(model) -> tuple:
+    """(whether the model has weights DeepSpeed's autocast would communicate in its dtype, whether it has others)."""
+    safe = {id(p) for m in model.modules() if type(m).__name__ in LOWER_PRECISION_SAFE and
+            type(m).__module__.startswith("torch.nn") for p in m.parameters(recurse=False)}
+    params = list(model.parameters())
+    return any(id(p) in safe for p in params), any(id(p) not in safe for p in params)
+
+
+def bucket_bytes(total: int, ds: dict, kinds: tuple = (True, True)) -> int:
+    """ZeRO's reduce buckets, as DeepSpeed allocates them: reduce_bucket_size elements each (the app caps an unset
+    size at the model's parameters: ds_config.fit_buckets), one per gradient communication dtype, two of each for
+    ZeRO 1-2 with overlap_comm. Under torch_autocast, Linear and Conv weights communicate in the autocast dtype
+    unless lower_precision_safe_modules is [] (kinds: comm_kinds of the model), so there may be two dtypes:
+    ZeRO 1-2's buckets hold the weights' dtype, ZeRO-3's each its own."""
+    zero = fit_buckets(ds, total).get("zero_optimization") or {}
+    elements, stage = int(zero["reduce_bucket_size"]), zero_stage(ds)
+    width = 2 if any((ds.get(name) or {}).get("enabled") is True for name in ("bf16", "fp16")) else FP32
+    autocast = ds.get("torch_autocast") or {}
+    lower, full = kinds if autocast.get("enabled") is True and autocast.get("lower_precision_safe_modules") != [] \
+        else (False, True)
+    if stage == 3:
+        return elements * (width * full + 2 * lower)
+    overlap = zero.get("overlap_comm", False) is True
+    return elements * width * (full + lower) * (2 if overlap else 1)
+
+
+def working_bytes(sizes: list, ds: dict, ranks: int, largest_block: int, kinds: tuple = (True, True)) -> int:
+    """The transient buffers of a step: the flat gradient all-reduce (ZeRO 0 on several ranks), ZeRO's reduce
+    buckets, ZeRO-3's gathered layers (the largest block and the next prefetched) and its parameters too small
+    to partition (kept whole on every rank)."""
+    stage, total = zero_stage(ds), sum(sizes)
+    zero = ds.get("zero_optimization") or {}
+    if stage == 0:
+        return FP32 * min(total, int(5e8)) if ranks > 1 else 0
+    bucket = bucket_bytes(total, ds, kinds)
+    if stage < 3:
+        return bucket
+    persistent = sum(size for size in sizes if size < int(zero.get("stage3_param_persistence_threshold", 1e5)))
+    prefetch = int(zero.get("stage3_prefetch_bucket_size", 5e7))
+    return bucket + FP32 * (min(total, 2 * largest_block + prefetch) + persistent)
+
+
+class LiveBytes(torch_private.TorchDispatchMode):
+    """Counts the bytes of every tensor storage made under it while they are alive, and their peak."""
+
+    def __init__(self):
+        super().__init__()
+        self.live, self.peak, self.seen = 0, 0, set()
+
+    def _freed(self, key, nbytes):
+        self.seen.discard(key)
+        self.live -= nbytes
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for tensor in torch_private.tree_flatten(out)[0]:
+            if isinstance(tensor, torch.Tensor):
+                storage = tensor.untyped_storage()
+                if storage._cdata not in self.seen:
+                    self.seen.add(storage._cdata)
+                    self.live += storage.nbytes()
+                    weakref.finalize(storage, self._freed, storage._cdata, storage.nbytes())
+        self.peak = max(self.peak, self.live)
+        return out
+
+
+def activation_bytes(build, inputs, loss, micro: int, dtype, checkpointed: bool, fake: bool = True) -> int:
+    """Peak bytes alive during a forward and backward of a micro batch, gradients excepted (each is dropped as it
+    arrives, as a ZeRO bucket takes it; the model states count them). build() makes the model, inputs(micro)
+    (inputs, labels), loss(logits, labels) per-sample losses; dtype: the autocast dtype (None: the weights')."""
+    import contextlib
+    with torch_private.fake_tensor_mode() if fake else contextlib.nullcontext():
+        model = build()
+        if checkpointed:
+            activations.checkpoint_blocks(model)
+        model.train()
+        for param in model.parameters():
+            param.register_post_accumulate_grad_hook(lambda p: setattr(p, "grad", None))
+        x, y = inputs(micro)
+        tracker = LiveBytes()
+        autocast = torch.autocast("cpu", dtype=dtype) if dtype else contextlib.nullcontext()
+        with tracker:
+            with autocast:
+                total = loss(model(*x), y).sum()
+            total.backward()
+        return tracker.peak
+
+
+def plan(config: str, ds: dict, ranks: int, sizes: list, largest_block: int, measured: tuple,
+         kinds: tuple = (True, True)) -> Plan:
+    """The Plan of one config: measured is (bytes of one sample, bytes of a micro batch whatever its size); kinds:
+    comm_kinds of the model."""
+    device, host = model_states(sizes, ds, ranks)
+    device["working"] = working_bytes(sizes, ds, ranks, largest_block, kinds)
+    return Plan(config, sum(sizes), device, host, *measured)

@@ -1,0 +1,178 @@
+"""Meters reduced across ranks, throughput and model FLOP utilisation, peak memory, the training clock.
+The rank-0 sinks (progress bar, CSV, TensorBoard, summary, plot) live in app/observe/runlog.py."""
+import contextlib
+import resource
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from app.distributed import dist
+
+
+
+class Meter:
+    """Sums and counts kept on the device (no host sync per step), reduced across ranks on read."""
+
+    def __init__(self, names, device):
+        self.names = list(names)
+        self.totals = torch.zeros(len(self.names) + 1, dtype=torch.float64, device=device)
+
+    def add(self, count: torch.Tensor, **sums: torch.Tensor):
+        """Add per-batch sums (tensors) and the number of samples they cover."""
+        self.totals[-1] += count
+        for i, name in enumerate(self.names):
+            self.totals[i] += sums[name]
+
+    def reduce(self) -> dict:
+        """Global means over every rank since the last reset, plus the global 'count'; then reset."""
+        totals = dist.host_sum(self.totals.tolist())  # read on the host once per log row, summed on the host group
+        self.totals.zero_()
+        count = totals[-1]
+        result = {name: totals[i] / count if count else float("nan") for i, name in enumerate(self.names)}
+        result["count"] = count
+        return result
+
+
+@dataclass
+class Throughput:
+    """Turns samples per second into tokens per second and model FLOP utilisation where they apply."""
+    tokens_per_sample: int = 0
+    flops_per_sample: float = 0.0
+    peak_flops: float = 0.0
+    """FLOP/s of all ranks together."""
+
+    def rates(self, samples: float, seconds: float) -> dict:
+        """samples_per_s, and tokens_per_s and mfu when known."""
+        per_s = samples / seconds if seconds else 0.0
+        rates = {"samples_per_s": per_s}
+        if self.tokens_per_sample:
+            rates["tokens_per_s"] = per_s * self.tokens_per_sample
+        if self.flops_per_sample and self.peak_flops:
+            rates["mfu"] = per_s * self.flops_per_sample / self.peak_flops
+        return rates
+
+
+def matmul_flops(device: torch.device, dtype: torch.dtype, seconds: float = 0.5) -> float:
+    """FLOP/s of square matmuls in dtype on device with this process's threads, measured for about `seconds`.
+
+    It times F.linear, the kernel nn.Linear layers run: on CPU, bf16 torch.matmul takes a path ten
+    times slower than the one linear layers get, which would make utilisation look above 1. On a GPU
+    the products are queued in chunks and the device synchronised once per chunk, not per product.
+    """
+    cuda = device.type == "cuda"
+    n, chunk = (4096, 20) if cuda else (1024, 1)
+    a, b = (torch.randn(n, n, device=device).to(dtype) for _ in range(2))
+    F.linear(a, b)  # warm-up: kernels chosen, memory allocated
+    _synchronize(device)
+    count, start = 0, time.perf_counter()
+    while time.perf_counter() - start < seconds:
+        for _ in range(chunk):
+            F.linear(a, b)
+        count += chunk
+        _synchronize(device)
+    return 2.0 * n ** 3 * count / (time.perf_counter() - start)
+
+
+def _synchronize(device: torch.device):
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+# Dense (no sparsity) tensor-core peaks from the vendors' datasheets, FLOP/s per GPU, (bf16 and fp16, fp32 as
+# TF32 matmuls), by exact part: the PCIe and NVL parts of a name run slower clocks and fewer SMs than its SXM.
+# Papers report MFU against these; the app's own MFU uses a measured matmul.
+DATASHEET_PARTS = (
+    (r"H100.*NVL", (835.5e12, 417.5e12)),
+    (r"H100.*PCIe", (756.5e12, 378.0e12)),
+    (r"H100.*(SXM|HBM3)|GH200", (989.4e12, 494.7e12)),
+    (r"H200.*NVL", (835.5e12, 417.5e12)),
+    (r"H200", (989.4e12, 494.7e12)),
+    (r"A100", (312.0e12, 156.0e12)),
+)
+
+
+def datasheet_peak(name: str, dtype: torch.dtype):
+    """The dense datasheet peak of the GPU called name (torch.cuda.get_device_name) in dtype, or None when
+    the part is not known exactly."""
+    import re
+    for pattern, (half, tf32) in DATASHEET_PARTS:
+        if re.search(pattern, name):
+            return {torch.bfloat16: half, torch.float16: half, torch.float32: tf32}.get(dtype)
+    return None
+
+
+def datasheet_flops(device: torch.device, dtype: torch.dtype):
+    """The datasheet's dense peak of this GPU in dtype, or None for CPUs and GPUs not known exactly."""
+    if device.type != "cuda":
+        return None
+    return datasheet_peak(torch.cuda.get_device_name(device), dtype)
+
+
+def peak_memory_bytes(device: torch.device) -> int:
+    """Largest memory this rank has held: CUDA allocator peak on GPU, max resident set on CPU."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device)
+    try:  # VmHWM, unlike ru_maxrss, follows reset_peak_memory and excludes the pre-exec parent of a spawned rank
+        with open("/proc/self/status") as f:
+            return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:"))
+    except (OSError, StopIteration):
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+MEMORY_ADVICE = ("lower train_micro_batch_size_per_gpu in the ds_config (\"auto\" with train_batch_size finds the "
+                 "largest that fits), add \"activation_checkpointing\": {}, or take a config that holds less per "
+                 "rank: python -m app.tools.plan shows which fits")
+"""What to change when a run's step runs out of memory."""
+
+
+def out_of_memory(error: BaseException) -> str:
+    """What ran out, when error (or what it was raised from) is an out-of-memory error of the device or of the
+    CPU allocator (which says it in a RuntimeError); else ''."""
+    while error is not None:
+        if isinstance(error, torch.OutOfMemoryError):
+            return (str(error).strip().splitlines() or ["out of memory"])[0][:200]
+        if isinstance(error, RuntimeError) and "can't allocate memory" in str(error):
+            said = (str(error).strip().splitlines() or [""])[0].split("DefaultCPUAllocator: ")[-1][:160]
+            return said if "out of memory" in said.lower() else f"out of memory ({said})"
+        error = error.__cause__ or error.__context__
+    return ""
+
+
+def reset_peak_memory(device: torch.device):
+    """Start peak_memory_bytes afresh from what this rank holds now (Linux on CPU: clear_refs 5)."""
+    import gc
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+        return
+    try:
+        import ctypes
+        ctypes.CDLL("libc.so.6").malloc_trim(0)  # hand freed heap back, so the new peak starts from live memory
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        pass
+
+
+class Stopwatch:
+    """Training time between laps, leaving out the time spent inside paused() blocks (evaluation, saving)."""
+
+    def __init__(self):
+        self.start = time.perf_counter()
+
+    def lap(self) -> float:
+        """Seconds since the last lap (or the start), paused time excluded."""
+        now = time.perf_counter()
+        elapsed, self.start = now - self.start, now
+        return elapsed
+
+    @contextlib.contextmanager
+    def paused(self):
+        began = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.start += time.perf_counter() - began

@@ -1,0 +1,1 @@
+"""How ranks are laid out: data parallel, pipeline stages, tensor-parallel shards (layout.py picks), and activation checkpointing."""

@@ -1,0 +1,57 @@
+"""How a run lays out its ranks: data parallel alone, pipeline stages (app/parallel/pipeline.py) or tensor-parallel shards
+(app/parallel/tensor_parallel.py), each with data-parallel replicas. train.py asks this module, not the two."""
+from dataclasses import dataclass
+
+from app.core import step as compiler
+from app.parallel import activations, pipeline
+from app.parallel import tensor_parallel
+
+
+@dataclass
+class Layout:
+    split: object
+    """The pipeline.Plan, or None when the model is not split into stages."""
+    tensor: int
+    """Tensor-parallel degree (1: none)."""
+    replica: int
+    """This rank's data-parallel replica: which shard of the data it loads."""
+    replicas: int
+    """Data-parallel replicas: the world size over stages or tensor-parallel degree."""
+
+    def prepare(self, model, task, model_name: str, ds: dict) -> tuple:
+        """(the module the engine trains, extra(folder) files rank 0 saves, every_rank(engine, folder) or None):
+        the model (its blocks checkpointed where the JSON asks), this rank's pipeline stage of it, or the model
+        AutoTP will shard."""
+        model = activations.apply(model, ds)
+        if self.split:
+            module, names = pipeline.split(model, model_name, self.split, task)
+            return module, lambda folder: (task.save_files(folder), pipeline.save_layout(names, folder)), None
+        if self.tensor > 1:
+            tensor_parallel.check_model(model, model_name)
+            return model, task.save_files, tensor_parallel.save_full_weights
+        return model, task.save_files, None
+
+    def engine_config(self, ds: dict) -> dict:
+        return tensor_parallel.engine_config(ds, self.tensor)
+
+    def forward(self, engine, task, compile_model: bool):
+        """What the loop runs: whole batches through the pipeline's schedule, else micro steps."""
+        return (pipeline.PipeForward if self.split else compiler.Forward)(engine, task, compile_model)
+
+    def describe(self, engine) -> str:
+        """The start-up line of a model-parallel run ('' for data parallel alone)."""
+        if self.split:
+            return pipeline.describe(engine)
+        if self.tensor > 1:
+            return (f"tensor parallel: DeepSpeed AutoTP shards each layer across {self.tensor} ranks x "
+                    f"{self.replicas} data-parallel replica(s)")
+        return ""
+
+
+def layout(ds: dict, world_size: int, rank: int, where: str) -> Layout:
+    """The layout the JSON asks for on this world, checked before anything is built."""
+    split = pipeline.plan(ds, world_size, where)
+    tensor = tensor_parallel.size(ds, world_size, where)
+    replica, replicas = (pipeline.data_parallel(split, world_size, rank) if split else
+                         tensor_parallel.data_parallel(tensor, world_size, rank))
+    return Layout(split, tensor, replica, replicas)

@@ -1,0 +1,147 @@
+"""The app's own Settings (what DeepSpeed's JSON does not own) and the command line."""
+import argparse
+from dataclasses import asdict, dataclass, fields
+
+from app.distributed import dist
+from app.ds.config import DEFAULT_DS_CONFIG, load_ds_config
+from app.errors import UserError
+
+
+@dataclass
+class Settings:
+    """What the app itself owns; everything about optimisation lives in the DeepSpeed JSON."""
+    model: str = "cnn"
+    """cnn, mlp, a torchvision classifier (resnet18, ...), a transformers preset (gpt2-tiny, gpt2-124m, bert-tiny),
+    a save_pretrained folder, or a hub model name."""
+    dataset: str = "digits"
+    """Images: digits, synthetic, mnist, fashion_mnist, cifar10, imagefolder. Text (transformers models): a
+    .txt/.json/.jsonl/.csv/.parquet file or a folder of them, or a hub dataset name."""
+    task: str = "auto"
+    """Text: causal_lm or sequence_classification; auto takes the model's own (presets: gpt2-* causal_lm,
+    bert-tiny sequence_classification; folders and hub models: the architecture in their config)."""
+    tokenizer: str = ""
+    """Text: '' uses the model folder's tokenizer, else a byte-level one built locally; 'bytes'; 'bpe' (trained on
+    the data up to the model's vocabulary); or a tokenizer folder or hub name. Saved in output_dir/tokenizer."""
+    block_size: int = 0
+    """Text: tokens per language-model block, or the length rows are cut to for classification (0: the model's
+    positions, at most 1024)."""
+    text_column: str = ""
+    """Text: the column holding the text (default: 'text', or the only string column)."""
+    label_column: str = ""
+    """Text classification: the column holding the label (default: 'label' or 'labels')."""
+    dataset_config: str = ""
+    """Text: the configuration name of a hub dataset (e.g. wikitext-2-raw-v1)."""
+    eval_file: str = ""
+    """Text: a file of held-out rows; otherwise the dataset's validation/test split, else --eval_fraction."""
+    eval_fraction: float = 0.1
+    """Text: share of the training rows held out when there is no --eval_file or validation split."""
+    peak_flops: float = 0.0
+    """FLOP/s one rank can reach, for model FLOP utilisation; 0 measures a matmul at start-up."""
+    data_dir: str = "data"
+    """Where torchvision datasets live (downloaded there when online) and ImageFolder reads."""
+    image_size: int = 224
+    """Side in pixels that ImageFolder images are resized and cropped to."""
+    epochs: int = 10
+    """Passes over the training set (ignored when max_steps is set)."""
+    max_steps: int = 0
+    """Optimizer steps to run, across epochs; 0 means train for --epochs."""
+    eval_interval: int = 0
+    """Evaluate every N optimizer steps; 0 means at the end of each epoch. Always at the end."""
+    log_interval: int = 10
+    """Write a metrics row (and a log line) every N optimizer steps."""
+    output_dir: str = ""
+    """Directory for metrics, plots and TensorBoard files; default runs/<dataset>-<model>-<time>."""
+    overwrite: bool = False
+    """Allow writing into an output_dir that already holds a run."""
+    save_interval: int = 0
+    """Save a checkpoint every N optimizer steps (0: only at the end, which always saves)."""
+    keep_last: int = 3
+    """Keep the newest K complete checkpoints (0 keeps all)."""
+    resume: str = ""
+    """'auto': continue from the newest complete checkpoint in output_dir (fresh if none); or a checkpoint path."""
+    seed: int = 42
+    """Seed for model initialisation and data order (identical on every rank)."""
+    num_workers: int = -1
+    """DataLoader worker processes per rank; -1 (auto): on a GPU up to 4 (a core left for training) for data
+    read or decoded per sample, 0 for data already in memory and on a CPU, whose cores train."""
+    pin_memory: str = "auto"
+    """Pinned host memory for batches, so copies to the GPU overlap compute: on, off, or auto (on with CUDA)."""
+    single_process: bool = False
+    """Without a launcher, stay in one process even when several GPUs are present."""
+    grace_period: int = 60
+    """Seconds a SIGTERM/SIGINT'd run may take to finish its step and save before it is ended."""
+    dist_timeout: int = 600
+    """Seconds a collective may wait before the run fails instead of hanging."""
+    compile: str = "auto"
+    """torch.compile the model and its loss through engine.compile: on, off, or auto (on with a CUDA device,
+    off on CPU, where the compile time is not won back; README "Compile")."""
+    tf32: str = "on"
+    """fp32 runs on CUDA: 'on' lets matmuls and convolutions use TF32 tensor cores, 'off' keeps full fp32."""
+    deepspeed_config: str = str(DEFAULT_DS_CONFIG)
+    """Path of the DeepSpeed JSON file."""
+
+    def __post_init__(self):
+        for name in ("epochs", "log_interval", "dist_timeout", "image_size", "grace_period"):
+            if getattr(self, name) < 1:
+                raise UserError(f"--{name} must be at least 1, got {getattr(self, name)}")
+        for name in ("max_steps", "eval_interval", "save_interval", "keep_last", "block_size", "peak_flops"):
+            if getattr(self, name) < 0:
+                raise UserError(f"--{name} must be 0 or more, got {getattr(self, name)}")
+        if self.num_workers < -1:
+            raise UserError(f"--num_workers must be -1 (auto) or more, got {self.num_workers}")
+        for name, allowed in (("compile", ("auto", "on", "off")), ("tf32", ("on", "off")),
+                              ("pin_memory", ("auto", "on", "off"))):
+            if getattr(self, name) not in allowed:
+                raise UserError(f"--{name} must be one of {', '.join(allowed)}, got {getattr(self, name)!r}")
+        if not 0 < self.eval_fraction < 1:
+            raise UserError(f"--eval_fraction must be between 0 and 1, got {self.eval_fraction}")
+
+
+def _field_help():
+    """One help line per Settings field, taken from the docstring under it."""
+    import ast
+    import inspect
+    tree = ast.parse(inspect.getsource(Settings))
+    body = tree.body[0].body
+    helps = {}
+    for node, nxt in zip(body, body[1:]):
+        if isinstance(node, ast.AnnAssign) and isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant):
+            helps[node.target.id] = nxt.value.value
+    return helps
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The command line: one flag per Settings field plus DeepSpeed's own arguments."""
+    import deepspeed
+    parser = argparse.ArgumentParser(
+        prog="train.py",
+        description="Train a PyTorch model through DeepSpeed. The JSON given by --deepspeed_config "
+                    "owns optimizer, scheduler, precision, ZeRO and batch sizes; these flags own the rest.")
+    helps = _field_help()
+    for f in fields(Settings):
+        if f.name == "deepspeed_config":
+            continue
+        flag = f"--{f.name}"
+        if f.type is bool or isinstance(f.default, bool):
+            parser.add_argument(flag, action="store_true", help=helps[f.name])
+        else:
+            kind = type(f.default)
+            parser.add_argument(flag, type=kind, default=f.default, help=f"{helps[f.name]} (default: {f.default!r})")
+    parser.add_argument("--local_rank", type=int, default=-1,
+                        help="Set by the deepspeed launcher; the app reads LOCAL_RANK itself.")
+    deepspeed.add_config_arguments(parser)
+    return parser
+
+
+def parse(argv=None):
+    """Parse argv into Settings and a checked DeepSpeed dict (world size not applied yet)."""
+    args = build_parser().parse_args(argv)
+    values = {f.name: getattr(args, f.name) for f in fields(Settings) if f.name != "deepspeed_config"}
+    values["deepspeed_config"] = args.deepspeed_config or str(DEFAULT_DS_CONFIG)
+    settings = Settings(**values)
+    return settings, load_ds_config(settings.deepspeed_config, resolve=False, say=dist.print0)  # precision: once the device is set
+
+
+def settings_dict(settings: Settings) -> dict:
+    """Settings as a plain dict, for the run's saved record."""
+    return asdict(settings)
