@@ -14,9 +14,9 @@ import torch
 
 from app.memory import autobatch
 from app.checkpoint import save as checkpoint
-from app.core import step as compiler
+from app.core import compiling
 from app import settings as config
-from app.distributed import dist
+from app.distributed import dist, endings
 from app.ds import auto as ds_auto
 from app.ds import config as ds_config
 from app.ds import internals as ds_internals
@@ -74,7 +74,7 @@ def throughput_for(task, flops: float, engine, settings: Settings) -> metrics.Th
         return metrics.Throughput()
     dist.barrier()  # every rank measures at once, as they will share the machine while training
     per_rank = settings.peak_flops or \
-        dist.host_sum([metrics.matmul_flops(engine.device, compiler.compute_dtype(engine))])[0] / dist.world_size()
+        dist.host_sum([metrics.matmul_flops(engine.device, precision.compute_dtype(engine))])[0] / dist.world_size()
     dist.print0(f"throughput: {flops / task.tokens_per_sample / 1e6:.1f} MFLOP per token trained, peak "
                 f"{per_rank / 1e9:.1f} GFLOP/s per rank ({'--peak_flops' if settings.peak_flops else 'measured'})")
     return metrics.Throughput(task.tokens_per_sample, flops, per_rank * dist.world_size())
@@ -93,6 +93,7 @@ def main(argv=None) -> int:
     except UserError as e:
         return report(e)
     finally:
+        endings.close()
         dist.teardown()
 
 
@@ -100,11 +101,9 @@ def run(settings: Settings, ds: dict, world: World, started: float) -> int:  # l
     """One training job inside an existing process group: build, resume, fit, summarise."""
     stop = None
     try:
-        ds, precision_note = precision.resolve_precision(ds, settings.deepspeed_config, device=world.device)
-        ranks = parallel.layout(ds, world.world_size, world.rank, settings.deepspeed_config)
+        ranks = parallel.rank_layout(ds, world.world_size, world.rank, settings.deepspeed_config)
         task = tasks.build(settings)
-        ds, filled = ds_auto.fill(ds, auto_facts(task), ranks.replicas)
-        ds = ds_config.resolve_batch_sizes(ds, ranks.replicas, settings.deepspeed_config)
+        ds, filled, precision_note = json_for_run(ds, settings, world, ranks, task)
         output_dir = output_dir_for(settings)
         seed_everything(settings.seed)
         train_set, eval_set, info = task.build_data(output_dir)
@@ -117,16 +116,19 @@ def run(settings: Settings, ds: dict, world: World, started: float) -> int:  # l
         train_loader, eval_loader = loaders(train_set, eval_set, ds, settings, world, ranks)
         steps = loop.total_steps(settings.max_steps, settings.epochs, len(train_loader),
                                  ds["gradient_accumulation_steps"])
-        ds = ds_auto.fill_lengths(ds, steps, filled)
-        state = TrainerState(0, 0, 0, settings.model, settings.dataset, world.world_size, ds_config.zero_stage(ds),
-                             config.settings_dict(settings), asdict(info), ds,
-                             ranks.split.stages if ranks.split else 0, ranks.replicas, ranks.tensor)
-        folder, saved, ds = resume.plan_resume(output_dir, settings.resume, state, ds, settings.overwrite)
-        engine = loop.build_engine(trained, ranks.engine_config(ds_config.fill_scheduler_length(ds, steps)))
-        state.deepspeed_config = ds  # as the engine got it: scheduler length filled, universal loading named
-        say_mode(settings, world, engine, steps, output_dir, ranks, precision_note)
+        ds = json_with_lengths(ds, steps, filled)
+        state = TrainerState(step=0, epoch=0, batch=0, model=settings.model, dataset=settings.dataset,
+                             world_size=world.world_size, zero_stage=ds_config.zero_stage(ds),
+                             settings=config.settings_dict(settings), data_info=asdict(info), deepspeed_config=ds,
+                             pipeline_stages=ranks.split.stages if ranks.split else 0,
+                             data_parallel_size=ranks.replicas, tensor_parallel_size=ranks.tensor)
+        folder, saved, state.deepspeed_config = resume.plan_resume(output_dir, settings.resume, state, ds,
+                                                                   settings.overwrite)
+        engine = loop.build_engine(trained, ranks.engine_config(state.deepspeed_config))
+        tf32 = precision.set_tf32(world.device, precision.compute_dtype(engine), settings.tf32)
+        say_mode(settings, world, engine, steps, output_dir, ranks, precision_note, tf32)
         if filled:
-            dist.print0(ds_auto.say(ds, filled, output_dir, dist.is_main()))
+            dist.print0(ds_auto.say(state.deepspeed_config, filled, output_dir, dist.is_main()))
         log_throughput = throughput_for(task, flops, engine, settings)
         start = resume.load(engine, folder, saved, ranks.replicas) if folder else (0, 0)
         if nothing_to_do(engine, steps):
@@ -137,16 +139,31 @@ def run(settings: Settings, ds: dict, world: World, started: float) -> int:  # l
         metrics.reset_peak_memory(world.device)  # the summary's peak is the training's, not the start-up probe's
         save = lambda *at: checkpoint.save(engine, output_dir, state.at(*at), settings.keep_last,  # noqa: E731
                                            save_files, every_rank)
-        forward = ranks.forward(engine, task, compiler.wanted(settings.compile, engine.device))
+        step = ranks.train_step(engine, task, compiling.wanted(settings.compile, engine.device))
         schedule = loop.Schedule(steps, settings.log_interval, settings.eval_interval, settings.save_interval)
         with log.discarded_on_user_error(lambda: checkpoint.complete_checkpoints(checkpoint_root(output_dir))):
-            result = loop.Loop(forward, train_loader, eval_loader, schedule, log, save, stop).fit(start)
+            result = loop.Loop(step, train_loader, eval_loader, schedule, log, save, stop).fit(start)
         return summarise(result, settings, world, engine, task, log, stop, started)
     finally:
         if stop is not None:
             stop.close()
         outdir.unlock()
         ds_internals.forget_parallel_groups()  # another job may follow in this process (the tests pool them)
+
+
+def json_for_run(ds: dict, settings: Settings, world: World, ranks, task) -> tuple:
+    """(DeepSpeed dict, what "auto" filled, why precision was picked), settled before anything is written, so a
+    mistake in the JSON ends the run with the output folder untouched: precision for this rank's device, "auto"
+    filled, batch sizes fitted to the data-parallel replicas. After the data, json_with_lengths finishes it."""
+    ds, note = precision.resolve_precision(ds, settings.deepspeed_config, device=world.device)
+    ds, filled = ds_auto.fill(ds, auto_facts(task), ranks.replicas)
+    return ds_config.resolve_batch_sizes(ds, ranks.replicas, settings.deepspeed_config), filled, note
+
+
+def json_with_lengths(ds: dict, steps: int, filled: dict) -> dict:
+    """The DeepSpeed dict of the run, its scheduler's lengths ("auto", or a length the scheduler needs) taken from
+    the run's optimizer steps; resume may add that it loads a universal checkpoint."""
+    return ds_config.fill_scheduler_length(ds_auto.fill_lengths(ds, steps, filled), steps)
 
 
 def auto_facts(task) -> ds_auto.Facts:
@@ -171,7 +188,7 @@ def nothing_to_do(engine, steps: int) -> bool:
     return True
 
 
-def loaders(train_set, eval_set, ds: dict, settings: Settings, world: World, ranks: parallel.Layout) -> tuple:
+def loaders(train_set, eval_set, ds: dict, settings: Settings, world: World, ranks: parallel.RankLayout) -> tuple:
     """(train loader, eval loader) over this data-parallel replica's shard (the stages of a pipeline share one)."""
     workers, pin = feeding(train_set, world.device.type == "cuda", usable_cores() // world.local_world_size,
                            settings.num_workers, settings.pin_memory)
@@ -184,18 +201,18 @@ def loaders(train_set, eval_set, ds: dict, settings: Settings, world: World, ran
             build_loader(eval_set, micro, shuffle=False, persistent=False, **args))
 
 
-def say_mode(settings: Settings, world: World, engine, steps: int, output_dir: Path, ranks: parallel.Layout,
-             note: str):
-    """The start-up lines: how the run is laid out, and the precision picked (note: why "auto" picked it)."""
-    shown = compiler.precision_name(engine)
+def say_mode(settings: Settings, world: World, engine, steps: int, output_dir: Path, ranks: parallel.RankLayout,
+             note: str, tf32: str):
+    """The start-up lines: how the run is laid out, and the precision picked (note: why "auto" picked it; tf32:
+    what fp32 matmuls run in)."""
+    shown = precision.precision_name(engine)
     shown = note if note.startswith(shown + " (") else shown
-    tf32 = compiler.set_tf32(world.device, compiler.compute_dtype(engine), settings.tf32)
     batch = ranks.replicas * engine.train_micro_batch_size_per_gpu() * engine.gradient_accumulation_steps()
     dist.print0(f"mode: {world.description}; ZeRO stage {engine.zero_optimization_stage()}, "
                 f"global batch {batch}, {steps} steps -> {output_dir}")
-    layout = ranks.describe(engine)
-    if layout:
-        dist.print0(layout)
+    parallelism = ranks.describe(engine)
+    if parallelism:
+        dist.print0(parallelism)
     dist.print0(f"precision: {shown}{'; ' + tf32 if tf32 else ''}")
     warning = ds_internals.version_note()
     if warning:
@@ -208,7 +225,7 @@ def summarise(result: dict, settings: Settings, world: World, engine, task, log,
     summary = {**result, "world_size": world.world_size, "zero_stage": engine.zero_optimization_stage(),
                "pipeline_stages": engine.num_stages if engine.pipeline_parallelism else 0,
                "tensor_parallel_size": engine.autotp_size(),
-               "precision": str(compiler.compute_dtype(engine)).replace("torch.", ""),
+               "precision": str(precision.compute_dtype(engine)).replace("torch.", ""),
                "autocast": engine.torch_autocast_enabled(), "model": settings.model,
                "dataset": settings.dataset, "task": task.name, "deepspeed_config": settings.deepspeed_config,
                "launcher": world.launcher, "peak_memory_bytes": int(peak),

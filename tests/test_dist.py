@@ -12,7 +12,7 @@ import psutil
 import pytest
 import torch
 
-from app.distributed import dist
+from app.distributed import dist, endings
 from app.distributed import launch
 from app.errors import RankAlone, SaidByAnotherRank, UserError
 from app.observe.metrics import Meter
@@ -70,39 +70,39 @@ def _store_takes_no_pickle(rank, tmp):
         subprocess.run([sys.executable, "-c", CRAFTED, str(port), str(marker)], check=True, timeout=60)
     dist.barrier()
     with pytest.raises(UserError, match="key app/left holds a value this run's ranks did not write"):
-        dist.gather_outcomes(("", rank))
-    with dist.watching_for_leavers():
+        endings.gather_outcomes(("", rank))
+    with endings.watching_for_leavers():
         time.sleep(1.5)  # the watcher reads the store each second
     with pytest.raises(UserError, match="firewall"):
-        dist.another_rank_left()
+        endings.another_rank_left()
     assert not marker.exists(), "the pickle from the network ran"
     dist.barrier()
     if rank == 0:
-        torch.distributed.distributed_c10d._get_default_store().delete_key(dist._LEFT)
-    dist._foreign = None
+        torch.distributed.distributed_c10d._get_default_store().delete_key(endings._LEFT)
+    endings.close()
     dist.barrier()
 
 
 def _outcomes(rank, world):
     """Outcomes through the store: gathered; a failed rank's wait bounded when the others are elsewhere (as if
     blocked in a collective it left); the others then end quietly, the leaving rank having said why."""
-    assert dist.gather_outcomes(("", rank), None if rank else 0.0) == [("", r) for r in range(world)]
+    assert endings.gather_outcomes(("", rank), None if rank else 0.0) == [("", r) for r in range(world)]
     if rank == world - 1:
         started = time.monotonic()
-        assert dist.gather_outcomes(("memory", "out of memory"), 0.0, patience_s=0.5) is None
+        assert endings.gather_outcomes(("memory", "out of memory"), 0.0, patience_s=0.5) is None
         assert 0.5 <= time.monotonic() - started < 5
-        error = dist.leave("rank left: why")
+        error = endings.leave("rank left: why")
         assert isinstance(error, RankAlone) and str(error) == "rank left: why"
         dist.barrier()
     else:
-        with dist.watching_for_leavers():
+        with endings.watching_for_leavers():
             dist.barrier()  # elsewhere until the last rank has left
             with pytest.raises(SaidByAnotherRank, match="rank left: why"):
-                dist.gather_outcomes(("fatal", "Connection closed by peer"), 0.0)
+                endings.gather_outcomes(("fatal", "Connection closed by peer"), 0.0)
             deadline = time.monotonic() + 5
-            while dist._note is None and time.monotonic() < deadline:  # the watcher reads the store each second
+            while endings._known.note is None and time.monotonic() < deadline:  # the watcher reads the store each second
                 time.sleep(0.1)
-        assert dist._note == "rank left: why" and dist.another_rank_left()
+        assert endings._known.note == "rank left: why" and endings.another_rank_left()
     dist.barrier()  # the store lives with rank 0: every rank has read it before any leaves
 
 

@@ -82,7 +82,7 @@ def _fit(total, start, at_step, stop_at, intervals):
     import torch
     from app.observe import runlog
     from app.core import tasks
-    from app.core.step import Forward
+    from app.core.step import TrainStep
     from app.settings import Settings
     from app.data.loader import build_loader
     gen = torch.Generator().manual_seed(1)
@@ -95,7 +95,7 @@ def _fit(total, start, at_step, stop_at, intervals):
     log, saves = runlog.RunLog(None, total), []
     log.write_row = log.rows.append  # keep the rows in memory: no output_dir
     stop = StopAt(stop_at, engine) if stop_at else None
-    forward = Forward(engine, tasks.ImageClassification(Settings()), compile_model=False)
+    forward = TrainStep(engine, tasks.ImageClassification(Settings()), compile_model=False)
     fitted = loop.Loop(forward, train_loader, eval_loader, loop.Schedule(total, **intervals), log,
                        save=lambda *at: saves.append(list(at)), stop=stop)
     result = fitted.fit(start)

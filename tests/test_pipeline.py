@@ -20,8 +20,8 @@ PIPE = json.loads((REPO / "ds_configs" / "pipeline.json").read_text())
 
 
 def test_pipeline_json_plans_two_stages():
-    assert pipeline.plan(PIPE, 2, "pipeline.json") == pipeline.Plan(2, "parameters", 0)
-    assert pipeline.plan(DP, 2, "dp.json") is None
+    assert pipeline.stage_plan(PIPE, 2, "pipeline.json") == pipeline.StagePlan(2, "parameters", 0)
+    assert pipeline.stage_plan(DP, 2, "dp.json") is None
 
 
 @pytest.mark.parametrize("section, zero, world, text", [
@@ -37,7 +37,7 @@ def test_pipeline_json_plans_two_stages():
 def test_a_wrong_pipeline_section_is_one_line(section, zero, world, text):
     ds = {**DP, "pipeline": section, "zero_optimization": {"stage": zero}}
     with pytest.raises(UserError) as caught:
-        pipeline.plan(ds, world, "x.json")
+        pipeline.stage_plan(ds, world, "x.json")
     assert text in str(caught.value) and "\n" not in str(caught.value)
 
 
@@ -48,14 +48,14 @@ def test_data_parallel_rank_follows_deepspeeds_topology(world, stages):
     topology = PipeDataParallelTopology(num_pp=stages, num_dp=world // stages)
     for rank in range(world):
         coord = topology.get_coord(rank)
-        assert pipeline.data_parallel(pipeline.Plan(stages), world, rank) == (coord.data, world // stages)
+        assert pipeline.data_parallel(pipeline.StagePlan(stages), world, rank) == (coord.data, world // stages)
 
 
 def test_two_stages_by_two_replicas_see_every_sample_once_per_epoch():
     """4 ranks = 2 stages x 2 replicas: the two replicas split the epoch, the stages of a replica share theirs."""
     seen = {}
     for rank in range(4):
-        replica, replicas = pipeline.data_parallel(pipeline.Plan(2), 4, rank)
+        replica, replicas = pipeline.data_parallel(pipeline.StagePlan(2), 4, rank)
         sampler = ShardSampler(101, 8, replica, replicas, shuffle=True, seed=3)
         sampler.set_epoch(1)
         seen[rank] = [i for batch in sampler for i, w in batch if w > 0]
@@ -86,7 +86,7 @@ def test_image_models_split_into_layers_that_compute_the_same(name, info, x):
     layers = pipeline.layers_of(model, name)
     with torch.no_grad():
         assert torch.equal(chained(layers, x), model(x))
-    names = pipeline.layout(model, layers)
+    names = pipeline.layer_names(model, layers)
     assert sorted(n for own in names for many in own.values() for n in many) == sorted(model.state_dict())
 
 
@@ -107,7 +107,7 @@ def test_gpt2_splits_with_tied_embeddings_and_causal_blocks():
     assert torch.allclose(split, whole, atol=1e-5, rtol=0)
     assert torch.equal(later[:, :10], split[:, :10]) and not torch.equal(later[:, 10:], split[:, 10:])
     assert (split[..., models.vocab_size(model.hf.config):] == float("-inf")).all(), "padded rows never win"
-    names = pipeline.layout(model, layers)
+    names = pipeline.layer_names(model, layers)
     assert "hf.lm_head.weight" in names[0]["wte.weight"] and "hf.transformer.wte.weight" in names[0]["wte.weight"]
 
 
@@ -122,7 +122,7 @@ def test_a_model_that_cannot_be_split_says_why():
 def test_more_stages_than_layers_is_one_line():
     model = models.build_model("mlp", DataInfo(10, 1, 8))
     with pytest.raises(UserError, match="pipeline.stages 5 is more than the 4 layers mlp splits into"):
-        pipeline.split(model, "mlp", pipeline.Plan(5), task=None)
+        pipeline.split(model, "mlp", pipeline.StagePlan(5), task=None)
 
 
 @pytest.mark.slow
@@ -249,9 +249,9 @@ def _tied_after_training(rank, world):
     torch.manual_seed(0)
     task = tasks.build(Settings(model="gpt2-tiny"))
     model = models.build_hf(task.spec, DataInfo(0, task="causal_lm"), byte_tokenizer(), ds)
-    module, _ = pipeline.split(model, "gpt2-tiny", pipeline.Plan(2), task)
+    module, _ = pipeline.split(model, "gpt2-tiny", pipeline.StagePlan(2), task)
     engine = loop.build_engine(module, ds_config.fill_scheduler_length(ds, 3))
-    forward, meter = pipeline.PipeForward(engine, task, False), Meter(["loss"], engine.device)
+    forward, meter = pipeline.PipeStep(engine, task, False), Meter(["loss"], engine.device)
     ids = torch.randint(200, (4, 32), generator=torch.Generator().manual_seed(1))
     before = module.tied_modules["wte"].wte.weight.detach().clone()
     for _ in range(3):

@@ -41,10 +41,10 @@ def test_zero_0_holds_everything_and_bf16_weights_add_an_fp32_master():
 
 
 def test_the_largest_micro_batch_is_what_the_usable_memory_leaves():
-    p = plan.Plan("dp", 10, {"weights": 40 * 2**30}, {}, per_sample=2**30, fixed=2**30)
+    p = plan.MemoryPlan("dp", 10, {"weights": 40 * 2**30}, {}, per_sample=2**30, fixed=2**30)
     assert p.peak(8) == 49 * 2**30
     assert p.largest_micro(80 * 2**30) == int((0.92 * 80 - 41) // 1)  # 32 samples of 1 GiB
-    assert plan.Plan("x", 1, {"weights": 90 * 2**30}, per_sample=1).largest_micro(80 * 2**30) == 0
+    assert plan.MemoryPlan("x", 1, {"weights": 90 * 2**30}, per_sample=1).largest_micro(80 * 2**30) == 0
 
 
 def _tiny_gpt():

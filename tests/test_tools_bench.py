@@ -90,7 +90,7 @@ def test_compile_choices_name_the_app_modes():
     """--compile off,on runs each config twice, eager and compiled, under names that say which."""
     from app.tools import bench
     args = bench.parse(["--modes", "app", "--configs", "zero1", "--compile", "off,on", "--ranks", "1"])
-    groups, _ = bench.plan(args, cores=2, gpus=0)
+    groups, _ = bench.group_modes(args, cores=2, gpus=0)
     assert [mode for mode, _, _ in groups[1]] == ["zero1+eager", "zero1+compile"]
 
 
@@ -115,7 +115,7 @@ def test_split_configs_run_where_the_ranks_hold_them():
     """A 2-way split skips 1 rank; at 2 ranks it is one replica, so each rank takes the whole global batch."""
     from app.tools import bench
     args = bench.parse(["--modes", "app", "--configs", "dp,pipeline", "--ranks", "2"])
-    groups, skipped = bench.plan(args, cores=2, gpus=0)
+    groups, skipped = bench.group_modes(args, cores=2, gpus=0)
     assert [(mode, batch) for mode, _, batch in groups[1]] == [("dp", 32)]
     assert [(mode, batch) for mode, _, batch in groups[2]] == [("dp", 16), ("pipeline", 32)]
     assert [mode for mode, _ in skipped] == ["pipeline x1"]

@@ -26,7 +26,7 @@ def _config(name: str) -> dict:
 def _save_and_record(rank, world, out):
     """On each rank: train each config 3 steps, save a checkpoint, and keep rank 0's view of the live weights."""
     from app.checkpoint import save as checkpoint
-    from app.core import step as compiler
+    from app.ds import precision
     from app import settings as config
     from app.distributed import dist
     from app.ds import config as ds_config
@@ -47,7 +47,7 @@ def _save_and_record(rank, world, out):
         engine = loop.build_engine(models.build_model("cnn", info), ds_config.fill_scheduler_length(ds, 10))
         for step in range(3):
             gen = torch.Generator().manual_seed(step * world + rank)
-            x = torch.randn(8, 1, 8, 8, generator=gen).to(compiler.input_dtype(engine))
+            x = torch.randn(8, 1, 8, 8, generator=gen).to(precision.input_dtype(engine))
             y = torch.randint(0, 10, (8,), generator=gen)
             engine.backward(tasks.class_loss(engine(x), y).mean())
             engine.step()

@@ -1,13 +1,13 @@
-"""The engine, the micro step, evaluation, and the training loop, whose schedule says when to log, evaluate,
-save and stop."""
+"""The engine, and the training loop, whose schedule says when to log, evaluate, save and stop; the training step it
+runs is app/core/step.py's."""
 import time
 from dataclasses import dataclass
 
-from app.distributed import dist
+from app.distributed import endings
 from app.ds import internals as ds_internals
 from app.ds.config import fit_buckets
-from app.errors import RankAlone, SaidByAnotherRank, UserError, deepspeed_failure
-from app.observe.metrics import MEMORY_ADVICE, Meter, Stopwatch, out_of_memory
+from app.errors import UserError, deepspeed_failure
+from app.observe.metrics import Meter, Stopwatch
 from app.observe.runlog import RunLog
 
 
@@ -76,11 +76,11 @@ class Loop:
     """Trains through the loaders by the schedule: micro steps, then at each optimizer step the log row,
     evaluation and checkpoint it calls for; stops at the last step or when every rank agrees to stop."""
 
-    def __init__(self, forward, train_loader, eval_loader, schedule: Schedule, log: RunLog, save=None, stop=None):
-        """forward: a compiler.Forward or, on a pipeline, a pipeline.PipeForward (both give micro_step and
-        evaluate); save(step, epoch, batch) writes a checkpoint; stop.agreed() says when every rank wants
+    def __init__(self, step, train_loader, eval_loader, schedule: Schedule, log: RunLog, save=None, stop=None):
+        """step: the training step, a step.TrainStep or, on a pipeline, a pipeline.PipeStep (both give micro_step
+        and evaluate); save(step, epoch, batch) writes a checkpoint; stop.agreed() says when every rank wants
         to stop."""
-        self.forward, self.engine = forward, forward.engine
+        self.step, self.engine = step, step.engine
         self.train_loader, self.eval_loader, self.schedule, self.log = train_loader, eval_loader, schedule, log
         self.save, self.stop = save, stop
         self.meter, self.clock = Meter(["loss"], self.engine.device), Stopwatch()
@@ -88,64 +88,34 @@ class Loop:
         self.began = time.perf_counter()  # when the micro step under way began
 
     def fit(self, start=(0, 0)) -> dict:
-        """Train from (epoch, micro batch) start; the run's totals and its last evaluation.
-
-        An error that ends the run on some ranks (out of memory, a damaged file the loader found) is one line:
-        agreed by the ranks it ended together (rank 0 says it), or said at once by a rank it ended alone while
-        the others went on into a collective of the step, where they wait for it; they end without a line."""
-        with dist.watching_for_leavers():
-            try:
-                return self._fit(start)
-            except (RankAlone, SaidByAnotherRank):
-                raise
-            except Exception as e:  # noqa: BLE001 (sorted: the run's end in one line, or not the app's to say)
-                said = out_of_memory(e)
-                e = e if said else deepspeed_failure(e, f"in training step {self.engine.global_steps + 1}") or e
-                if said or isinstance(e, UserError):
-                    raise self._ended("memory" if said else "error", said or str(e)) from None
-                if dist.another_rank_left():
-                    raise SaidByAnotherRank(str(e)) from None
-                raise
-
-    def _ended(self, kind: str, why: str) -> UserError:
-        """The error that ends the run from this rank: agreed with the ranks that failed too, which fail within a
-        step of each other (only they post an outcome), or this rank's alone."""
-        outcomes = dist.gather_outcomes((kind, why), time.perf_counter() - self.began, patience_s=5)
-        alone = outcomes is None
-        kind, why = (kind, why) if alone else outcomes[0]
-        if kind == "error":
-            return dist.leave(why) if alone else UserError(why)
-        who = f"rank {dist.rank()}" if alone else "every rank" if len(outcomes) > 1 else "the run"
-        where = " while the other ranks went on into that step's collectives" if alone else ""
-        said = f"{who} ran out of memory after {self.engine.global_steps} step(s) ({why}){where}; {MEMORY_ADVICE}"
-        return dist.leave(said) if alone else UserError(said)
-
-    def _fit(self, start: tuple) -> dict:
+        """Train from (epoch, micro batch) start; the run's totals and its last evaluation. An error that ends the
+        run on some ranks is one line (app/distributed/endings.py)."""
         epoch, skip = start
-        self.clock.lap()
-        self.engine.train()
-        while not self.schedule.finished(self.engine.global_steps) and not self.stopped:
-            if self._epoch(epoch, skip) and self.schedule.eval_after_epoch(self.engine.global_steps):
-                self._evaluate(epoch)
-            epoch, skip = epoch + 1, 0
-        if self.stop is not None:
-            self.stop.finish()
+        with endings.one_line_on_failure(self.engine, lambda: self.began):
+            self.clock.lap()
+            self.engine.train()
+            while not self._done():
+                self.train_loader.batch_sampler.set_epoch(epoch, skip)
+                for batch_index, batch in enumerate(self.train_loader, start=skip + 1):
+                    before, self.began = self.engine.global_steps, time.perf_counter()
+                    self.step.micro_step(batch, self.meter)
+                    if self.engine.global_steps == before:
+                        continue  # inside a gradient accumulation window
+                    self._after_step(epoch, batch_index)
+                    if self._done():
+                        break
+                else:  # the epoch ran to its end
+                    if self.schedule.eval_after_epoch(self.engine.global_steps):
+                        self._evaluate(epoch)
+                epoch, skip = epoch + 1, 0
+            if self.stop is not None:
+                self.stop.finish()
         return {"steps": self.engine.global_steps, "epochs": epoch, "samples": self.samples,
                 "train_s": self.seconds, **self.log.rates(self.samples, self.seconds),
                 "stopped_early": self.stopped, **self.last_eval}
 
-    def _epoch(self, epoch: int, skip: int) -> bool:
-        """Run the epoch from micro batch skip; True when it ran to its end."""
-        self.train_loader.batch_sampler.set_epoch(epoch, skip)
-        for batch_index, batch in enumerate(self.train_loader, start=skip + 1):
-            before, self.began = self.engine.global_steps, time.perf_counter()
-            self.forward.micro_step(batch, self.meter)
-            if self.engine.global_steps == before:
-                continue  # inside a gradient accumulation window
-            self._after_step(epoch, batch_index)
-            if self.schedule.finished(self.engine.global_steps) or self.stopped:
-                return False
-        return True
+    def _done(self) -> bool:
+        return self.schedule.finished(self.engine.global_steps) or self.stopped
 
     def _after_step(self, epoch: int, batch_index: int):
         """What the schedule asks for after an optimizer step: a log row, an evaluation, a checkpoint."""
@@ -165,5 +135,5 @@ class Loop:
 
     def _evaluate(self, epoch: int):
         with self.clock.paused():  # nor does evaluation
-            self.last_eval = self.forward.evaluate(self.eval_loader)
+            self.last_eval = self.step.evaluate(self.eval_loader)
             self.log.write_row({"step": self.engine.global_steps, "epoch": epoch, **self.last_eval})

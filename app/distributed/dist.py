@@ -7,16 +7,12 @@ Launch time (which launcher, its variables, the start-up rendezvous) lives in ap
 import contextlib
 import datetime
 import os
-import threading
-import time
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
-from app.ds.internals import torch_private
 from app.distributed import wire
-from app.errors import RankAlone, SaidByAnotherRank, UserError
 
 
 @dataclass
@@ -64,11 +60,12 @@ _host = None
 def start_host_group(timeout: datetime.timedelta = None):
     """Create the host group; every rank calls it once, right after the process group starts."""
     global _host
-    if _many():
+    if many():
         _host = dist.new_group(backend="gloo", timeout=timeout)
 
 
-def _many() -> bool:
+def many() -> bool:
+    """Whether the run has more than one rank: with one, nothing needs a collective."""
     return dist.is_initialized() and dist.get_world_size() > 1
 
 
@@ -80,7 +77,7 @@ def _host_group():
 
 def barrier():
     """Wait for every rank, on the host group (a no-op without a process group)."""
-    if _many():
+    if many():
         dist.barrier(group=_host_group())
 
 
@@ -98,7 +95,7 @@ def main_process_first():
 
 def _host_reduce(values, op) -> list:
     numbers = torch.tensor([float(v) for v in values], dtype=torch.float64)  # on the CPU, the host group's device
-    if _many():
+    if many():
         dist.all_reduce(numbers, op=op, group=_host_group())
     return numbers.tolist()
 
@@ -115,13 +112,13 @@ def host_max(values) -> list:
 
 def broadcast_object(obj):
     """rank 0's obj (a JSON value) on every rank, over the host group."""
-    return gather_objects(obj if is_main() else None)[0] if _many() else obj
+    return gather_objects(obj if is_main() else None)[0] if many() else obj
 
 
 def gather_objects(obj) -> list:
     """Every rank's obj (a JSON value), in rank order, on every rank, over the host group: sent as JSON, since
     torch's object collectives unpickle what arrives."""
-    if not _many():
+    if not many():
         return [obj]
     data = torch.frombuffer(bytearray(wire.encode(obj)), dtype=torch.uint8)
     sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(dist.get_world_size())]
@@ -134,131 +131,6 @@ def gather_objects(obj) -> list:
             for r, (got, size) in enumerate(zip(gathered, sizes))]
 
 
-# Outcomes of a step that may fail on some ranks only (a micro batch trial, the first compiled step, the
-# error that ends training) travel through the rendezvous store rather than a collective, so that a rank
-# whose part failed can bound its wait: the others may be blocked in a collective of that step (ZeRO-3's
-# gathers, a gradient all-reduce) that it left, and would never come. They are JSON: the store has no
-# authentication and listens on the network, so whatever its port receives must not be able to run code.
-_rounds = 0
-_LEFT = "app/left"
-_left = False  # this rank left (leave())
-_note = None  # why another rank left, read from the store each second: the store may go with rank 0
-_foreign = None  # the UserError of a value in the store that no rank of this run wrote, as the watcher met it
-
-
-@contextlib.contextmanager
-def watching_for_leavers():
-    """Around work a rank may leave alone (the micro batch search, training): a thread reads the store each
-    second for a note from a rank that left, so that this rank knows it when its collective fails as that
-    rank goes, even if the store went with it (rank 0 serves it). Stopped at the block's end, before any
-    rank of a run that went well can end and take the store."""
-    if not _many():
-        yield
-        return
-    stop = threading.Event()
-    thread = threading.Thread(target=_watch, args=(torch_private.default_store(), stop),
-                              name="app-leavers", daemon=True)
-    thread.start()
-    try:
-        yield
-    finally:
-        stop.set()
-        thread.join(timeout=5)
-
-
-def _watch(store, stop: threading.Event):
-    global _note, _foreign
-    while not stop.wait(1.0):
-        try:
-            _note = _read_note(store)
-        except dist.DistError:  # the store went (rank 0 ended): nothing more to read
-            return
-        except UserError as e:  # said by the main thread at its next look (_left_note)
-            _foreign = e
-            return
-        if _note is not None:
-            return
-
-
-def _read_note(store):
-    """The note a rank that left put in the store, or None; one line when it is not one the app wrote."""
-    if not store.check([_LEFT]):
-        return None
-    note = wire.decode(store.get(_LEFT), f"the rendezvous store's key {_LEFT}")
-    if not isinstance(note, str):
-        raise UserError(f"the rendezvous store's key {_LEFT} holds a value this run's ranks did not write; "
-                        f"firewall the store's port (README \"Trust\")")
-    return note
-
-
-def _outcome(raw: bytes, key: str) -> tuple:
-    """A rank's outcome as gather_outcomes posted it: a JSON list, returned as a tuple."""
-    said = wire.decode(raw, f"the rendezvous store's key {key}")
-    return tuple(said) if isinstance(said, list) else said
-
-
-def gather_outcomes(mine, failed_after_s: float = None, patience_s: float = 30):
-    """Every rank's outcome of a step (a tuple of JSON values), in rank order.
-
-    failed_after_s: this rank's part failed that many seconds in. It then waits for the others at most
-    patience_s + 10x that (their part is the same work) and gets None if they have not all said theirs: they are
-    blocked where it left them, and it should end the run with leave(). A rank that finds another has left
-    ends quietly (SaidByAnotherRank): that rank said why."""
-    global _rounds
-    if not _many():
-        return [mine]
-    _rounds += 1
-    keys = [f"app/outcome/{_rounds}/{r}" for r in range(dist.get_world_size())]
-    try:
-        store = torch_private.default_store()
-        store.set(keys[dist.get_rank()], wire.encode(mine))
-        if failed_after_s is None:
-            store.wait(keys)  # as long as the group's timeout
-        else:
-            deadline = time.monotonic() + patience_s + 10 * failed_after_s
-            while not store.check(keys):  # polled: a wait that times out has the store log warnings
-                if time.monotonic() > deadline:
-                    return None
-                time.sleep(0.05)
-        said = [_outcome(store.get(key), key) for key in keys]
-    except dist.DistError:  # the store went with rank 0
-        said = None
-        if failed_after_s is None and _note is None:
-            raise
-    note = _left_note()
-    if note is not None:
-        raise SaidByAnotherRank(note)
-    return said  # None: a failed rank says its own error, alone
-
-
-def another_rank_left() -> bool:
-    """Whether a rank has left the run alone (leave()): a collective failing here is its going. Not when the
-    store went with rank 0 and no note was read from it before: that may be a crash, which a restart (exit 1,
-    not 2) should follow."""
-    return _many() and _left_note() is not None
-
-
-def _left_note():
-    """Why another rank left: as the watcher read it, or from the store; None if none did (or it is gone)."""
-    if _foreign is not None:
-        raise _foreign
-    if _note is not None:
-        return _note
-    with contextlib.suppress(dist.DistError):
-        return _read_note(torch_private.default_store())
-    return None
-
-
-def leave(why: str) -> RankAlone:
-    """The error that ends this rank alone, saying why at once; the others, if their collectives fail as
-    this rank goes (gloo's do), find it in gather_outcomes and end without a second line."""
-    global _left
-    with contextlib.suppress(dist.DistError):
-        torch_private.default_store().set(_LEFT, wire.encode(why))
-        _left = True
-    return RankAlone(why)
-
-
 class HostVote:
     """A yes/no vote of every rank on the host group that never waits: each call posts this rank's vote and
     returns the result of the vote posted one call earlier (True when any rank voted yes)."""
@@ -269,7 +141,7 @@ class HostVote:
 
     def exchange(self, yes: bool) -> bool:
         """Post this rank's vote; the previous round's outcome (without other ranks: this vote)."""
-        if not _many():
+        if not many():
             return yes
         outcome = False
         if self.pending is not None:
@@ -288,9 +160,7 @@ class HostVote:
 
 def teardown():
     """Leave the process group (and the host group); safe to call when none exists."""
-    global _host, _left, _note, _foreign
-    if _left:  # rank 0 serves the store: the others' watchers read the note before it goes with this process
-        time.sleep(2.5)
+    global _host
     if dist.is_initialized():
         dist.destroy_process_group()
-    _host, _left, _note, _foreign = None, False, None, None
+    _host = None

@@ -1,6 +1,8 @@
-"""Precision "auto": which of the JSON's lower-precision sections the rank's device runs, decided once its
-device is set."""
+"""Precision: which of the JSON's lower-precision sections the rank's device runs ("auto" decided once its device
+is set), and the dtypes an engine built from it computes in."""
 import copy
+
+import torch
 
 from app.errors import UserError
 
@@ -80,3 +82,34 @@ def _sixteen_bit_on_a_cpu(ds: dict, where: str, device, cuda) -> tuple:
     ds = {**ds, "fp16": {**section, "enabled": False, **({"auto_cast": False} if section.get("auto_cast") else {})}}
     return ds, (f"fp32 ({where} sets fp16.enabled true, which needs a CUDA device: this CPU run trains in fp32, "
                 f"a GPU runs the file as written)")
+
+
+def set_tf32(device: torch.device, dtype: torch.dtype, choice: str) -> str:
+    """Let fp32 CUDA matmuls and convolutions use TF32 (unless --tf32 off); a note for the mode line."""
+    if device.type != "cuda" or dtype != torch.float32:
+        return ""
+    on = choice == "on"
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = on
+    return "TF32 matmuls" if on else "full-fp32 matmuls (--tf32 off)"
+
+
+def input_dtype(engine) -> torch.dtype:
+    """The dtype the engine's parameters are kept in for the forward pass."""
+    if engine.bfloat16_enabled():
+        return torch.bfloat16
+    if engine.fp16_enabled():
+        return torch.float16
+    return torch.float32
+
+
+def compute_dtype(engine) -> torch.dtype:
+    """The dtype the model's matmuls run in: torch_autocast's, else the weights' own."""
+    if engine.torch_autocast_enabled():
+        return engine.torch_autocast_dtype() or torch.bfloat16
+    return input_dtype(engine)
+
+
+def precision_name(engine) -> str:
+    """'bf16 autocast' (fp32 weights), 'bf16' or 'fp16' (16-bit weights), or 'fp32'."""
+    short = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}[compute_dtype(engine)]
+    return f"{short} autocast" if engine.torch_autocast_enabled() else short

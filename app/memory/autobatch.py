@@ -23,16 +23,17 @@ import time
 import numpy as np
 import torch
 
-from app.distributed import dist
+from app.distributed import dist, endings
 from app.ds import internals as ds_internals
 from app.core import loop
 from app.checkpoint.save import STATE, checkpoint_root, complete_checkpoints
-from app.core.step import describe, to_device
+from app.core.compiling import describe
+from app.core.step import to_device
 from app.data.loader import build_loader
 from app.ds.auto import fill_lengths
 from app.ds.config import MICRO, fill_scheduler_length, resolve_batch_sizes
 from app.errors import UserError
-from app.observe.metrics import Meter, out_of_memory, reset_peak_memory
+from app.observe.metrics import Meter, reset_peak_memory
 from app.checkpoint.resume import checkpoint_folder
 
 
@@ -82,7 +83,7 @@ def settle(ds: dict, where: str, layout, task, build, train_set, output_dir, res
         why = _trial(ds, size, layout, task, build, train_set, where, max(ran, default=0))
         ran.extend([] if why else [size])
         return why
-    with _generators_kept(), dist.watching_for_leavers():
+    with _generators_kept(), endings.watching_for_leavers():
         micro, failed = largest(sizes, runs)
     if not micro:
         raise UserError(f"{where}: not even a micro batch of 1 fits: {failed[1]}; use a config that holds less "
@@ -130,7 +131,7 @@ def _trial_steps(trial: dict, micro: int, layout, task, build, train_set, agreed
     """A forward, backward and optimizer step of `micro` samples on an engine of its own; '' or why it failed."""
     with contextlib.redirect_stdout(io.StringIO()):  # each trial engine's start-up lines are the run's already
         engine = loop.build_engine(build(trial), layout.engine_config(trial))
-        forward = layout.forward(engine, task, False)
+        forward = layout.train_step(engine, task, False)
     try:
         batch = next(iter(build_loader(train_set, micro, layout.replica, layout.replicas, False, 0)))
         if hasattr(forward, "logits_and_losses"):  # agreed after the forward, before any gradient is reduced
@@ -155,7 +156,7 @@ def _outcome(part) -> tuple:
         part()
         return "", ""
     except Exception as e:  # noqa: BLE001 (sorted: out of memory, or the run's end agreed by every rank)
-        said = out_of_memory(e)
+        said = endings.out_of_memory(e)
         return ("memory", said) if said else ("fatal", str(e) if isinstance(e, UserError) else describe(e))
 
 
@@ -165,14 +166,14 @@ def _agreed(part, micro: int, where: str, ran: int) -> str:
     went on into a collective of the step and cannot come to agree."""
     started = time.perf_counter()
     kind, why = _outcome(part)
-    said = dist.gather_outcomes((kind, why), time.perf_counter() - started if kind else None)
+    said = endings.gather_outcomes((kind, why), time.perf_counter() - started if kind else None)
     if said is None:
         what = f"ran out of memory with a micro batch of {micro} ({why})" if kind == "memory" else \
             f"failed with a micro batch of {micro} ({why})"
         instead = f"{ran}, the largest that ran on every rank" if ran else f"less than {micro}"
-        raise dist.leave(f"the micro batch search ended: rank {dist.rank()} {what} while the other ranks went on "
-                         f"into that step's collectives, so they cannot agree on a smaller one; set "
-                         f"train_micro_batch_size_per_gpu in {where} to {instead}")
+        raise endings.leave(f"the micro batch search ended: rank {dist.rank()} {what} while the other ranks went "
+                            f"on into that step's collectives, so they cannot agree on a smaller one; set "
+                            f"train_micro_batch_size_per_gpu in {where} to {instead}")
     fatal = [(rank, text) for rank, (kind, text) in enumerate(said) if kind == "fatal"]
     if fatal:
         raise UserError(f"the micro batch search failed on rank {fatal[0][0]} with a micro batch of {micro}: "

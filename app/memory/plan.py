@@ -23,7 +23,7 @@ USABLE = 0.92
 
 
 @dataclass
-class Plan:
+class MemoryPlan:
     """One config's bytes per rank; peak(micro) adds the activations of a micro batch."""
     config: str
     parameters: int
@@ -190,10 +190,10 @@ def activation_bytes(build, inputs, loss, micro: int, dtype, checkpointed: bool,
         return tracker.peak
 
 
-def plan(config: str, ds: dict, ranks: int, sizes: list, largest_block: int, measured: tuple,
-         kinds: tuple = (True, True)) -> Plan:
+def memory_plan(config: str, ds: dict, ranks: int, sizes: list, largest_block: int, measured: tuple,
+         kinds: tuple = (True, True)) -> MemoryPlan:
     """The Plan of one config: measured is (bytes of one sample, bytes of a micro batch whatever its size); kinds:
     comm_kinds of the model."""
     device, host = model_states(sizes, ds, ranks)
     device["working"] = working_bytes(sizes, ds, ranks, largest_block, kinds)
-    return Plan(config, sum(sizes), device, host, *measured)
+    return MemoryPlan(config, sum(sizes), device, host, *measured)

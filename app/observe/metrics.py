@@ -121,25 +121,6 @@ def peak_memory_bytes(device: torch.device) -> int:
         return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
-MEMORY_ADVICE = ("lower train_micro_batch_size_per_gpu in the ds_config (\"auto\" with train_batch_size finds the "
-                 "largest that fits), add \"activation_checkpointing\": {}, or take a config that holds less per "
-                 "rank: python -m app.tools.plan shows which fits")
-"""What to change when a run's step runs out of memory."""
-
-
-def out_of_memory(error: BaseException) -> str:
-    """What ran out, when error (or what it was raised from) is an out-of-memory error of the device or of the
-    CPU allocator (which says it in a RuntimeError); else ''."""
-    while error is not None:
-        if isinstance(error, torch.OutOfMemoryError):
-            return (str(error).strip().splitlines() or ["out of memory"])[0][:200]
-        if isinstance(error, RuntimeError) and "can't allocate memory" in str(error):
-            said = (str(error).strip().splitlines() or [""])[0].split("DefaultCPUAllocator: ")[-1][:160]
-            return said if "out of memory" in said.lower() else f"out of memory ({said})"
-        error = error.__cause__ or error.__context__
-    return ""
-
-
 def reset_peak_memory(device: torch.device):
     """Start peak_memory_bytes afresh from what this rank holds now (Linux on CPU: clear_refs 5)."""
     import gc

@@ -2,15 +2,15 @@
 (app/parallel/tensor_parallel.py), each with data-parallel replicas. train.py asks this module, not the two."""
 from dataclasses import dataclass
 
-from app.core import step as compiler
+from app.core.step import TrainStep
 from app.parallel import activations, pipeline
 from app.parallel import tensor_parallel
 
 
 @dataclass
-class Layout:
+class RankLayout:
     split: object
-    """The pipeline.Plan, or None when the model is not split into stages."""
+    """The pipeline.StagePlan, or None when the model is not split into stages."""
     tensor: int
     """Tensor-parallel degree (1: none)."""
     replica: int
@@ -25,7 +25,7 @@ class Layout:
         model = activations.apply(model, ds)
         if self.split:
             module, names = pipeline.split(model, model_name, self.split, task)
-            return module, lambda folder: (task.save_files(folder), pipeline.save_layout(names, folder)), None
+            return module, lambda folder: (task.save_files(folder), pipeline.save_layer_names(names, folder)), None
         if self.tensor > 1:
             tensor_parallel.check_model(model, model_name)
             return model, task.save_files, tensor_parallel.save_full_weights
@@ -34,9 +34,9 @@ class Layout:
     def engine_config(self, ds: dict) -> dict:
         return tensor_parallel.engine_config(ds, self.tensor)
 
-    def forward(self, engine, task, compile_model: bool):
+    def train_step(self, engine, task, compile_model: bool):
         """What the loop runs: whole batches through the pipeline's schedule, else micro steps."""
-        return (pipeline.PipeForward if self.split else compiler.Forward)(engine, task, compile_model)
+        return (pipeline.PipeStep if self.split else TrainStep)(engine, task, compile_model)
 
     def describe(self, engine) -> str:
         """The start-up line of a model-parallel run ('' for data parallel alone)."""
@@ -48,10 +48,10 @@ class Layout:
         return ""
 
 
-def layout(ds: dict, world_size: int, rank: int, where: str) -> Layout:
+def rank_layout(ds: dict, world_size: int, rank: int, where: str) -> RankLayout:
     """The layout the JSON asks for on this world, checked before anything is built."""
-    split = pipeline.plan(ds, world_size, where)
+    split = pipeline.stage_plan(ds, world_size, where)
     tensor = tensor_parallel.size(ds, world_size, where)
     replica, replicas = (pipeline.data_parallel(split, world_size, rank) if split else
                          tensor_parallel.data_parallel(tensor, world_size, rank))
-    return Layout(split, tensor, replica, replicas)
+    return RankLayout(split, tensor, replica, replicas)

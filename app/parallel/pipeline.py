@@ -15,7 +15,7 @@ from torch import nn
 from app.distributed import dist
 from app.ds import internals as ds_internals
 from app.distributed import faults
-from app.core.step import input_dtype
+from app.ds.precision import input_dtype
 from app.errors import UserError
 from app.observe.metrics import Meter
 
@@ -28,15 +28,15 @@ PARTITIONS = ("parameters", "uniform", "type:<regex>")
 
 
 @dataclass
-class Plan:
+class StagePlan:
     """How a run splits its model: stages, how layers are partitioned, activation checkpointing."""
     stages: int
     partition: str = "parameters"
     activation_checkpoint_interval: int = 0
 
 
-def plan(ds: dict, world_size: int, where: str):
-    """The Plan the JSON's "pipeline" section asks for (None without one), checked against the world size and
+def stage_plan(ds: dict, world_size: int, where: str):
+    """The StagePlan the JSON's "pipeline" section asks for (None without one), checked against the world size and
     the ZeRO stage before anything is built."""
     from app.ds.config import suggest, zero_stage
     section = ds.get("pipeline")
@@ -49,7 +49,7 @@ def plan(ds: dict, world_size: int, where: str):
             raise UserError(f"{where}: unknown key pipeline.{key}{suggest(key, KEYS)}")
         if type(value) is not KEYS[key]:
             raise UserError(f"{where}: pipeline.{key} must be {KEYS[key].__name__}, got {value!r}")
-    found = Plan(section.get("stages", 0), section.get("partition", "parameters"),
+    found = StagePlan(section.get("stages", 0), section.get("partition", "parameters"),
                  section.get("activation_checkpoint_interval", 0))
     if found.stages < 1:
         raise UserError(f"{where}: set pipeline.stages to the number of pipeline stages (1 or more)")
@@ -142,7 +142,7 @@ def layers_of(model: nn.Module, model_name: str) -> list:
                     f"drop \"pipeline\" and spread its weights with ZeRO stage 3 (ds_configs/zero3.json)")
 
 
-def layout(model: nn.Module, layers: list) -> list:
+def layer_names(model: nn.Module, layers: list) -> list:
     """For each layer, {its state-dict name: [the unsplit model's names for that tensor]}; every tensor of the
     model must belong to some layer, or the split would lose weights."""
     names = {}
@@ -178,14 +178,14 @@ class StageLoss:
         return (losses * w).sum()
 
 
-def split(model: nn.Module, model_name: str, found: Plan, task):
+def split(model: nn.Module, model_name: str, found: StagePlan, task):
     """(PipelineModule holding this rank's stage, layer layout for checkpoints)."""
     from deepspeed.pipe import PipelineModule
     layers = layers_of(model, model_name)
     if len(layers) < found.stages:
         raise UserError(f"pipeline.stages {found.stages} is more than the {len(layers)} layers {model_name} "
                         f"splits into; use at most {len(layers)} stages")
-    names = layout(model, layers)
+    names = layer_names(model, layers)
     # Reentrant activation checkpointing cuts the gradient of a layer whose input is token ids (it needs an
     # input that requires grad), so a transformer checkpoints its blocks only; other models any weighted layer.
     blocks = ["Block"] if any(isinstance(layer, Block) for layer in layers) else None
@@ -214,7 +214,7 @@ def describe(engine) -> str:
             f"{engine.gradient_accumulation_steps()} micro batches per step; layers by stage {bounds}")
 
 
-def save_layout(names: list, folder: Path):
+def save_layer_names(names: list, folder: Path):
     """Write the layer layout into a checkpoint folder (app.tools.export reads it)."""
     (folder / LAYOUT).write_text(json.dumps(names))
 
@@ -232,7 +232,7 @@ def unsplit_state_dict(folder: Path) -> dict:
     return state
 
 
-class PipeForward:
+class PipeStep:
     """What the loop runs on a PipelineEngine: micro batches gathered into one engine.train_batch per
     optimizer step, evaluation through engine.eval_batch. The last stage's loss fills the meters."""
 

@@ -78,7 +78,7 @@ def _checked(args):
     return args
 
 
-def plan(args, cores: int, gpus: int) -> tuple:
+def group_modes(args, cores: int, gpus: int) -> tuple:
     """{world size: [(mode, threads, per-rank batch)]} and [(mode, why it is skipped)]."""
     groups, skipped = {1: [], args.ranks: []}, []
     threads = lambda ranks: 1 if gpus else max(1, cores // ranks)  # noqa: E731 (ranks share the node's cores)
@@ -102,7 +102,7 @@ def plan(args, cores: int, gpus: int) -> tuple:
             mode = f"{name}+{COMPILE_SUFFIX[choice]}" if len(args.compile) > 1 or choice != "auto" else name
             for ranks in sorted({1, args.ranks} if multi else {1}):
                 try:  # a config that splits the model runs only where the ranks hold the split
-                    replicas = parallel.layout(ds, ranks, 0, name).replicas
+                    replicas = parallel.rank_layout(ds, ranks, 0, name).replicas
                 except UserError as e:
                     skipped.append((f"{mode} x{ranks}", str(e)))
                     continue
@@ -149,7 +149,7 @@ def main(argv=None) -> int:
         work = build_workload(args)
         model = build_model(work)
         args.flops_per_sample = work.task.flops_per_sample(model, work.info)
-        groups, skipped = plan(args, os.cpu_count() or 1, torch.cuda.device_count())
+        groups, skipped = group_modes(args, os.cpu_count() or 1, torch.cuda.device_count())
         if not groups:
             raise UserError("nothing to measure: --modes and --configs select no mode this machine can run")
         args.output_dir.mkdir(parents=True, exist_ok=True)

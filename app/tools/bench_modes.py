@@ -9,7 +9,8 @@ import torch
 
 from app.ds.internals import torch_private
 from app.parallel import activations
-from app.core import step as compiler
+from app.core import compiling
+from app.ds import precision
 from app.distributed import dist
 from app.ds import config as ds_config
 from app.ds import internals as ds_internals
@@ -116,7 +117,7 @@ def run_torch(mode, args, world, work: Workload, loader, clock, total):
     clip = reference.get("gradient_clipping", 0.0)
     batches = iter(TimedLoader(loader, clock, endless=True))
     dtype = DTYPES[args.dtype]
-    compiler.set_tf32(world.device, dtype, "on")  # as the app sets it for fp32 on CUDA
+    precision.set_tf32(world.device, dtype, "on")  # as the app sets it for fp32 on CUDA
     model.train()
     for _ in range(total):
         x, y, _ = next(batches)
@@ -132,11 +133,11 @@ def run_torch(mode, args, world, work: Workload, loader, clock, total):
     return None, dtype, compiled, param_bytes(model)
 
 
-def layout(mode, args, world) -> parallel.Layout:
+def rank_layout_of(mode, args, world) -> parallel.RankLayout:
     """How the mode lays out its ranks: an app mode's ds_config may split the model into pipeline stages or
     tensor-parallel shards, which share one replica's data; every other mode is data parallel."""
     config = args.configs.get(mode.partition("+")[0]) if mode not in TORCH_MODES else None
-    return parallel.layout(config or {}, world.world_size, world.rank, mode)
+    return parallel.rank_layout(config or {}, world.world_size, world.rank, mode)
 
 
 def param_bytes(module) -> int:
@@ -149,7 +150,7 @@ def run_app(mode, args, world, work: Workload, loader, clock, total):  # long: t
     ds_config, the app's Loop; returns (the ZeRO state, dtype, compiled, parameter bytes of this rank)."""
     name, _, suffix = mode.partition("+")
     choice = {label: choice for choice, label in COMPILE_SUFFIX.items()}.get(suffix, "auto")
-    ranks = layout(mode, args, world)
+    ranks = rank_layout_of(mode, args, world)
     ds = ds_config.resolve_batch_sizes({**args.configs[name], "train_micro_batch_size_per_gpu": loader.batch_sampler.
                                         batch_size, "gradient_accumulation_steps": 1}, ranks.replicas, name)
     module, _, _ = ranks.prepare(build_model(work, ds), work.task, args.model)
@@ -166,13 +167,13 @@ def run_app(mode, args, world, work: Workload, loader, clock, total):  # long: t
         clock.tick()
         return result
     engine.optimizer.step = step_and_tick
-    forward = ranks.forward(engine, work.task, compiler.wanted(choice, engine.device))
-    compiler.set_tf32(world.device, compiler.compute_dtype(engine), "on")  # as train.py does
+    forward = ranks.train_step(engine, work.task, compiling.wanted(choice, engine.device))
+    precision.set_tf32(world.device, precision.compute_dtype(engine), "on")  # as train.py does
     schedule = loop.Schedule(total, log_interval=10, eval_interval=total)
     loop.Loop(forward, TimedLoader(loader, clock), eval_loader, schedule, runlog.RunLog(None, total)).fit()
     compiled = engine.is_compiled and getattr(forward, "compiled", False)  # False once it fell back to eager
     ds_internals.forget_parallel_groups()  # a pipeline's grid would be the next mode's
-    return state or None, compiler.compute_dtype(engine), compiled, param_bytes(engine.module)
+    return state or None, precision.compute_dtype(engine), compiled, param_bytes(engine.module)
 
 
 def zero_state(engine, name) -> dict:
@@ -198,7 +199,7 @@ def measure(mode, args, world, threads, per_rank_batch, work: Workload) -> dict:
     """Run one mode for warm-up + measured steps on every rank of this group; the reduced fields (rank 0 uses them)."""
     _start_mode(world, threads)
     clock = Clock(world.device)
-    ranks = layout(mode, args, world)
+    ranks = rank_layout_of(mode, args, world)
     loader = build_loader(work.train_set, per_rank_batch, ranks.replica, ranks.replicas, True, 0)
     total = args.warmup + args.steps
     runner = run_torch if mode in TORCH_MODES else run_app

@@ -120,7 +120,7 @@ def measure(args, named: dict) -> dict:
         if (dtype, checkpointed) not in cache:
             one, two = (plan.activation_bytes(build, inputs, loss, micro, dtype, checkpointed) for micro in (1, 2))
             cache[dtype, checkpointed] = (two - one, 2 * one - two)
-        plans[name] = plan.plan(name, ds, args.world_size, sizes, largest, cache[dtype, checkpointed], kinds)
+        plans[name] = plan.memory_plan(name, ds, args.world_size, sizes, largest, cache[dtype, checkpointed], kinds)
         plans[name].largest_layer = largest
     return plans
 
