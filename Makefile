@@ -32,9 +32,9 @@ test: setup cluster-packages
 cluster-packages:
 	bash scripts/cluster-packages.sh
 
-# The fast tier: unit tests only, no subprocess, launcher, spawned ranks nor DeepSpeed engine (under a minute).
+# The fast tier: tests/unit, no subprocess, launcher, spawned ranks nor DeepSpeed engine (under a minute).
 test-fast: setup
-	$(PY) -m pytest -q -m "not slow" tests
+	$(PY) -m pytest -q tests/unit
 
 clean:
 	rm -rf $(VENV) runs

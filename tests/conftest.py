@@ -1,7 +1,8 @@
 """Shared helpers: run the app for real (subprocess, real launchers) and read what it wrote.
 
-Tests that start a subprocess, a launcher or ranks, build a DeepSpeed engine, or otherwise take more than a
-couple of seconds are marked `slow`; `pytest -m "not slow" tests` (make test-fast) runs the rest in under a minute.
+tests/unit/ holds the tests that run in this process alone; tests/e2e/ those that start a subprocess, a launcher
+or ranks, or build a DeepSpeed engine, all marked `slow` here; tests/helpers/ what several of them share. The
+markers are registered in pytest.ini; `pytest tests/unit` (make test-fast) runs in under a minute.
 """
 import contextlib
 import csv
@@ -19,7 +20,7 @@ import pytest
 
 os.environ["HF_HUB_OFFLINE"] = "1"  # tests never reach a model hub or dataset host
 # The CPU tests pin themselves (and every process they start) to the CPU, so the suite runs the same on a
-# machine with GPUs; tests/test_cuda.py gets the machine's own devices back through cuda_env().
+# machine with GPUs; tests/e2e/test_cuda.py gets the machine's own devices back through cuda_env().
 VISIBLE_DEVICES = os.environ.get("CUDA_VISIBLE_DEVICES")
 os.environ.update(CUDA_VISIBLE_DEVICES="", DS_ACCELERATOR="cpu")
 # datasets' cache of loaded and tokenized files, fresh for each session (read when datasets is imported)
@@ -28,9 +29,13 @@ REPO = Path(__file__).resolve().parent.parent
 BIN = Path(sys.executable).parent
 
 
-def pytest_configure(config):
-    config.addinivalue_line("markers", "slow: starts a subprocess, a launcher or ranks, builds a DeepSpeed engine, "
-                                      "or takes more than ~2 s; deselect with -m \"not slow\" for the fast tier")
+def pytest_collection_modifyitems(items):
+    """Every test in tests/e2e/ is slow; one that takes the loopback cluster is multinode."""
+    for item in items:
+        if "e2e" in item.path.parts:
+            item.add_marker(pytest.mark.slow)
+        if "cluster" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.multinode)
 
 
 def assert_one_error_line(output: str, *fragments, anywhere: bool = False) -> str:
@@ -90,13 +95,13 @@ def train(launcher="python", nproc=1, *args, timeout=600, base_env=None):
 
 def train_jobs(launcher: str, nproc: int, jobs: list, timeout=900, base_env=None, codes=None) -> list:
     """The output of each of several training jobs (argument lists, or {"argv": [...], "env": {...}}) run one
-    after another in one launch (tests/jobs.py): every rank's, rank 0's first. Fails the test with the output
+    after another in one launch (tests/helpers/jobs.py): every rank's, rank 0's first. Fails the test with the output
     if a job's ranks did not exit with its code in codes (default: 0 for every job)."""
     with tempfile.TemporaryDirectory() as folder:
         jobs_file = Path(folder) / "jobs.json"
         jobs_file.write_text(json.dumps([{"argv": [str(a) for a in job["argv"]], "env": job.get("env", {})}
                                          if isinstance(job, dict) else [str(a) for a in job] for job in jobs]))
-        result = run(train_command(launcher, nproc, jobs_file, folder, script="tests/jobs.py"), timeout=timeout,
+        result = run(train_command(launcher, nproc, jobs_file, folder, script="tests/helpers/jobs.py"), timeout=timeout,
                      base_env=base_env)
         assert result.returncode == 0, f"exit {result.returncode}\n{result.stdout[-4000:]}\n{result.stderr[-4000:]}"
         outputs = []
@@ -131,7 +136,7 @@ def config_variant(tmp_path: Path, name: str, **changes) -> Path:
 # The standard 2-rank run of a ds_config: 2 epochs of 23 steps (1,437 digits / (32 x 2 ranks)), a
 # metrics row every step and a checkpoint every 5. The end-to-end and the resume tests share it.
 TWO_RANK_ARGS = ["--epochs", 2, "--log_interval", 1, "--save_interval", 5, "--keep_last", 3]
-NOT_FOR_THE_CNN = {"tensor_parallel": "tests/test_tensor_parallel.py trains llama-tiny with it"}
+NOT_FOR_THE_CNN = {"tensor_parallel": "tests/e2e/test_tensor_parallel.py trains llama-tiny with it"}
 TWO_RANK_STEPS = 46  # 2 epochs of 1437 digits / (32 x 2 data-parallel ranks)
 
 

@@ -21,7 +21,6 @@ import torch
 from torch import nn
 
 from app.ds.config import ACTIVATION_CHECKPOINTING as SECTION
-from app.errors import UserError
 
 # DeepSpeed's options for its own checkpointing function, at the values this implementation matches.
 DEFAULTS = {"partition_activations": False, "contiguous_memory_optimization": False, "cpu_checkpointing": False,

@@ -1,0 +1,1 @@
+"""Tests that run the app for real: subprocesses, launchers, spawned ranks, DeepSpeed engines, faults."""

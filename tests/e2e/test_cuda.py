@@ -1,0 +1,160 @@
+"""The CUDA paths, run when the machine has a GPU: auto device, auto precision, every ZeRO stage, compile, no
+host sync in a step, NCCL, and two ranks sharing one GPU behind a device group that refuses CPU tensors."""
+import functools
+import subprocess
+import sys
+
+import pytest
+
+from conftest import REPO, cuda_env, read_metrics, read_summary, train, train_jobs
+from helpers.host_syncs import check_report, count_in_launch, sync_job
+
+pytestmark = pytest.mark.cuda
+
+
+@functools.lru_cache(maxsize=1)
+def gpus() -> int:
+    """CUDA devices the machine has (the rest of the suite hides them), asked of a fresh interpreter."""
+    probe = subprocess.run([sys.executable, "-c", "import torch; print(torch.cuda.device_count())"],
+                           capture_output=True, text=True, env=cuda_env(), timeout=120)
+    return int(probe.stdout.strip() or 0) if probe.returncode == 0 else 0
+
+
+def need(count: int):
+    if gpus() < count:
+        pytest.skip(f"needs {count} CUDA device(s); this machine has {gpus()}")
+
+
+def gpu_train(out, *args, launcher="python", nproc=1):
+    return train(launcher, nproc, "--max_steps", 12, "--log_interval", 1, "--output_dir", out, *args,
+                 base_env=cuda_env())
+
+
+def test_one_gpu_auto_mode_compiles_and_picks_bf16(tmp_path):
+    need(1)
+    result = gpu_train(tmp_path / "run")
+    assert "mode: no launcher and one GPU: plain single-device training on cuda:0" in result.stdout
+    assert 'precision: bf16 autocast (torch_autocast "auto": the CUDA device supports bf16)' in result.stdout
+    assert "compile: compiling the model and its loss" in result.stdout and "could not be compiled" not in result.stdout
+    summary = read_summary(tmp_path / "run")
+    assert summary["precision"] == "bfloat16" and summary["peak_memory_bytes"] > 0
+    losses = [r["loss"] for r in read_metrics(tmp_path / "run")[0]]
+    assert losses[-1] < losses[0]
+
+
+@pytest.mark.parametrize("name", ["dp", "zero1", "zero2", "zero3", "zero2_offload"])
+def test_every_zero_stage_trains_in_bf16_on_one_gpu(name, tmp_path):
+    need(1)
+    gpu_train(tmp_path / "run", "--deepspeed_config", REPO / "ds_configs" / f"{name}.json", "--model", "gpt2-tiny",
+              "--dataset", _corpus(tmp_path))
+    summary = read_summary(tmp_path / "run")
+    assert summary["precision"] == "bfloat16" and 0 < summary["mfu"] < 1
+    losses = [r["loss"] for r in read_metrics(tmp_path / "run")[0]]
+    assert losses[-1] < losses[0]
+
+
+def test_fp32_on_cuda_uses_tf32_unless_turned_off(tmp_path):
+    need(1)
+    fp32 = tmp_path / "fp32.json"
+    fp32.write_text((REPO / "ds_configs" / "dp.json").read_text().replace('"enabled": "auto"', '"enabled": false'))
+    on = gpu_train(tmp_path / "on", "--deepspeed_config", fp32, "--compile", "off")
+    off = gpu_train(tmp_path / "off", "--deepspeed_config", fp32, "--compile", "off", "--tf32", "off")
+    assert "precision: float32; TF32 matmuls" in on.stdout
+    assert "precision: float32; full-fp32 matmuls (--tf32 off)" in off.stdout
+
+
+def test_two_ranks_with_nccl(tmp_path):
+    need(2)
+    result = gpu_train(tmp_path / "run", "--deepspeed_config", REPO / "ds_configs" / "zero2.json",
+                       launcher="deepspeed", nproc=2)
+    assert "nccl on cuda" in result.stdout and read_summary(tmp_path / "run")["world_size"] == 2
+
+
+def _corpus(tmp_path):
+    from conftest import write_text_rows
+    return write_text_rows(tmp_path / "corpus.txt", 600)
+
+
+def test_a_one_stage_pipeline_trains_in_bf16_on_one_gpu(tmp_path):
+    """DeepSpeed's pipeline engine on CUDA (one GPU holds one stage): bf16, the tied GPT-2 split, eval."""
+    need(1)
+    from conftest import config_variant
+    config = config_variant(tmp_path, "pipeline", pipeline={"stages": 1})
+    result = gpu_train(tmp_path / "run", "--deepspeed_config", config, "--model", "gpt2-tiny",
+                       "--dataset", _corpus(tmp_path))
+    assert "pipeline: 1 stage x 1 data-parallel replica(s)" in result.stdout
+    assert "compile: pipeline stages run eager" in result.stdout
+    summary = read_summary(tmp_path / "run")
+    assert summary["precision"] == "bfloat16" and summary["pipeline_stages"] == 1
+    losses = [r["loss"] for r in read_metrics(tmp_path / "run")[0]]
+    assert losses[-1] < losses[0]
+
+
+@pytest.mark.parametrize("name, model", [("pipeline", "gpt2-tiny"), ("tensor_parallel", "llama-tiny")])
+def test_model_parallel_configs_on_two_gpus_with_nccl(name, model, tmp_path):
+    need(2)
+    result = gpu_train(tmp_path / "run", "--deepspeed_config", REPO / "ds_configs" / f"{name}.json", "--model", model,
+                       "--dataset", _corpus(tmp_path), launcher="deepspeed", nproc=2)
+    assert "nccl on cuda" in result.stdout
+    summary = read_summary(tmp_path / "run")
+    assert summary["world_size"] == 2 and summary["precision"] == "bfloat16"
+    assert summary["pipeline_stages" if name == "pipeline" else "tensor_parallel_size"] == 2
+    losses = [r["loss"] for r in read_metrics(tmp_path / "run")[0]]
+    assert losses[-1] < losses[0]
+
+
+def test_no_training_step_synchronises_the_gpu(tmp_path):
+    """The host-sync harness on CUDA, with torch.cuda.set_sync_debug_mode("error") over the counted steps: any
+    synchronising CUDA call there, DeepSpeed's CUDA-only branches included, fails the run."""
+    need(1)
+    names = [(name, mode) for mode in ("off", "on") for name in ("dp", "zero1", "zero2", "zero3", "bf16")]
+    reports = count_in_launch(1, [sync_job(name, mode, tmp_path / f"{name}-{mode}") for name, mode in names],
+                              "--cuda_errors", base_env=cuda_env())
+    for (name, mode), report in zip(names, reports):
+        check_report(name, report)
+
+
+SHARED = {"APP_SHARE_GPU_FOR_TESTS": "1"}  # both ranks on cuda:0, the device group gloo for CUDA alone
+
+
+def test_two_ranks_share_one_gpu_behind_a_device_only_group(tmp_path):
+    """The multi-rank CUDA paths on a one-GPU machine: a CPU tensor handed to the device group fails there as
+    on NCCL, so summaries, throughput probes, stop votes and checkpoints must all keep to the host group."""
+    need(1)
+    corpus = _corpus(tmp_path)
+    names = ("dp", "zero1", "zero2", "zero3")
+    jobs = [["--deepspeed_config", REPO / "ds_configs" / f"{name}.json", "--model", "gpt2-tiny", "--dataset", corpus,
+             "--max_steps", 8, "--log_interval", 2, "--save_interval", 4, "--output_dir", tmp_path / name]
+            for name in names]
+    outputs = train_jobs("deepspeed", 2, jobs, base_env={**cuda_env(), **SHARED})
+    for name, output in zip(names, outputs):
+        assert "cuda:gloo on cuda" in output, output[-2000:]
+        summary = read_summary(tmp_path / name)
+        assert summary["world_size"] == 2 and summary["precision"] == "bfloat16" and summary["tokens_per_s"] > 0
+        losses = [r["loss"] for r in read_metrics(tmp_path / name)[0]]
+        assert losses[-1] < losses[0], name
+
+
+def test_two_ranks_sharing_one_gpu_make_no_host_sync(tmp_path):
+    need(1)
+    names = [(name, mode) for mode in ("off", "on") for name in ("dp", "zero1", "zero2", "zero3")]
+    reports = count_in_launch(2, [sync_job(name, mode, tmp_path / f"{name}-{mode}") for name, mode in names],
+                              base_env={**cuda_env(), **SHARED})
+    for (name, mode), report in zip(names, reports):
+        check_report(name, report)
+
+
+def test_the_plan_predicts_the_peak_the_gpu_reaches(tmp_path):
+    """The memory plan's predicted peak against torch.cuda.max_memory_allocated of the same run: within 10%."""
+    need(1)
+    config = REPO / "ds_configs" / "dp.json"
+    gpu_train(tmp_path / "run", "--deepspeed_config", config, "--model", "gpt2-tiny", "--dataset", _corpus(tmp_path),
+              "--block_size", 128, "--compile", "off")
+    measured = read_summary(tmp_path / "run")["peak_memory_bytes"]
+    planned = subprocess.run([sys.executable, "-m", "app.tools.plan", "--model", "gpt2-tiny", "--seq_len", "128",
+                              "--world_size", "1", "--deepspeed_config", str(config)], cwd=REPO, capture_output=True,
+                             text=True, env=cuda_env(), timeout=300)
+    assert planned.returncode == 0, planned.stderr
+    header, row = (line.split() for line in planned.stdout.splitlines()[1:3])
+    peak = float(row[header.index("peak")]) * 1e9
+    assert abs(peak - measured) <= 0.1 * measured, (peak, measured)

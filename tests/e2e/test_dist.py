@@ -1,0 +1,162 @@
+"""Run time inside the process group: who this rank is, printing from rank 0, and the app's collectives, which
+travel on the host group (gloo, CPU tensors) beside the device group, tested across real gloo ranks."""
+import datetime
+import os
+import subprocess
+import sys
+import time
+from types import SimpleNamespace
+
+import psutil
+import pytest
+import torch
+
+from app.distributed import dist, endings
+from app.distributed import launch
+from app.errors import RankAlone, SaidByAnotherRank, UserError
+from app.observe.metrics import Meter
+from conftest import spawn_ranks
+
+
+def _collectives(rank, world, tmp):
+    launch.prepare_environment()
+    info = launch.setup(timeout_s=60)
+    assert (info.rank, info.world_size, info.backend, info.device.type) == (rank, world, "gloo", "cpu")
+    assert dist.is_main() == (rank == 0)
+    # the meter reduces sums and counts: rank r contributes (r + 1) samples of loss 10 * r each
+    meter = Meter(["loss"], torch.device("cpu"))
+    meter.add(torch.tensor(float(rank + 1)), loss=torch.tensor(10.0 * rank * (rank + 1)))
+    result = meter.reduce()
+    counts = [r + 1 for r in range(world)]
+    assert result["count"] == sum(counts)
+    assert result["loss"] == pytest.approx(sum(10 * r * c for r, c in enumerate(counts)) / sum(counts))
+    assert meter.reduce()["count"] == 0, "reduce resets the window"
+    assert dist.broadcast_object(f"from {rank}") == "from 0"
+    assert dist.host_max([rank, -rank]) == [world - 1, 0]
+    assert dist.host_sum([1, rank]) == [world, sum(range(world))]
+    assert dist.gather_objects(["rank", rank]) == [["rank", r] for r in range(world)]
+    _votes(rank, world)
+    marker = tmp / "first"
+    with dist.main_process_first():
+        if rank == 0:
+            time.sleep(0.5)
+            marker.write_text("rank 0 was here")
+        else:
+            assert marker.read_text() == "rank 0 was here", "others wait for rank 0"
+    _store_takes_no_pickle(rank, tmp)
+    _outcomes(rank, world)
+    dist.teardown()
+
+
+# What a third process writes under the app's note key (the default group's prefixes, then dist._LEFT): a
+# pickle that would create a file when loaded, as anyone who can reach the store's port could write it.
+CRAFTED = """import datetime, os, pickle, sys, torch.distributed as d
+class Payload:
+    def __reduce__(self):
+        return (os.system, ("touch " + sys.argv[2],))
+store = d.TCPStore("127.0.0.1", int(sys.argv[1]), is_master=False, timeout=datetime.timedelta(seconds=30))
+store.set("app/0//0//app/left", pickle.dumps(Payload()))
+"""
+
+
+def _store_takes_no_pickle(rank, tmp):
+    """The store listens on MASTER_ADDR alone, not every interface; a crafted pickle written to it by a third
+    process ends each rank in one line (through the outcome gathering and the watcher) and runs nothing."""
+    port, marker = int(os.environ["MASTER_PORT"]), tmp / "the-pickle-ran"
+    if rank == 0:
+        listening = {c.laddr.ip for c in psutil.net_connections("tcp") if c.status == "LISTEN" and c.laddr.port == port}
+        assert listening == {"127.0.0.1"}, listening
+        subprocess.run([sys.executable, "-c", CRAFTED, str(port), str(marker)], check=True, timeout=60)
+    dist.barrier()
+    with pytest.raises(UserError, match="key app/left holds a value this run's ranks did not write"):
+        endings.gather_outcomes(("", rank))
+    with endings.watching_for_leavers():
+        time.sleep(1.5)  # the watcher reads the store each second
+    with pytest.raises(UserError, match="firewall"):
+        endings.another_rank_left()
+    assert not marker.exists(), "the pickle from the network ran"
+    dist.barrier()
+    if rank == 0:
+        torch.distributed.distributed_c10d._get_default_store().delete_key(endings._LEFT)
+    endings.close()
+    dist.barrier()
+
+
+def _outcomes(rank, world):
+    """Outcomes through the store: gathered; a failed rank's wait bounded when the others are elsewhere (as if
+    blocked in a collective it left); the others then end quietly, the leaving rank having said why."""
+    assert endings.gather_outcomes(("", rank), None if rank else 0.0) == [("", r) for r in range(world)]
+    if rank == world - 1:
+        started = time.monotonic()
+        assert endings.gather_outcomes(("memory", "out of memory"), 0.0, patience_s=0.5) is None
+        assert 0.5 <= time.monotonic() - started < 5
+        error = endings.leave("rank left: why")
+        assert isinstance(error, RankAlone) and str(error) == "rank left: why"
+        dist.barrier()
+    else:
+        with endings.watching_for_leavers():
+            dist.barrier()  # elsewhere until the last rank has left
+            with pytest.raises(SaidByAnotherRank, match="rank left: why"):
+                endings.gather_outcomes(("fatal", "Connection closed by peer"), 0.0)
+            deadline = time.monotonic() + 5
+            while endings._known.note is None and time.monotonic() < deadline:  # the watcher reads the store each second
+                time.sleep(0.1)
+        assert endings._known.note == "rank left: why" and endings.another_rank_left()
+    dist.barrier()  # the store lives with rank 0: every rank has read it before any leaves
+
+
+def _votes(rank, world):
+    """The host vote answers a round late: the last rank's yes in round 1 is every rank's answer in round 2."""
+    vote = dist.HostVote()
+    assert vote.exchange(False) is False, "round 0 has no earlier round to report"
+    assert vote.exchange(rank == world - 1) is False, "round 1 reports round 0: nobody said yes"
+    assert vote.exchange(False) is True, "round 2 reports round 1"
+    assert vote.exchange(False) is False
+    vote.finish()
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_collectives_across_ranks(world, tmp_path):
+    spawn_ranks(world, _collectives, tmp_path)
+
+
+def _beside_a_device_only_group(rank, world, tmp):
+    """What NCCL does to a CPU tensor, on a CPU: a default group registered for cuda alone refuses it. The app's
+    bookkeeping (meters, votes, summaries, probes, checkpoint agreement) must never touch that group."""
+    from app import train
+    from app.distributed import preemption
+    from app.observe import runlog
+    torch.distributed.init_process_group("cuda:gloo", rank=rank, world_size=world,
+                                         timeout=datetime.timedelta(seconds=60))
+    with pytest.raises(RuntimeError, match="No backend type associated with device type cpu"):
+        torch.distributed.all_reduce(torch.ones(1))  # the device group: as on NCCL, a CPU tensor is refused
+    dist.start_host_group(datetime.timedelta(seconds=60))
+    dist.barrier()
+    meter = Meter(["loss"], torch.device("cpu"))
+    meter.add(torch.tensor(2.0), loss=torch.tensor(float(rank)))
+    assert meter.reduce()["count"] == 2 * world
+    stop = preemption.StopRequest(60, watch_launcher=False)
+    assert [stop.agreed(), stop.agreed()] == [False, False]
+    stop.finish()
+    engine = SimpleNamespace(device=torch.device("cpu"), zero_optimization_stage=lambda: 2,
+                             pipeline_parallelism=False, num_stages=1, autotp_size=lambda: 1,
+                             torch_autocast_enabled=lambda: False, bfloat16_enabled=lambda: False,
+                             fp16_enabled=lambda: False)
+    task = SimpleNamespace(tokens_per_sample=16, name="causal_lm")
+    settings = SimpleNamespace(peak_flops=0.0, model="m", dataset="d", deepspeed_config="c.json")
+    throughput = train.throughput_for(task, 1e9, engine, settings)
+    assert throughput.peak_flops > 0
+    world_info = SimpleNamespace(world_size=world, launcher="deepspeed", device=torch.device("cpu"))
+    log = runlog.RunLog(tmp / "run" if rank == 0 else None, 1)
+    result = {"steps": 1, "stopped_early": False, "eval_loss": 1.0}
+    assert train.summarise(result, settings, world_info, engine, task, log, None, time.perf_counter()) == 0
+    assert dist.broadcast_object(rank) == 0 and dist.gather_objects(rank) == list(range(world))
+    dist.teardown()
+
+
+def test_bookkeeping_never_uses_the_device_group(tmp_path):
+    """Every collective the app makes outside the engine works beside a device group that takes no CPU
+    tensor (as NCCL takes none): run on 2 or more GPUs, they would otherwise crash."""
+    spawn_ranks(2, _beside_a_device_only_group, tmp_path)
+    summary = (tmp_path / "run" / "summary.json").read_text()
+    assert '"world_size": 2' in summary and '"peak_memory_bytes"' in summary

@@ -1,0 +1,111 @@
+"""A user's mistake: one clear line on stderr, no traceback, non-zero exit, nothing overwritten."""
+import json
+
+import pytest
+
+from conftest import REPO, assert_one_error_line, main_each, run, train, train_command
+
+
+def _fails_cleanly(result, *expected):
+    """result: a CompletedProcess, or (exit code, stderr) from main_each."""
+    code, stderr, stdout = (result.returncode, result.stderr, result.stdout) if hasattr(result, "stderr") else \
+        (*result, "")
+    assert code != 0, stdout
+    assert "Traceback" not in stdout, stdout
+    return assert_one_error_line(stderr, *expected)
+
+
+def _config(tmp_path, text, name="bad"):
+    path = tmp_path / f"{name.replace(' ', '-')}.json"
+    path.write_text(text if isinstance(text, str) else json.dumps(text))
+    return path
+
+
+def _dp(**changes):
+    ds = json.loads((REPO / "ds_configs" / "dp.json").read_text())
+    ds.update(changes)
+    return ds
+
+
+@pytest.fixture(scope="module")
+def finished_run(tmp_path_factory):
+    """An output directory holding a finished run, which no failing command may touch."""
+    out = tmp_path_factory.mktemp("kept") / "run"
+    train("python", 1, "--max_steps", 2, "--output_dir", out)
+    return out, {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()}
+
+
+CASES = {
+    "malformed json": ('{"train_micro_batch_size_per_gpu": 4,,}', ["not valid JSON", "line 1"]),
+    "unknown top-level key": (_dp(steps_per_prnt=10), ["unknown DeepSpeed key 'steps_per_prnt'",
+                                                        "did you mean 'steps_per_print'"]),
+    "unknown zero key": (_dp(zero_optimization={"stage": 2, "overlap_com": True}),
+                         ["zero_optimization.overlap_com", "did you mean 'overlap_comm'"]),
+    "unknown optimizer param": (_dp(optimizer={"type": "AdamW", "params": {"lr": 0.001, "weight_decya": 0.1}}),
+                                ["weight_decya"]),
+    "unknown optimizer field": (_dp(optimizer={"type": "AdamW", "parms": {"lr": 0.001}}), ["optimizer.parms"]),
+    "batch sizes that cannot agree": (_dp(train_batch_size=48), ["train_batch_size 48 != train_micro_batch_size_per_gpu 32",
+                                                                  "world size 1 = 32"]),
+    "non-positive batch": (_dp(train_micro_batch_size_per_gpu=0), ["train_micro_batch_size_per_gpu must be a positive"]),
+    "duplicate key": ('{"train_micro_batch_size_per_gpu": 4, "train_micro_batch_size_per_gpu": 8}', ["appears twice"]),
+}
+FLAG_CASES = {
+    "missing config": (["--deepspeed_config", REPO / "ds_configs/nope.json"], ["ds_configs/nope.json not found",
+                                                                              "dp.json"]),
+    "unknown model": (["--model", "resnet9000"], ["unknown model 'resnet9000'"]),
+    "unknown dataset": (["--dataset", "imagenet22k"], ["unknown image dataset 'imagenet22k'", "digits"]),
+    "empty imagefolder": (["--dataset", "imagefolder", "--data_dir", "/nonexistent/images"],
+                          ["missing or empty", "/nonexistent/images"]),
+    "absent mnist": (["--dataset", "mnist", "--data_dir", "/nonexistent/mnist"], ["MNIST is not in", "HF_HUB_OFFLINE"]),
+    "zero epochs": (["--epochs", "0"], ["--epochs must be at least 1"]),
+}
+
+
+@pytest.fixture(scope="module")
+def outcomes(tmp_path_factory, finished_run):
+    """(exit code, stderr) of the command line for every bad config and bad flag, run in one process."""
+    out, _ = finished_run
+    folder = tmp_path_factory.mktemp("bad-configs")
+    argvs = {name: ["--deepspeed_config", _config(folder, text, name)] for name, (text, _) in CASES.items()}
+    argvs.update({name: args for name, (args, _) in FLAG_CASES.items()})
+    results = main_each([[*argv, "--output_dir", out, "--max_steps", 2, "--overwrite"] for argv in argvs.values()])
+    return dict(zip(argvs, results))
+
+
+@pytest.mark.parametrize("case", sorted(CASES) + sorted(FLAG_CASES))
+def test_bad_config_or_flag(case, outcomes, finished_run):
+    out, before = finished_run
+    _fails_cleanly(outcomes[case], *(CASES.get(case) or FLAG_CASES[case])[1])
+    assert {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()} == before
+
+
+def test_existing_run_is_not_overwritten(finished_run):
+    out, before = finished_run
+    result = run(train_command("python", 1, "--output_dir", out, "--max_steps", 2))
+    _fails_cleanly(result, "already holds a run", "--overwrite")
+    assert {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()} == before
+
+
+def test_unwritable_output_dir(tmp_path):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a directory")
+    result = run(train_command("python", 1, "--output_dir", blocker / "run", "--max_steps", 2))
+    _fails_cleanly(result, "cannot write to output directory", "pick a writable --output_dir")
+    assert blocker.read_text() == "not a directory"
+
+
+def test_batch_mismatch_names_the_world_size_with_two_ranks(tmp_path):
+    """The numbers in the message are the real world size's, and only rank 0 says it."""
+    result = run(train_command("deepspeed", 2, "--deepspeed_config", _config(tmp_path, _dp(train_batch_size=32)),
+                               "--output_dir", tmp_path / "run"))
+    _fails_cleanly(result, "x world size 2 = 64", "remove train_batch_size")
+    assert not (tmp_path / "run" / "metrics.csv").exists()
+
+
+def test_help_describes_every_flag():
+    result = run(train_command("python", 1, "--help"))
+    assert result.returncode == 0
+    for flag in ("--model", "--dataset", "--data_dir", "--epochs", "--max_steps", "--eval_interval",
+                 "--log_interval", "--output_dir", "--seed", "--num_workers", "--deepspeed_config"):
+        assert flag in result.stdout
+    assert "(default: 'cnn')" in result.stdout and "Passes over the training set" in result.stdout

@@ -1,0 +1,111 @@
+"""Preemption and failure through the real deepspeed launcher with 2 ranks: signals save, kills end fast."""
+import os
+import signal
+import subprocess
+import time
+
+import psutil
+import pytest
+
+from conftest import REPO, TWO_RANK_ARGS, read_metrics, train, train_command, two_rank_steps
+
+
+STEPS = 200  # long enough that the signal lands mid-run on this machine
+LONG_RUN = ["--max_steps", STEPS, "--log_interval", 1]
+
+
+def _start(out, *args):
+    cmd = train_command("deepspeed", 2, *args, "--output_dir", out)
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    return subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True, env=env)
+
+
+def _ranks(launcher):
+    """The two training processes under the launcher, by local rank."""
+    deadline = time.time() + 60
+    while time.time() < deadline:
+        found = {}
+        for child in psutil.Process(launcher.pid).children(recursive=True):
+            try:
+                command = child.cmdline()
+            except psutil.Error:
+                continue
+            for arg in command:
+                if arg.startswith("--local_rank="):
+                    found[int(arg.split("=")[1])] = child
+        if len(found) == 2:
+            return found
+        time.sleep(0.1)
+    raise AssertionError("the launcher did not start 2 ranks")
+
+
+def _wait_for_step(out, step, launcher):
+    """Block until metrics.csv shows training has reached step."""
+    deadline = time.time() + 120
+    while time.time() < deadline and launcher.poll() is None:
+        if (out / "metrics.csv").exists() and len(read_metrics(out)[0]) >= step:
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"training did not reach step {step}: {launcher.communicate()[0][-3000:]}")
+
+
+def _saved_step(out) -> int:
+    return int((out / "checkpoints" / "latest").read_text()[4:])
+
+
+@pytest.mark.parametrize("name", ["dp", "pipeline"])
+def test_sigterm_to_one_rank_saves_and_resumes_exactly(name, tmp_path, two_rank_run):
+    whole, _ = two_rank_run(name)
+    stopped, steps = tmp_path / "stopped", two_rank_steps(name)
+    config = ["--deepspeed_config", REPO / "ds_configs" / f"{name}.json", *TWO_RANK_ARGS]
+    launcher = _start(stopped, *config)
+    ranks = _ranks(launcher)
+    _wait_for_step(stopped, 10, launcher)
+    # Hold rank 1 while the signal is queued, so it lands mid-run however fast the steps are.
+    ranks[1].suspend()
+    ranks[1].send_signal(signal.SIGTERM)
+    ranks[1].resume()
+    output = launcher.communicate(timeout=60)[0]
+    assert launcher.returncode == 0, output[-3000:]
+    step = _saved_step(stopped)
+    assert 10 < step < steps and f"stopped at step {step} on request" in output, output[-3000:]
+    assert output.count("stopped at step") == 1, "only rank 0 speaks"
+    train("deepspeed", 2, *config, "--output_dir", stopped, "--resume", "auto")
+    expected, got = read_metrics(whole)[0], read_metrics(stopped)[0]
+    assert [r["step"] for r in got] == list(range(1, steps + 1))
+    assert [r["loss"] for r in got] == [r["loss"] for r in expected], "per-step losses identical"
+
+
+@pytest.mark.parametrize("how", ["SIGTERM to the launcher", "SIGINT to the process group"])
+def test_signal_to_the_launcher_saves_within_the_grace_period(how, tmp_path):
+    out = tmp_path / "run"
+    launcher = _start(out, *LONG_RUN, "--grace_period", 20)
+    ranks = _ranks(launcher)
+    _wait_for_step(out, 20, launcher)
+    sent = time.time()
+    if how.startswith("SIGTERM"):
+        launcher.send_signal(signal.SIGTERM)
+    else:
+        os.killpg(launcher.pid, signal.SIGINT)  # what Ctrl-C in a terminal does
+    _, alive = psutil.wait_procs(list(ranks.values()), timeout=30)
+    assert not alive and time.time() - sent < 20, "every rank exits within the grace period"
+    output = launcher.communicate(timeout=30)[0]
+    step = _saved_step(out)
+    assert 20 < step < STEPS and f"stopped at step {step} on request" in output, output[-3000:]
+    assert (out / "checkpoints" / f"step{step:08d}" / "manifest.json").is_file()
+    if how.startswith("SIGTERM"):  # deepspeed's launch.py outlives its runner and reports each rank's exit
+        assert output.count("exits successfully") == 2, output[-3000:]
+
+
+def test_kill_9_of_one_rank_ends_the_run_fast(tmp_path):
+    out = tmp_path / "run"
+    launcher = _start(out, *LONG_RUN)
+    ranks = _ranks(launcher)
+    _wait_for_step(out, 20, launcher)
+    killed = time.time()
+    ranks[1].kill()
+    launcher.communicate(timeout=30)
+    survivors_gone, alive = psutil.wait_procs([ranks[0]], timeout=10)
+    assert not alive, "the other rank does not hang in a collective"
+    assert launcher.returncode != 0 and time.time() - killed < 10, launcher.returncode

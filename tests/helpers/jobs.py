@@ -1,0 +1,63 @@
+"""Several app/train.py jobs in one process group, started once by a real launcher (the tests share its start-up).
+
+    deepspeed --num_gpus 2 tests/helpers/jobs.py <jobs.json> <report folder>
+
+jobs.json holds a list of train.py argument lists, or of {"argv": [...], "env": {...}} for a job that needs
+variables of its own (the fault points of app/distributed/faults.py). For job i each rank writes what it printed, stdout
+and stderr, to <report folder>/<i>.rank<r>.txt and its exit code to <i>.rank<r>.code, as if it had been its
+own launch: a job that ends in a user error says its one line and exits 2, and the next job runs.
+"""
+import contextlib
+import io
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+import torch._dynamo  # noqa: E402
+
+from app import train  # noqa: E402
+from app import settings as config
+from app.distributed import dist
+from app.distributed import launch
+from app.errors import UserError, report as say  # noqa: E402
+
+
+@contextlib.contextmanager
+def variables(env: dict):
+    """The environment with env set, as it was afterwards."""
+    saved = {name: os.environ.get(name) for name in env}
+    os.environ.update(env)
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            os.environ.pop(name) if value is None else os.environ.__setitem__(name, value)
+
+
+def main(jobs_file: str, report: str):
+    launch.prepare_environment()
+    jobs = [job if isinstance(job, dict) else {"argv": job} for job in json.loads(Path(jobs_file).read_text())]
+    parsed = [(config.parse([str(a) for a in job["argv"]]), job.get("env", {})) for job in jobs]
+    world = launch.setup(timeout_s=300)
+    try:
+        for i, ((settings, ds), env) in enumerate(parsed):
+            printed = io.StringIO()
+            with contextlib.redirect_stdout(printed), contextlib.redirect_stderr(printed), variables(env):
+                try:
+                    code = train.run(settings, ds, world, time.perf_counter())
+                except UserError as e:
+                    code = say(e)
+            (Path(report) / f"{i}.rank{world.rank}.txt").write_text(printed.getvalue())
+            (Path(report) / f"{i}.rank{world.rank}.code").write_text(str(code))
+            torch._dynamo.reset()  # a compiled job starts from an empty compile cache, as in its own process
+    finally:
+        dist.teardown()
+
+
+if __name__ == "__main__":
+    main(*[a for a in sys.argv[1:] if not a.startswith("--local_rank")])
+    train.exit_now(0)

@@ -1,0 +1,49 @@
+"""The micro batch "auto": the largest that runs on every rank, found at start with real steps, the global batch
+kept by gradient accumulation, the same losses as written by hand, kept across a resume; under ZeRO 0-3,
+offload, a pipeline and tensor parallelism. And running out of memory in training: one line, never a hang.
+Out of memory comes from APP_OOM_AT on one chosen rank or on every rank."""
+import json
+
+import pytest
+
+from app.memory import autobatch
+from app.ds import config as ds_config
+from app.errors import UserError
+from conftest import REPO
+
+
+def test_candidates_split_the_global_batch_evenly_over_the_replicas():
+    assert autobatch.candidates(64, 2) == [1, 2, 4, 8, 16, 32]
+    assert autobatch.candidates(24, 4) == [1, 2, 3, 6]
+
+
+@pytest.mark.parametrize("fits, expected", [(32, 32), (20, 16), (1, 1), (0, 0)])
+def test_the_search_takes_the_largest_that_runs_trying_the_whole_share_first(fits, expected):
+    tried = []
+
+    def runs(size):
+        tried.append(size)
+        return "" if size <= fits else "out of memory on rank 1"
+    micro, failed = autobatch.largest(autobatch.candidates(64, 2), runs)
+    assert micro == expected and tried[0] == 32 and len(tried) <= 4, tried
+    assert all(size > fits for size in failed)
+
+
+@pytest.mark.parametrize("changes, message", [  # with no global batch at all: tests/unit/test_ds_auto.py
+    ({"train_micro_batch_size_per_gpu": "auto", "train_batch_size": 64, "gradient_accumulation_steps": 2},
+     "gradient_accumulation_steps follows from the micro batch found"),
+    ({"train_micro_batch_size_per_gpu": "often", "train_batch_size": 64},
+     "train_micro_batch_size_per_gpu must be a positive integer, got 'often'"),
+])
+def test_an_auto_micro_batch_needs_a_global_batch_and_nothing_else(changes, message, tmp_path):
+    ds = json.loads((REPO / "ds_configs" / "dp.json").read_text())
+    ds.pop("gradient_accumulation_steps")
+    path = tmp_path / "auto.json"
+    path.write_text(json.dumps({**ds, **changes}))
+    with pytest.raises(UserError, match=message):
+        ds_config.load_ds_config(path)
+
+
+def test_a_global_batch_no_micro_batch_can_split_is_one_line():
+    with pytest.raises(UserError, match="train_batch_size 63 cannot be split over 2 data-parallel rank"):
+        ds_config.resolve_batch_sizes({"train_micro_batch_size_per_gpu": "auto", "train_batch_size": 63}, 2, "x")

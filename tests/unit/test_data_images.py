@@ -1,0 +1,86 @@
+"""Image datasets build offline: the digits' fixed split, torchvision files from --data_dir, ImageFolder."""
+import struct
+
+import pytest
+import torch
+
+from app.data import images
+from app.errors import UserError
+
+
+def test_digits_is_a_fixed_real_split(tmp_path):
+    train, held_out, info = images.build_image_sets("digits", str(tmp_path))
+    assert (len(train), len(held_out)) == (1437, 360)
+    assert (info.num_classes, info.in_channels, info.image_size) == (10, 1, 8)
+    x, y = train[0]
+    assert x.shape == (1, 8, 8) and 0 <= int(y) < 10
+    assert torch.bincount(held_out.tensors[1]).min() >= 34, "stratified: every digit held out"
+    cached = list(tmp_path.glob("digits-sklearn-*.pt"))
+    assert len(cached) == 1, "the split is kept in --data_dir, so later runs need not import scikit-learn"
+    again_train, again_held_out, _ = images.build_image_sets("digits", str(tmp_path))  # read from the cache
+    fresh = images._digits_split()
+    for a, b, c in zip((train.tensors + held_out.tensors), (again_train.tensors + again_held_out.tensors), fresh):
+        assert torch.equal(a, b) and torch.equal(a, c), "the cache holds exactly what scikit-learn gives"
+
+
+def test_digits_without_a_writable_data_dir_still_load(tmp_path):
+    blocked = tmp_path / "file"
+    blocked.write_text("")  # a file where the folder would be: the cache cannot be written
+    train, held_out, _ = images.build_image_sets("digits", str(blocked / "data"))
+    assert (len(train), len(held_out)) == (1437, 360)
+
+
+def _write_idx(path, array, magic):
+    with open(path, "wb") as f:
+        f.write(struct.pack(">I", magic) + b"".join(struct.pack(">I", d) for d in array.shape))
+        f.write(array.numpy().tobytes())
+
+
+@pytest.mark.parametrize("name, folder", [("mnist", "MNIST"), ("fashion_mnist", "FashionMNIST")])
+def test_torchvision_idx_files_from_data_dir(name, folder, tmp_path):
+    raw = tmp_path / folder / "raw"
+    raw.mkdir(parents=True)
+    for prefix, n in (("train", 12), ("t10k", 5)):
+        _write_idx(raw / f"{prefix}-images-idx3-ubyte", torch.randint(0, 256, (n, 28, 28), dtype=torch.uint8), 0x803)
+        _write_idx(raw / f"{prefix}-labels-idx1-ubyte", torch.arange(n, dtype=torch.uint8) % 10, 0x801)
+    train, held_out, info = images.build_image_sets(name, str(tmp_path))
+    assert (len(train), len(held_out), info.num_classes, info.in_channels) == (12, 5, 10, 1)
+    x, y = train[3]
+    assert x.shape == (1, 28, 28) and y == 3
+
+
+def _images(root, classes=("cat", "dog"), per_class=5):
+    from PIL import Image
+    for c, name in enumerate(classes):
+        (root / name).mkdir(parents=True)
+        for i in range(per_class):
+            Image.new("RGB", (20, 12), (40 * c, 10 * i, 0)).save(root / name / f"{i}.png")
+
+
+def test_imagefolder_with_val_dir(tmp_path):
+    _images(tmp_path / "train")
+    _images(tmp_path / "val", per_class=2)
+    train, held_out, info = images.build_image_sets("imagefolder", str(tmp_path), image_size=16)
+    assert (len(train), len(held_out), info.num_classes) == (10, 4, 2)
+    assert train[0][0].shape == (3, 16, 16)
+
+
+def test_imagefolder_without_val_holds_out_a_tenth(tmp_path):
+    _images(tmp_path, per_class=10)
+    train, held_out, info = images.build_image_sets("imagefolder", str(tmp_path), image_size=8)
+    assert (len(train), len(held_out), info.num_classes) == (18, 2, 2)
+
+
+def test_empty_imagefolder_is_a_user_error(tmp_path):
+    (tmp_path / "train").mkdir()
+    with pytest.raises(UserError, match="missing or empty"):
+        images.build_image_sets("imagefolder", str(tmp_path))
+
+
+def test_unknown_dataset_names_the_choices(tmp_path):
+    with pytest.raises(UserError, match="unknown image dataset 'imagenet22k'; choose one of cifar10, digits"):
+        images.build_image_sets("imagenet22k", str(tmp_path))
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("some text\n")
+    with pytest.raises(UserError, match="text needs a transformers model"):
+        images.build_image_sets(str(corpus), str(tmp_path))

@@ -1,0 +1,74 @@
+"""A user's mistake: one clear line on stderr, no traceback, non-zero exit, nothing overwritten."""
+from types import SimpleNamespace
+
+from app.errors import RankAlone, SaidByAnotherRank, UserError, first_line, report
+from conftest import assert_one_error_line
+
+
+def test_report_says_one_line_on_stderr_and_returns_2(monkeypatch, capsys):
+    monkeypatch.delenv("RANK", raising=False)
+    assert report(UserError("--epochs must be at least 1, got 0")) == 2
+    said = capsys.readouterr()
+    assert said.err == "error: --epochs must be at least 1, got 0\n" and said.out == ""
+    assert_one_error_line(said.err, "--epochs must be at least 1")
+
+
+def test_report_on_another_rank_waits_for_rank_0_and_names_itself(monkeypatch, capsys):
+    """Rank 0 speaks first; by the time another rank would, the launcher has usually ended it."""
+    import app.errors
+    waited = []
+    monkeypatch.setattr(app.errors, "time", SimpleNamespace(sleep=waited.append))
+    monkeypatch.setenv("RANK", "3")
+    assert report(UserError("the same mistake")) == 2
+    assert waited == [3] and capsys.readouterr().err == "[rank 3] error: the same mistake\n"
+
+
+def test_a_rank_that_leaves_alone_speaks_at_once_and_the_others_say_nothing(monkeypatch, capsys):
+    """RankAlone: only this rank knows, and the launcher ends the others once it exits; SaidByAnotherRank: the
+    rank that left said it."""
+    import app.errors
+    waited = []
+    monkeypatch.setattr(app.errors, "time", SimpleNamespace(sleep=waited.append))
+    monkeypatch.setenv("RANK", "1")
+    assert report(RankAlone("rank 1 ran out of memory")) == 2
+    assert waited == [] and capsys.readouterr().err == "[rank 1] error: rank 1 ran out of memory\n"
+    monkeypatch.setenv("RANK", "0")
+    assert report(SaidByAnotherRank("rank 1 ran out of memory")) == 2
+    assert capsys.readouterr().err == ""
+
+
+def test_first_line_is_the_innermost_cause():
+    try:
+        try:
+            raise OSError("disk full\nwhile writing /data/x")
+        except OSError as inner:
+            raise RuntimeError("DatasetGenerationError: An error occurred") from inner
+    except RuntimeError as wrapped:
+        assert first_line(wrapped) == "disk full"
+    try:
+        try:
+            raise KeyError("text")
+        except KeyError:
+            raise ValueError("while mapping")  # implicit chaining: __context__
+    except ValueError as chained:
+        assert first_line(chained) == "'text'"
+    assert first_line(ValueError()) == "ValueError" and first_line(ValueError("  one\ntwo")) == "one"
+
+
+def test_an_error_raised_in_deepspeeds_code_is_one_line_naming_where():
+    """A section of a borrowed config that the model or machine does not suit fails inside DeepSpeed: one line
+    saying where, not a traceback; an error from elsewhere stays the bug it is."""
+    from app.errors import deepspeed_failure
+    scope = {}
+    exec(compile("def step():\n    raise RuntimeError('start (114) + length (1843) exceeds dimension size (114).')",
+                 "/venv/site-packages/deepspeed/runtime/zenflow/engine.py", "exec"), scope)
+    try:
+        scope["step"]()
+    except RuntimeError as e:
+        said = str(deepspeed_failure(e, "in training step 1"))
+    assert said.startswith("DeepSpeed failed in training step 1 (RuntimeError: start (114)") and \
+        "deepspeed/runtime/zenflow/engine.py:2" in said and "\n" not in said
+    try:
+        raise RuntimeError("ours")
+    except RuntimeError as e:
+        assert deepspeed_failure(e, "x") is None

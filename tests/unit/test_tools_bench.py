@@ -1,0 +1,60 @@
+"""The benchmark entry point: one quick invocation measures every mode and writes complete JSON and a chart."""
+import pytest
+
+
+def test_a_bad_flag_is_one_line(capsys):
+    from app.tools import bench
+    assert bench.main(["--modes", "raw,fast"]) == 2
+    assert capsys.readouterr().err.strip().splitlines() == [
+        "error: --modes: unknown mode 'fast'; choose from raw, raw-compile, raw-1thread, ddp, dataparallel, app"]
+    assert bench.main(["--compile", "on,maybe"]) == 2
+    assert capsys.readouterr().err.strip().splitlines() == [
+        "error: --compile takes a comma list of auto, on, off; got 'on,maybe'"]
+
+
+def test_compile_choices_name_the_app_modes():
+    """--compile off,on runs each config twice, eager and compiled, under names that say which."""
+    from app.tools import bench
+    args = bench.parse(["--modes", "app", "--configs", "zero1", "--compile", "off,on", "--ranks", "1"])
+    groups, _ = bench.group_modes(args, cores=2, gpus=0)
+    assert [mode for mode, _, _ in groups[1]] == ["zero1+eager", "zero1+compile"]
+
+
+def test_ratios_and_the_headline():
+    """Each mode against raw PyTorch and against torch at its own world size; scaling against one thread."""
+    from app.tools.bench_report import add_ratios, headline
+    rows = [{"mode": mode, "ranks": ranks, "step_time_s": step, "samples_per_s": rate}
+            for mode, ranks, step, rate in [("raw", 1, 0.010, 3200.0), ("raw-compile", 1, 0.008, 4000.0),
+                                            ("raw-1thread", 1, 0.012, 1000.0), ("ddp", 2, 0.020, 1600.0),
+                                            ("dp", 1, 0.016, 2000.0), ("dp", 2, 0.025, 1500.0)]]
+    add_ratios(rows)
+    by = {(r["mode"], r["ranks"]): r for r in rows}
+    assert by[("dp", 1)]["ratio_to_raw"] == pytest.approx(1.6) and by[("dp", 1)]["ratio_to_torch"] == pytest.approx(1.6)
+    assert by[("dp", 2)]["ratio_to_torch"] == pytest.approx(1.25), "2 ranks compare with DDP, not the raw loop"
+    assert by[("dp", 1)]["speed_vs_raw_compile"] == pytest.approx(0.5) and by[("dp", 2)]["speed_vs_raw_compile"] is None
+    assert by[("dp", 2)]["scaling_efficiency"] == pytest.approx(1500 / (2 * 1000))
+    assert by[("dp", 1)]["scaling_efficiency"] is None
+    assert headline(rows) == "headline (app speed / raw PyTorch + compile + fused AdamW, 1 rank): dp 0.500"
+
+
+def test_split_configs_run_where_the_ranks_hold_them():
+    """A 2-way split skips 1 rank; at 2 ranks it is one replica, so each rank takes the whole global batch."""
+    from app.tools import bench
+    args = bench.parse(["--modes", "app", "--configs", "dp,pipeline", "--ranks", "2"])
+    groups, skipped = bench.group_modes(args, cores=2, gpus=0)
+    assert [(mode, batch) for mode, _, batch in groups[1]] == [("dp", 32)]
+    assert [(mode, batch) for mode, _, batch in groups[2]] == [("dp", 16), ("pipeline", 32)]
+    assert [mode for mode, _ in skipped] == ["pipeline x1"]
+
+
+def test_the_splitting_line_compares_with_one_device():
+    from app.tools.bench_report import add_ratios, splitting
+    rows = [{"mode": mode, "ranks": ranks, "step_time_s": step, "samples_per_s": rate, "pipeline_stages": stages,
+             "tensor_parallel": 1, "param_bytes": held, "peak_memory_bytes": peak}
+            for mode, ranks, step, rate, stages, held, peak in [
+                ("raw", 1, 0.010, 100.0, 1, [400], [1000]), ("dp", 1, 0.010, 100.0, 1, [400], [1000]),
+                ("pipeline", 2, 0.0107, 93.0, 2, [180, 220], [500, 600])]]
+    add_ratios(rows)
+    assert rows[2]["speed_vs_one_device"] == pytest.approx(0.93)
+    assert splitting(rows) == ["pipeline x2: 0.930x the speed of dp on one rank; per rank 55% of its parameter "
+                               "bytes, 60% of its peak memory"]

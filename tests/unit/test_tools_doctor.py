@@ -1,0 +1,42 @@
+"""The pre-flight doctor against a real sshd on loopback hosts: a good set-up passes, each fault fails its row."""
+import pytest
+
+from app.tools import doctor
+from helpers.cluster import HOSTS  # noqa: F401 (a fixture)
+from conftest import REPO, free_port
+
+
+def rows_of(output) -> dict:
+    """(check, where) -> status from the doctor's table."""
+    rows = {}
+    for line in output.splitlines()[1:]:
+        parts = line.split()
+        if len(parts) >= 3 and parts[2] in ("ok", "FAIL"):
+            rows[(parts[0], parts[1])] = parts[2]
+        elif len(parts) >= 4 and parts[3] in ("ok", "FAIL"):  # "master port", "port reach"
+            rows[(f"{parts[0]} {parts[1]}", parts[2])] = parts[3]
+    return rows
+
+
+def test_a_missing_hostfile_fails(tmp_path, capsys):
+    code = doctor.main(["--hostfile", str(tmp_path / "nope"), "--master_port", str(free_port())])
+    out = capsys.readouterr().out
+    assert code == 1 and "not found" in out and rows_of(out)[("hostfile", str(tmp_path / "nope"))] == "FAIL"
+
+
+@pytest.mark.parametrize("name", sorted(p.name for p in (REPO / "hostfiles").iterdir()))
+def test_example_hostfiles_parse(name):
+    args = doctor.build_parser().parse_args(["--hostfile", str(REPO / "hostfiles" / name)])
+    hosts = doctor.read_hosts(args)
+    assert hosts and all(slots >= 1 for slots in hosts.values())
+    if name == "two-loopback-hosts":
+        assert tuple(hosts) == HOSTS and set(hosts.values()) == {1}
+
+
+def test_a_host_name_that_ssh_would_read_as_an_option_fails(tmp_path, capsys):
+    hostfile = tmp_path / "hosts"
+    hostfile.write_text(f"-oProxyCommand=touch${{IFS}}{tmp_path}/ran slots=1\n127.0.0.1 slots=1\n")
+    code = doctor.main(["--hostfile", str(hostfile), "--master_port", str(free_port())])
+    out = capsys.readouterr().out
+    assert code == 1 and "begins with '-', which ssh reads as an option" in out
+    assert rows_of(out)[("hostfile", str(hostfile))] == "FAIL" and not (tmp_path / "ran").exists()
