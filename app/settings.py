@@ -74,7 +74,7 @@ class Settings:
     """Seconds a collective may wait before the run fails instead of hanging."""
     compile: str = "auto"
     """torch.compile the model and its loss through engine.compile: on, off, or auto (on with a CUDA device,
-    off on CPU, where the compile time is not won back; README "Compile")."""
+    off on CPU, where the compile time is not won back; docs/gpu.md, "Compile")."""
     tf32: str = "on"
     """fp32 runs on CUDA: 'on' lets matmuls and convolutions use TF32 tensor cores, 'off' keeps full fp32."""
     deepspeed_config: str = str(DEFAULT_DS_CONFIG)

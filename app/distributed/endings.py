@@ -102,7 +102,7 @@ def _read_note(store):
     note = wire.decode(store.get(_LEFT), f"the rendezvous store's key {_LEFT}")
     if not isinstance(note, str):
         raise UserError(f"the rendezvous store's key {_LEFT} holds a value this run's ranks did not write; "
-                        f"firewall the store's port (README \"Trust\")")
+                        f"firewall the store's port (docs/trust.md)")
     return note
 
 

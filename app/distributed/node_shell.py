@@ -14,7 +14,7 @@ from app.errors import SaidByAnotherRank, UserError
 from app.redact import looks_secret
 
 SAFE = re.compile(r"[\w@%+=:,./-]")  # what a POSIX shell reads as itself outside quotes
-FIX = "rename it, or start each node yourself (deepspeed --no_ssh --node_rank K, see README, Multi-node)"
+FIX = "rename it, or start each node yourself (deepspeed --no_ssh --node_rank K, docs/multinode.md)"
 
 
 def first_expansion(line: str) -> str:
@@ -67,7 +67,7 @@ def secrets_warning(names) -> str:
         return ""
     return (f"warning: {', '.join(secret)} travel{'s' if len(secret) == 1 else ''} to the nodes on DeepSpeed's "
             f"pdsh command line, which every user of the machine can read; keep secrets in a file only you can "
-            f"read (README, Trust)")
+            f"read (docs/trust.md)")
 
 
 def check_launch_hosts(rank: int):

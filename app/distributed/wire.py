@@ -3,7 +3,7 @@
 Messages are JSON, never pickles: the rendezvous store and gloo's sockets have no authentication, so whoever
 reaches their ports could otherwise run code on every rank. torch's store serves every interface of rank 0's
 machine (0.0.0.0 and ::) whatever MASTER_ADDR says; open_store() binds it to MASTER_ADDR's address instead
-where that is an IP address of this machine. What else listens, and the firewalling a cluster needs: README "Trust".
+where that is an IP address of this machine. What else listens, and the firewalling a cluster needs: docs/trust.md.
 """
 import datetime
 import errno
@@ -27,7 +27,7 @@ def decode(raw: bytes, where: str):
         return json.loads(bytes(raw).decode("utf-8"))
     except (UnicodeDecodeError, ValueError):
         raise UserError(f"{where} holds a value this run's ranks did not write (not JSON, so it was not read): "
-                        f"something else reached the run's ports; firewall them (README \"Trust\")") from None
+                        f"something else reached the run's ports; firewall them (docs/trust.md)") from None
 
 
 def _bound_socket(addr: str, port: int) -> tuple:
@@ -56,7 +56,7 @@ def open_store(addr: str, port: int, world_size: int, serve: bool, timeout: date
         store = dist.TCPStore(addr, port, world_size, serve, timeout, wait_for_workers=False, multi_tenant=True)
         if not local:
             print(f"note: rank 0's rendezvous store listens on port {store.port} of every interface of this machine "
-                  f"(MASTER_ADDR {addr} is not an IP address of it); firewall that port (README \"Trust\")",
+                  f"(MASTER_ADDR {addr} is not an IP address of it); firewall that port (docs/trust.md)",
                   flush=True)
         return store
     return dist.TCPStore(addr, port, world_size, True, timeout, wait_for_workers=False, multi_tenant=True,

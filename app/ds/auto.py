@@ -3,7 +3,7 @@ size given the app's default, and what was filled said in one block and saved wi
 
 transformers and accelerate read "auto" as "the training program fills this in". Here each value comes from, in
 order: the app's flag that owns it; the model (bucket sizes from its hidden size, as DeepSpeed's docs advise);
-the data and the world size (the batch triple); else the app's documented default for the job (README "auto").
+the data and the world size (the batch triple); else the app's documented default for the job (docs/configs.md, "auto").
 """
 import copy
 import json
@@ -18,15 +18,15 @@ LR_PRETRAINED, LR_SCRATCH = 2e-5, 2e-3  # fine-tuning loaded weights; training f
 WARMUP_SHARE = 0.05  # of the run's optimizer steps
 FILE = "deepspeed_auto.json"
 
-# Every key the app fills in for "auto": where its value comes from (the README's table says the same).
+# Every key the app fills in for "auto": where its value comes from (docs/configs.md's table says the same).
 FILLED = {
     "train_batch_size": "micro batch x accumulation x data-parallel ranks",
     "train_micro_batch_size_per_gpu": "the largest that runs on every rank, found at start",
     "gradient_accumulation_steps": "train_batch_size / (micro batch x ranks), else 1",
     "gradient_clipping": "the app's default, 1.0",
-    "fp16.enabled": "the device (README \"Precision\")",
-    "bf16.enabled": "the device (README \"Precision\")",
-    "torch_autocast.enabled": "the device (README \"Precision\")",
+    "fp16.enabled": "the device (docs/gpu.md, \"Precision\")",
+    "bf16.enabled": "the device (docs/gpu.md, \"Precision\")",
+    "torch_autocast.enabled": "the device (docs/gpu.md, \"Precision\")",
     "optimizer.params.lr": f"the app's default: {LR_PRETRAINED} fine-tuning loaded weights, {LR_SCRATCH} from scratch",
     "optimizer.params.betas": "the app's default, [0.9, 0.999]",
     "optimizer.params.eps": "the app's default, 1e-8",
@@ -79,7 +79,7 @@ def check(ds: dict, where: str):
     for path in auto_paths(ds):
         if _dotted(path) not in FILLED:
             raise UserError(f"{where}: {_dotted(path)} is \"auto\", which the app does not fill in (it does for "
-                            f"the keys README \"auto\" lists); give it a value")
+                            f"the keys docs/configs.md lists under \"auto\"); give it a value")
 
 
 def stand_in(ds: dict) -> dict:

@@ -8,7 +8,7 @@ from app.errors import UserError
 
 # Sections that switch a lower precision on, in the order "auto" prefers them. torch_autocast keeps fp32 weights
 # and runs the forward in bf16 under torch.autocast (the recipe of plain PyTorch at its best); DeepSpeed's bf16
-# and fp16 sections keep 16-bit weights behind an optimizer wrapper (README "Precision").
+# and fp16 sections keep 16-bit weights behind an optimizer wrapper (docs/gpu.md, "Precision").
 PRECISIONS = ("torch_autocast", "bf16", "fp16")
 DTYPE_NAMES = {"bfloat16": "bf16", "bf16": "bf16", "float16": "fp16", "fp16": "fp16", "half": "fp16"}
 

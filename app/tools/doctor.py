@@ -161,7 +161,7 @@ def run_checks(args) -> list:
         shell_rows(row, args)
     local, remote = LAUNCHERS[args.launcher] if args.hostfile else ((), ())
     missing = [b for b in local if not shutil.which(b)]
-    row("launcher", "here", f"{', '.join(missing)} not found: install them (see README, Multi-node)" if missing else "",
+    row("launcher", "here", f"{', '.join(missing)} not found: install them (docs/multinode.md)" if missing else "",
         ", ".join(local) or "none needed")
     master_addr = args.master_addr or (next(iter(hosts), "127.0.0.1") if args.hostfile else "127.0.0.1")
     with hold_port(master_addr, args.master_port) as busy:
