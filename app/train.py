@@ -117,11 +117,7 @@ def run(settings: Settings, ds: dict, world: World, started: float) -> int:  # l
         steps = loop.total_steps(settings.max_steps, settings.epochs, len(train_loader),
                                  ds["gradient_accumulation_steps"])
         ds = json_with_lengths(ds, steps, filled)
-        state = TrainerState(step=0, epoch=0, batch=0, model=settings.model, dataset=settings.dataset,
-                             world_size=world.world_size, zero_stage=ds_config.zero_stage(ds),
-                             settings=config.settings_dict(settings), data_info=asdict(info), deepspeed_config=ds,
-                             pipeline_stages=ranks.split.stages if ranks.split else 0,
-                             data_parallel_size=ranks.replicas, tensor_parallel_size=ranks.tensor)
+        state = trainer_state(settings, world, ranks, info, ds)
         folder, saved, state.deepspeed_config = resume.plan_resume(output_dir, settings.resume, state, ds,
                                                                    settings.overwrite)
         engine = loop.build_engine(trained, ranks.engine_config(state.deepspeed_config))
@@ -149,6 +145,15 @@ def run(settings: Settings, ds: dict, world: World, started: float) -> int:  # l
             stop.close()
         outdir.unlock()
         ds_internals.forget_parallel_groups()  # another job may follow in this process (the tests pool them)
+
+
+def trainer_state(settings: Settings, world: World, ranks, info, ds: dict) -> TrainerState:
+    """What this run's checkpoints record besides DeepSpeed's shards, at step 0."""
+    return TrainerState(step=0, epoch=0, batch=0, model=settings.model, dataset=settings.dataset,
+                        world_size=world.world_size, zero_stage=ds_config.zero_stage(ds),
+                        settings=config.settings_dict(settings), data_info=asdict(info), deepspeed_config=ds,
+                        pipeline_stages=ranks.split.stages if ranks.split else 0,
+                        data_parallel_size=ranks.replicas, tensor_parallel_size=ranks.tensor)
 
 
 def json_for_run(ds: dict, settings: Settings, world: World, ranks, task) -> tuple:
