@@ -153,7 +153,7 @@ def run_app(mode, args, world, work: Workload, loader, clock, total):  # long: t
     ranks = rank_layout_of(mode, args, world)
     ds = ds_config.resolve_batch_sizes({**args.configs[name], "train_micro_batch_size_per_gpu": loader.batch_sampler.
                                         batch_size, "gradient_accumulation_steps": 1}, ranks.replicas, name)
-    module, _, _ = ranks.prepare(build_model(work, ds), work.task, args.model)
+    module, _, _ = ranks.prepare(build_model(work, ds), work.task, args.model, ds)
     engine = loop.build_engine(module, ranks.engine_config(ds_config.fill_scheduler_length(ds, total)))
     micro = loader.batch_sampler.batch_size  # a pipeline's stages pass activations of one fixed shape
     eval_loader = build_loader(torch.utils.data.Subset(work.train_set, range(ranks.replicas * micro)), micro,

@@ -61,7 +61,7 @@ def _mnist(folder, count=20):
 
 def _checkpoint_run(folder):
     """A run folder with one complete checkpoint, as far as resume reads it before building anything."""
-    from test_resume import _state, _write_checkpoint
+    from unit.test_resume import _state, _write_checkpoint
     _write_checkpoint(folder / "checkpoints" / "step00000004", _state())
     return folder
 
