@@ -192,7 +192,7 @@ def activation_bytes(build, inputs, loss, micro: int, dtype, checkpointed: bool,
 
 def memory_plan(config: str, ds: dict, ranks: int, sizes: list, largest_block: int, measured: tuple,
          kinds: tuple = (True, True)) -> MemoryPlan:
-    """The Plan of one config: measured is (bytes of one sample, bytes of a micro batch whatever its size); kinds:
+    """The MemoryPlan of one config: measured is (bytes of one sample, bytes of a micro batch whatever its size); kinds:
     comm_kinds of the model."""
     device, host = model_states(sizes, ds, ranks)
     device["working"] = working_bytes(sizes, ds, ranks, largest_block, kinds)

@@ -106,7 +106,7 @@ def configs(args) -> dict:
 
 
 def measure(args, named: dict) -> dict:
-    """{name: Plan} of each config: one fake forward and backward per precision and checkpointing asked."""
+    """{name: MemoryPlan} of each config: one fake forward and backward per precision and checkpointing asked."""
     build, inputs, loss = workload(args)
     with torch_private.fake_tensor_mode():
         model = build()

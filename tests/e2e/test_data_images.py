@@ -1,4 +1,5 @@
-"""Image datasets build offline: the digits' fixed split, torchvision files from --data_dir, ImageFolder."""
+"""The synthetic smoke data trained for real: the default CNN learns it, and a run whose optimizer step changes
+nothing stays at chance. The image datasets themselves: tests/unit/test_data_images.py."""
 
 from conftest import config_variant, read_summary, train_jobs
 

@@ -48,7 +48,7 @@ def _collectives(rank, world, tmp):
     dist.teardown()
 
 
-# What a third process writes under the app's note key (the default group's prefixes, then dist._LEFT): a
+# What a third process writes under the app's note key (the default group's prefixes, then endings._LEFT): a
 # pickle that would create a file when loaded, as anyone who can reach the store's port could write it.
 CRAFTED = """import datetime, os, pickle, sys, torch.distributed as d
 class Payload:

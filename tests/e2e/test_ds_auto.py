@@ -1,6 +1,6 @@
-"""DeepSpeed configs as the ecosystem writes them: "auto" filled in once, missing optimizers and batch sizes given
-the app's defaults, DeepSpeed's spellings and comment keys accepted, a CPU smoke test of a GPU config, and every
-wrong value named by its key. The configs below are written for these tests in the shapes people bring."""
+"""DeepSpeed configs as the ecosystem writes them, trained for real: each shape (tests/unit/test_ds_auto.py) runs
+a few steps on this CPU, a GPU config included, and the "auto" file resumes exactly, its filled-in values said
+once and saved."""
 import json
 
 

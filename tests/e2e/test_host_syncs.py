@@ -1,5 +1,5 @@
-"""No training step waits on the device: host synchronisations counted per step (tests/host_syncs.py), the app's
-and DeepSpeed's, for every shipped ds_config in the precision it takes on a GPU (bf16), eager and compiled,
+"""No training step waits on the device: host synchronisations counted per step (tests/helpers/host_syncs.py), the
+app's and DeepSpeed's, for every shipped ds_config in the precision it takes on a GPU (bf16), eager and compiled,
 on 1 and 2 ranks."""
 import pytest
 

@@ -1,5 +1,5 @@
-"""Launch time: launcher detection, each launcher's variables, node names, the no-launcher plan, the device
-DeepSpeed is made to take."""
+"""Launch time for real: DeepSpeed takes the device the rank chose, not the one numbered LOCAL_RANK, under ZeRO-3,
+a pipeline and AutoTP. Launcher detection, variables and node names: tests/unit/test_launch.py."""
 import json
 
 

@@ -1,5 +1,5 @@
-"""The loop: the schedule's decisions and the run's length (fast), and Loop.fit driving a real DeepSpeed engine in
-one spawned rank (when it logs, evaluates and saves, the position it saves, resuming mid-epoch, an agreed stop)."""
+"""Loop.fit driving a real DeepSpeed engine in one spawned rank: when it logs, evaluates and saves, the position it
+saves, resuming mid-epoch, an agreed stop. The schedule alone: tests/unit/test_loop.py."""
 import json
 
 import pytest

@@ -1,5 +1,5 @@
-"""The run folder on real files: whether it may take a run, its lock (real flock), one timeline of checkpoints, and
-what --overwrite deletes (only what the app wrote)."""
+"""The run folder's lock between real runs: a second run on a folder in use ends in one line naming the first, and
+takes the lock over once the first is killed. The rest of the run folder: tests/unit/test_outdir.py."""
 import signal
 import socket
 import subprocess

@@ -1,6 +1,6 @@
-"""The memory plan: DeepSpeed's layout of model states worked out from parameter sizes, activations counted on fake
-tensors as on real ones, the largest micro batch, and the plan command's table, recommendation and one-line
-mistakes. (Its model states against a real engine's: tests/e2e/test_tools_bench.py.)"""
+"""The memory plan against a real engine: the reduce buckets DeepSpeed allocates, in the dtypes torch_autocast
+gives them. The plan's arithmetic: tests/unit/test_plan.py; its model states against a real engine's:
+tests/e2e/test_tools_bench.py."""
 import json
 
 from app.memory import plan

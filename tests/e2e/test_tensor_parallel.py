@@ -1,5 +1,5 @@
-"""Tensor parallelism through DeepSpeed AutoTP: the "tensor_parallel" section, which models it takes, and llama-tiny
-trained on 2 gloo ranks against one process, exported whole."""
+"""Tensor parallelism through DeepSpeed AutoTP for real: llama-tiny on 2 gloo shards against one process, and
+export of the gathered weights."""
 import pytest
 import torch
 

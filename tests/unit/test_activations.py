@@ -1,5 +1,6 @@
-"""Activation checkpointing: which blocks each model family recomputes, that recomputing changes nothing a user
-would see (the same per-step losses under every ZeRO stage, batch-norm statistics kept), and its one switch."""
+"""Activation checkpointing in one process: which blocks each model family recomputes, the same gradients,
+names and batch-norm statistics as without it, and its one switch (a section the app cannot honour, Megatron's
+options). The same per-step losses on 2 ranks under every ZeRO stage: tests/e2e/test_activations.py."""
 import copy
 
 import pytest

@@ -1,7 +1,6 @@
-"""The micro batch "auto": the largest that runs on every rank, found at start with real steps, the global batch
-kept by gradient accumulation, the same losses as written by hand, kept across a resume; under ZeRO 0-3,
-offload, a pipeline and tensor parallelism. And running out of memory in training: one line, never a hang.
-Out of memory comes from APP_OOM_AT on one chosen rank or on every rank."""
+"""The micro batch "auto" without ranks: the candidates that split the global batch evenly over the replicas,
+the search for the largest that runs, and what a config must give beside it. Real trials on ranks, running out of
+memory in training and a resume: tests/e2e/test_autobatch.py."""
 import json
 
 import pytest

@@ -1,5 +1,6 @@
-"""Run time inside the process group: who this rank is, printing from rank 0, and the app's collectives, which
-travel on the host group (gloo, CPU tensors) beside the device group, tested across real gloo ranks."""
+"""Run time in one process: who this rank is from the launcher's variables before the group exists, printing from
+the main rank only, and collectives that leave values as they are without a group. Across real gloo ranks:
+tests/e2e/test_dist.py."""
 import torch
 
 from app.distributed import dist

@@ -1,6 +1,7 @@
 """DeepSpeed configs as the ecosystem writes them: "auto" filled in once, missing optimizers and batch sizes given
-the app's defaults, DeepSpeed's spellings and comment keys accepted, a CPU smoke test of a GPU config, and every
-wrong value named by its key. The configs below are written for these tests in the shapes people bring."""
+the app's defaults, DeepSpeed's spellings, older names and comment keys accepted, and every wrong value named by
+its key. The configs below are written for these tests in the shapes people bring (tests/e2e/test_ds_auto.py
+trains them)."""
 import json
 
 import pytest

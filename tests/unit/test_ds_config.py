@@ -156,7 +156,7 @@ def test_auto_precision_asks_the_compute_capability_not_emulated_bf16(capability
 
 
 def test_the_training_run_resolves_precision_once_the_device_is_set():
-    """config.parse leaves "auto" alone: asking the GPU then would open a context on GPU 0 in every rank."""
+    """settings.parse leaves "auto" alone: asking the GPU then would open a context on GPU 0 in every rank."""
     from app import settings as config
     _, ds = config.parse(["--deepspeed_config", str(REPO / "ds_configs" / "zero2.json")])
     assert ds["torch_autocast"]["enabled"] == "auto"

@@ -1,4 +1,6 @@
-"""A user's mistake: one clear line on stderr, no traceback, non-zero exit, nothing overwritten."""
+"""How a user's mistake is said: one line on stderr and exit code 2, rank 0's or another rank's naming itself,
+once when a rank leaves alone, the innermost cause first, an error raised in DeepSpeed's code named where. The
+mistakes on a real command line: tests/e2e/test_errors.py."""
 from types import SimpleNamespace
 
 from app.errors import RankAlone, SaidByAnotherRank, UserError, first_line, report

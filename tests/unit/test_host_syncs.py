@@ -1,6 +1,6 @@
-"""No training step waits on the device: host synchronisations counted per step (tests/host_syncs.py), the app's
-and DeepSpeed's, for every shipped ds_config in the precision it takes on a GPU (bf16), eager and compiled,
-on 1 and 2 ranks."""
+"""The host-sync counter (tests/helpers/host_syncs.py) in one process: it sees every kind of host synchronisation
+and counts them by optimizer step. No step of any shipped ds_config waits on the device:
+tests/e2e/test_host_syncs.py."""
 import torch
 
 from helpers.host_syncs import HostSyncs

@@ -133,7 +133,7 @@ COLLECTIVES = {"all_reduce", "all_gather", "all_gather_object", "all_gather_into
                "broadcast_object_list", "reduce", "reduce_scatter", "reduce_scatter_tensor", "gather",
                "gather_object", "scatter", "scatter_object_list", "barrier", "all_to_all", "all_to_all_single",
                "send", "recv", "isend", "irecv", "monitored_barrier"}
-# dist.py owns the app's collectives (host group for bookkeeping, device group for tensors); ds_internals/
+# dist.py owns the app's collectives (host group for bookkeeping, device group for tensors); app/ds/internals/
 # is where DeepSpeed's internals may need one; commcheck exists to check torch.distributed's own primitives.
 MAY_CALL_COLLECTIVES = {"app/distributed/dist.py", "app/tools/commcheck.py"}
 

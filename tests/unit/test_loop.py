@@ -1,5 +1,5 @@
-"""The loop: the schedule's decisions and the run's length (fast), and Loop.fit driving a real DeepSpeed engine in
-one spawned rank (when it logs, evaluates and saves, the position it saves, resuming mid-epoch, an agreed stop)."""
+"""The loop's schedule: when it logs, evaluates, saves and stops, and the run's length in optimizer steps.
+Loop.fit driving a real DeepSpeed engine: tests/e2e/test_loop.py."""
 import pytest
 
 from app.core import loop

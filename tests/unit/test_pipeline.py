@@ -1,5 +1,6 @@
-"""Pipeline parallelism: the "pipeline" section, the split of each model family, and real pipelined runs (gloo,
-2 and 3 CPU ranks) against one process."""
+"""Pipeline parallelism in one process: the "pipeline" section, the data-parallel rank DeepSpeed's topology gives,
+the split of each model family into layers that compute the same, and what cannot be split. Real pipelined runs
+(gloo, 2 and 3 CPU ranks) against one process: tests/e2e/test_pipeline.py."""
 import json
 
 import pytest

@@ -1,5 +1,5 @@
-"""Automatic restarts after a crash: torchrun --max_restarts and app.tools.restart (for the deepspeed launcher) run
-a killed run again with --resume auto, and it finishes as if it had never been killed."""
+"""The restart tool: the command it runs again (with --resume auto, which needs --output_dir) and when it stops
+(success, a user's error, its last restart). Killed runs restarted for real: tests/e2e/test_restart.py."""
 import sys
 
 import pytest

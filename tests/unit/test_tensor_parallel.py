@@ -1,5 +1,6 @@
-"""Tensor parallelism through DeepSpeed AutoTP: the "tensor_parallel" section, which models it takes, and llama-tiny
-trained on 2 gloo ranks against one process, exported whole."""
+"""Tensor parallelism through DeepSpeed AutoTP, in one process: the "tensor_parallel" section, the ranks of a
+group sharing one replica, which model families it takes. llama-tiny trained on 2 gloo ranks:
+tests/e2e/test_tensor_parallel.py."""
 import json
 
 import pytest

@@ -1,4 +1,5 @@
-"""The benchmark entry point: one quick invocation measures every mode and writes complete JSON and a chart."""
+"""The benchmark's parts: its flags, the app modes' compile choices, ratios and the headline, where split configs
+run, and the line that compares splitting with one device. One quick invocation: tests/e2e/test_tools_bench.py."""
 import pytest
 
 

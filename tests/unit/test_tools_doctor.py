@@ -1,4 +1,5 @@
-"""The pre-flight doctor against a real sshd on loopback hosts: a good set-up passes, each fault fails its row."""
+"""The pre-flight doctor's checks that need no host: a missing hostfile, the example hostfiles, a host name ssh
+would read as an option. Against a real sshd: tests/e2e/test_tools_doctor.py."""
 import pytest
 
 from app.tools import doctor

@@ -1,4 +1,4 @@
-"""app.tools.try_configs: borrowed DeepSpeed files tried as a new user would, each counted."""
+"""app.tools.try_configs: each outcome counted by what the user saw (trained, one line, a traceback)."""
 from app.tools import try_configs
 
 

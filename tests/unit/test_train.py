@@ -1,4 +1,4 @@
-"""End-to-end runs of app/train.py through every launch mode and every file in ds_configs/."""
+"""Every file in ds_configs/ has its end-to-end run (tests/e2e/test_train.py) or a test that names it."""
 from conftest import NOT_FOR_THE_CNN, REPO
 
 CONFIGS = sorted(p.stem for p in (REPO / "ds_configs").glob("*.json") if p.stem not in NOT_FOR_THE_CNN)

@@ -1,4 +1,4 @@
-"""Every place the app touches DeepSpeed's private internals, in this package.
+"""Every place the app touches DeepSpeed's private internals, in this package (torch's: torch_private.py).
 
 Each function here relies on something DeepSpeed does not promise to keep: attribute names of its engine and
 optimizers, the shape of its launcher's arguments, file names it picks, the lines it logs. They were written

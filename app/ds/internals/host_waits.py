@@ -2,7 +2,7 @@
 synchronizations where the device already orders the work.
 
 On a GPU the host queues the step and runs ahead; each of these makes it wait for the device. A CPU run skips
-DeepSpeed's CUDA-only branches, so tests/host_syncs.py counts them from the guard DeepSpeed puts before each.
+DeepSpeed's CUDA-only branches, so tests/helpers/host_syncs.py counts them from the guard DeepSpeed puts before each.
 """
 import sys
 
