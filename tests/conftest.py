@@ -14,6 +14,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import pytest
@@ -83,7 +84,21 @@ def cuda_env() -> dict:
 def run(cmd, timeout=600, base_env=None, **env) -> subprocess.CompletedProcess:
     """Run cmd in the repository root with the test environment (or base_env); output captured as text."""
     full_env = {**(os.environ if base_env is None else base_env), "PYTHONUNBUFFERED": "1", **env}
-    return subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=timeout, env=full_env)
+    started = time.perf_counter()
+    try:
+        return subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=timeout, env=full_env)
+    finally:
+        _log_launch(cmd, time.perf_counter() - started)
+
+
+def _log_launch(cmd, seconds: float):
+    """With TEST_LAUNCH_LOG=<file>, one JSON line per command a test starts: the test, the seconds, the command
+    (where the suite's time goes: docs/tests.md)."""
+    log = os.environ.get("TEST_LAUNCH_LOG")
+    if log:
+        with open(log, "a") as f:
+            f.write(json.dumps({"test": os.environ.get("PYTEST_CURRENT_TEST", ""), "seconds": round(seconds, 2),
+                                "command": " ".join(str(part) for part in cmd)}) + "\n")
 
 
 def train(launcher="python", nproc=1, *args, timeout=600, base_env=None):

@@ -21,12 +21,17 @@ class TrainStep:
 
     def __init__(self, engine, task, compile_model: bool):
         self.engine, self.task, self.dtype = engine, task, input_dtype(engine)
-        self.compiled = compiling.Compiled(engine, task, forward) if compile_model else None
+        self.compiler = compiling.Compiled(engine, task, forward) if compile_model else None
+
+    @property
+    def compiled(self) -> bool:
+        """Whether the step runs compiled: False when not asked, or once every rank fell back to eager."""
+        return self.compiler is not None and self.compiler.compiled
 
     def logits_and_losses(self, inputs: list, labels: torch.Tensor) -> tuple:
         """(logits, per-sample losses) of one micro batch, compiled or eager."""
-        if self.compiled is not None:
-            return self.compiled(inputs, labels)
+        if self.compiler is not None:
+            return self.compiler(inputs, labels)
         return forward(self.engine, self.task.loss, inputs, labels)
 
     def micro_step(self, batch, meter: Meter):

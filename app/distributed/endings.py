@@ -23,11 +23,6 @@ from app.distributed.dist import many as dist_many
 from app.ds.internals import torch_private
 from app.errors import RankAlone, SaidByAnotherRank, UserError, deepspeed_failure
 
-# Outcomes of a step that may fail on some ranks only (a micro batch trial, the first compiled step, the
-# error that ends training) travel through the rendezvous store rather than a collective, so that a rank
-# whose part failed can bound its wait: the others may be blocked in a collective of that step (ZeRO-3's
-# gathers, a gradient all-reduce) that it left, and would never come. They are JSON: the store has no
-# authentication and listens on the network, so whatever its port receives must not be able to run code.
 MEMORY_ADVICE = ("lower train_micro_batch_size_per_gpu in the ds_config (\"auto\" with train_batch_size finds the "
                  "largest that fits), add \"activation_checkpointing\": {}, or take a config that holds less per "
                  "rank: python -m app.tools.plan shows which fits")

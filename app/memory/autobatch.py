@@ -131,23 +131,23 @@ def _trial_steps(trial: dict, micro: int, layout, task, build, train_set, agreed
     """A forward, backward and optimizer step of `micro` samples on an engine of its own; '' or why it failed."""
     with contextlib.redirect_stdout(io.StringIO()):  # each trial engine's start-up lines are the run's already
         engine = loop.build_engine(build(trial), layout.engine_config(trial))
-        forward = layout.train_step(engine, task, False)
+        step = layout.train_step(engine, task, False)
     try:
         batch = next(iter(build_loader(train_set, micro, layout.replica, layout.replicas, False, 0)))
-        if hasattr(forward, "logits_and_losses"):  # agreed after the forward, before any gradient is reduced
+        if hasattr(step, "logits_and_losses"):  # agreed after the forward, before any gradient is reduced
             held = {}
-            why = agreed(lambda: held.update(loss=_forward(forward, batch)))
+            why = agreed(lambda: held.update(loss=_loss(step, batch)))
             if why:
                 return why
             return agreed(lambda: (engine.backward(held.pop("loss")), engine.step()))
-        return agreed(lambda: forward.micro_step(batch, Meter(["loss"], engine.device)))
+        return agreed(lambda: step.micro_step(batch, Meter(["loss"], engine.device)))
     finally:
         engine.destroy()  # its hooks on the parameters (held by torch's autograd, out of gc's sight) go
 
 
-def _forward(forward, batch):
-    x, y, w = to_device(batch, forward.engine.device, forward.dtype)
-    return (forward.logits_and_losses(x, y)[1] * w).sum()
+def _loss(step, batch):
+    x, y, w = to_device(batch, step.engine.device, step.dtype)
+    return (step.logits_and_losses(x, y)[1] * w).sum()
 
 
 def _outcome(part) -> tuple:

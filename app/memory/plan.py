@@ -191,7 +191,7 @@ def activation_bytes(build, inputs, loss, micro: int, dtype, checkpointed: bool,
 
 
 def memory_plan(config: str, ds: dict, ranks: int, sizes: list, largest_block: int, measured: tuple,
-         kinds: tuple = (True, True)) -> MemoryPlan:
+                kinds: tuple = (True, True)) -> MemoryPlan:
     """The MemoryPlan of one config: measured is (bytes of one sample, bytes of a micro batch whatever its size); kinds:
     comm_kinds of the model."""
     device, host = model_states(sizes, ds, ranks)

@@ -167,11 +167,11 @@ def run_app(mode, args, world, work: Workload, loader, clock, total):  # long: t
         clock.tick()
         return result
     engine.optimizer.step = step_and_tick
-    forward = ranks.train_step(engine, work.task, compiling.wanted(choice, engine.device))
+    step = ranks.train_step(engine, work.task, compiling.wanted(choice, engine.device))
     precision.set_tf32(world.device, precision.compute_dtype(engine), "on")  # as train.py does
     schedule = loop.Schedule(total, log_interval=10, eval_interval=total)
-    loop.Loop(forward, TimedLoader(loader, clock), eval_loader, schedule, runlog.RunLog(None, total)).fit()
-    compiled = engine.is_compiled and getattr(forward, "compiled", False)  # False once it fell back to eager
+    loop.Loop(step, TimedLoader(loader, clock), eval_loader, schedule, runlog.RunLog(None, total)).fit()
+    compiled = engine.is_compiled and getattr(step, "compiled", False)  # False once it fell back to eager
     ds_internals.forget_parallel_groups()  # a pipeline's grid would be the next mode's
     return state or None, precision.compute_dtype(engine), compiled, param_bytes(engine.module)
 
