@@ -17,8 +17,9 @@ class Settings:
     """Images: digits, synthetic, mnist, fashion_mnist, cifar10, imagefolder. Text (transformers models): a
     .txt/.json/.jsonl/.csv/.parquet file or a folder of them, or a hub dataset name."""
     task: str = "auto"
-    """Text: causal_lm or sequence_classification; auto takes the model's own (presets: gpt2-* causal_lm,
-    bert-tiny sequence_classification; folders and hub models: the architecture in their config)."""
+    """Text: causal_lm, instruction or sequence_classification; auto takes the model's own (presets: gpt2-* and
+    llama-* causal_lm, bert-tiny sequence_classification; folders and hub models: the architecture in their config),
+    and a causal LM whose rows hold 'messages', or 'prompt' and 'completion', fine-tunes on instructions."""
     tokenizer: str = ""
     """Text: '' uses the model folder's tokenizer, else a byte-level one built locally; 'bytes'; 'bpe' (trained on
     the data up to the model's vocabulary); or a tokenizer folder or hub name. Saved in output_dir/tokenizer."""
@@ -27,6 +28,19 @@ class Settings:
     positions, at most 1024)."""
     text_column: str = ""
     """Text: the column holding the text (default: 'text', or the only string column)."""
+    train_on_prompt: bool = False
+    """Instruction data: train on the whole rendered text, not only on the assistant's answers."""
+    packing: str = "auto"
+    """Instruction data: pack rows into blocks of --block_size tokens, position ids restarting at each row and
+    attention kept within it (checked at start); on, off, or auto (on for instruction data)."""
+    attention: str = ""
+    """Transformers models: the attention implementation (eager, sdpa, flex_attention, flash_attention_2, ...);
+    '' keeps the model's default."""
+    eval_answers: int = 3
+    """Instruction data: held-out prompts the model answers (greedy) at each evaluation, shown and written to
+    output_dir/answers/step<N>.jsonl (0: none)."""
+    answer_tokens: int = 64
+    """Instruction data: the most tokens of each of those answers."""
     label_column: str = ""
     """Text classification: the column holding the label (default: 'label' or 'labels')."""
     dataset_config: str = ""
@@ -84,12 +98,14 @@ class Settings:
         for name in ("epochs", "log_interval", "dist_timeout", "image_size", "grace_period"):
             if getattr(self, name) < 1:
                 raise UserError(f"--{name} must be at least 1, got {getattr(self, name)}")
-        for name in ("max_steps", "eval_interval", "save_interval", "keep_last", "block_size", "peak_flops"):
+        for name in ("max_steps", "eval_interval", "save_interval", "keep_last", "block_size", "peak_flops",
+                     "eval_answers", "answer_tokens"):
             if getattr(self, name) < 0:
                 raise UserError(f"--{name} must be 0 or more, got {getattr(self, name)}")
         if self.num_workers < -1:
             raise UserError(f"--num_workers must be -1 (auto) or more, got {self.num_workers}")
         for name, allowed in (("compile", ("auto", "on", "off")), ("tf32", ("on", "off")),
+                              ("packing", ("auto", "on", "off")),
                               ("pin_memory", ("auto", "on", "off"))):
             if getattr(self, name) not in allowed:
                 raise UserError(f"--{name} must be one of {', '.join(allowed)}, got {getattr(self, name)!r}")

@@ -14,7 +14,9 @@ import torch
 
 from app.memory import autobatch
 from app.checkpoint import save as checkpoint
+from app.core import answers as sample_answers
 from app.core import compiling
+from app.core import packing
 from app import settings as config
 from app.distributed import dist, endings
 from app.ds import auto as ds_auto
@@ -107,6 +109,9 @@ def run(settings: Settings, ds: dict, world: World, started: float) -> int:  # l
         output_dir = output_dir_for(settings)
         seed_everything(settings.seed)
         train_set, eval_set, info = task.build_data(output_dir)
+        if info.packed and ranks.split:
+            raise UserError("packing and pipeline stages: a stage takes input ids alone, not the position ids that "
+                            "keep packed rows apart; pass --packing off")
         ds = autobatch.settle(ds, settings.deepspeed_config, ranks, task, lambda trial: ranks.prepare(
             task.build_model(info, trial), task, settings.model, trial)[0], train_set, output_dir, settings.resume)
         model = task.build_model(info, ds)
@@ -123,6 +128,8 @@ def run(settings: Settings, ds: dict, world: World, started: float) -> int:  # l
         engine = loop.build_engine(trained, ranks.engine_config(state.deepspeed_config))
         tf32 = precision.set_tf32(world.device, precision.compute_dtype(engine), settings.tf32)
         say_mode(settings, world, engine, steps, output_dir, ranks, precision_note, tf32)
+        if info.packed:
+            packing.check(engine, task, train_set)
         if filled:
             dist.print0(ds_auto.say(state.deepspeed_config, filled, output_dir, dist.is_main()))
         log_throughput = throughput_for(task, flops, engine, settings)
@@ -138,7 +145,8 @@ def run(settings: Settings, ds: dict, world: World, started: float) -> int:  # l
         step = ranks.train_step(engine, task, compiling.wanted(settings.compile, engine.device))
         schedule = loop.Schedule(steps, settings.log_interval, settings.eval_interval, settings.save_interval)
         with log.discarded_on_user_error(lambda: checkpoint.complete_checkpoints(checkpoint_root(output_dir))):
-            result = loop.Loop(step, train_loader, eval_loader, schedule, log, save, stop).fit(start)
+            answers = sample_answers.for_run(engine, task, output_dir, settings.eval_answers, settings.answer_tokens)
+            result = loop.Loop(step, train_loader, eval_loader, schedule, log, save, stop, answers).fit(start)
         return summarise(result, settings, world, engine, task, log, stop, started)
     finally:
         if stop is not None:
@@ -202,8 +210,8 @@ def loaders(train_set, eval_set, ds: dict, settings: Settings, world: World, ran
     args = dict(rank=ranks.replica, world_size=ranks.replicas, seed=settings.seed, num_workers=workers,
                 pin_memory=pin)
     micro = ds["train_micro_batch_size_per_gpu"]
-    return (build_loader(train_set, micro, shuffle=True, **args),
-            build_loader(eval_set, micro, shuffle=False, persistent=False, **args))
+    return (build_loader(train_set, micro, shuffle=True, accumulation=ds["gradient_accumulation_steps"], **args),
+            build_loader(eval_set, micro, shuffle=False, persistent=False, normalise=False, **args))
 
 
 def say_mode(settings: Settings, world: World, engine, steps: int, output_dir: Path, ranks: parallel.RankLayout,

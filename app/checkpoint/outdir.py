@@ -123,7 +123,8 @@ def clear(output_dir: Path, folder, overwrite: bool):
     checkpoints = [p for p in complete_checkpoints(root) + unfinished_saves(root)
                    if not in_place or p.name > Path(folder).name]
     files = [] if in_place else [output_dir / name for name in RUN_FILES if (output_dir / name).is_file()] + \
-        sorted((output_dir / "tensorboard").glob("events.out.tfevents.*"))
+        sorted((output_dir / "tensorboard").glob("events.out.tfevents.*")) + \
+        sorted((output_dir / "answers").glob("step*.jsonl"))
     if not checkpoints and not files:
         return
     for path in files:

@@ -76,13 +76,14 @@ class Loop:
     """Trains through the loaders by the schedule: micro steps, then at each optimizer step the log row,
     evaluation and checkpoint it calls for; stops at the last step or when every rank agrees to stop."""
 
-    def __init__(self, step, train_loader, eval_loader, schedule: Schedule, log: RunLog, save=None, stop=None):
+    def __init__(self, step, train_loader, eval_loader, schedule: Schedule, log: RunLog, save=None, stop=None,
+                 answers=None):
         """step: the training step, a step.TrainStep or, on a pipeline, a pipeline.PipeStep (both give micro_step
         and evaluate); save(step, epoch, batch) writes a checkpoint; stop.agreed() says when every rank wants
-        to stop."""
+        to stop; answers(step), after each evaluation, shows the model's answers (app/core/answers.py)."""
         self.step, self.engine = step, step.engine
         self.train_loader, self.eval_loader, self.schedule, self.log = train_loader, eval_loader, schedule, log
-        self.save, self.stop = save, stop
+        self.save, self.stop, self.answers = save, stop, answers
         self.meter, self.clock = Meter(["loss"], self.engine.device), Stopwatch()
         self.samples, self.seconds, self.last_eval, self.stopped = 0.0, 0.0, {}, False
         self.began = time.perf_counter()  # when the micro step under way began
@@ -137,3 +138,5 @@ class Loop:
         with self.clock.paused():  # nor does evaluation
             self.last_eval = self.step.evaluate(self.eval_loader)
             self.log.write_row({"step": self.engine.global_steps, "epoch": epoch, **self.last_eval})
+            if self.answers is not None:
+                self.answers(self.engine.global_steps)

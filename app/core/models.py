@@ -144,10 +144,11 @@ def vocab_size(config) -> int:
 class HFLogits(nn.Module):
     """A transformers model that returns its logits alone, so the loop treats it like any classifier."""
 
-    def __init__(self, hf, real_vocab: int = 0):
+    def __init__(self, hf, real_vocab: int = 0, second: str = "attention_mask"):
         super().__init__()
         self.hf = hf
         self.real_vocab = real_vocab  # language models with a padded vocabulary: the tokens past it are masked
+        self.second = second  # what the second input is: an attention mask (classification) or position ids (packed)
 
     @property
     def config(self):
@@ -159,8 +160,8 @@ class HFLogits(nn.Module):
         """The model's own tensor-parallel plan (its output layer's entry lives only here), for AutoTP."""
         return self.hf.__dict__.get("_tp_plan") or getattr(type(self.hf), "_tp_plan", None)
 
-    def forward(self, input_ids, attention_mask=None):
-        logits = self.hf(input_ids=input_ids, attention_mask=attention_mask).logits
+    def forward(self, input_ids, second=None):
+        logits = self.hf(input_ids=input_ids, **{self.second: second}).logits
         if self.real_vocab:
             logits[..., self.real_vocab:] = float("-inf")  # in place: no second copy of the logits
         return logits
@@ -172,8 +173,9 @@ def hf_class(task: str):
     return AutoModelForCausalLM if task == "causal_lm" else AutoModelForSequenceClassification
 
 
-def build_hf(spec: HFSpec, info: DataInfo, tokenizer, ds_config: dict) -> nn.Module:
-    """The transformers model, its parameters partitioned as they are made when ds_config is ZeRO-3."""
+def build_hf(spec: HFSpec, info: DataInfo, tokenizer, ds_config: dict, attention: str = "") -> nn.Module:
+    """The transformers model, its parameters partitioned as they are made when ds_config is ZeRO-3; attention:
+    its attention implementation ('' the model's default)."""
     config = copy.deepcopy(spec.config)
     config.update({"bos_token_id": tokenizer.bos_token_id, "eos_token_id": tokenizer.eos_token_id,
                    "pad_token_id": tokenizer.pad_token_id, "use_cache": False})
@@ -184,21 +186,32 @@ def build_hf(spec: HFSpec, info: DataInfo, tokenizer, ds_config: dict) -> nn.Mod
     if zero3:  # from_config / from_pretrained then build under deepspeed.zero.Init
         from transformers.integrations import HfDeepSpeedConfig
         alive = HfDeepSpeedConfig(ds_config)  # noqa: F841 (transformers holds only a weak reference)
-    cls = hf_class(info.task)
+    cls, chosen = hf_class(info.task), {"attn_implementation": attention} if attention else {}
     if spec.pretrained:
         from safetensors import SafetensorError
         try:
             hf = cls.from_pretrained(spec.pretrained, config=config,  # a new classifier head may differ in size
-                                     ignore_mismatched_sizes=info.task == "sequence_classification")
-        except (OSError, ValueError, RuntimeError, SafetensorError) as e:  # however the file format says it
+                                     ignore_mismatched_sizes=info.task == "sequence_classification", **chosen)
+        except (OSError, ValueError, RuntimeError, SafetensorError, ImportError) as e:  # however the format says it
+            _attention_refused(e, attention)
             raise UserError(f"{folder_files(spec.pretrained, WEIGHT_FILES)} cannot be read ({first_line(e)}): the "
                             f"folder may be damaged or cut short; write it again with save_pretrained, or copy it "
                             f"again") from None
     else:
-        hf = cls.from_config(config)
+        try:
+            hf = cls.from_config(config, **chosen)
+        except (ValueError, ImportError) as e:
+            _attention_refused(e, attention)
+            raise
     hf.config.architectures = [type(hf).__name__]
     padded = info.task == "causal_lm" and vocab_size(config) < config.vocab_size
-    return HFLogits(hf, vocab_size(config) if padded else 0)
+    return HFLogits(hf, vocab_size(config) if padded else 0, "position_ids" if info.packed else "attention_mask")
+
+
+def _attention_refused(error: Exception, attention: str):
+    """A UserError when transformers refused the --attention asked for (unknown, or its package missing)."""
+    if attention and attention in str(error):
+        raise UserError(f"--attention {attention}: {first_line(error)}") from None
 
 
 HF_FILES = "hf"  # a checkpoint's folder for the config and tokenizer, for export in save_pretrained form

@@ -36,16 +36,17 @@ class TrainStep:
 
     def micro_step(self, batch, meter: Meter):
         """One micro batch: forward, engine.backward(loss), engine.step() (an optimizer step once the
-        accumulation window is full); the loss is weighted so ranks average exactly."""
+        accumulation window is full); the weights (app/data/loader.py) make the step's loss the mean over every
+        sample, or answer token, of the window on every rank, however it is split."""
         x, y, w = to_device(batch, self.engine.device, self.dtype)
         _, losses = self.logits_and_losses(x, y)
         self.engine.backward((losses * w).sum())
         self.engine.step()
-        real = (w > 0).to(losses.dtype)
-        meter.add(real.sum(), loss=(losses.detach() * real).sum())
+        meter.add((w > 0).sum(), w.sum(), loss=(losses.detach() * w).sum())
 
     def evaluate(self, loader) -> dict:
-        """Eval loss and accuracy (and the task's own extras) over every rank's shard, padding excluded."""
+        """Eval loss and accuracy (and the task's own extras) over every rank's shard, padding excluded: means over
+        samples, or answer tokens (the loader's weights count them)."""
         engine, task = self.engine, self.task
         meter = Meter(["loss", "accuracy"], engine.device)
         engine.eval()
@@ -53,8 +54,7 @@ class TrainStep:
             for batch in loader:
                 x, y, w = to_device(batch, engine.device, self.dtype)
                 logits, losses = self.logits_and_losses(x, y)
-                real = (w > 0).float()
-                meter.add(real.sum(), loss=(losses * real).sum(), accuracy=(task.correct(logits, y) * real).sum())
+                meter.add((w > 0).sum(), w.sum(), loss=(losses * w).sum(), accuracy=(task.correct(logits, y) * w).sum())
         engine.train()
         result = meter.reduce()
         return {"eval_loss": result["loss"], "eval_accuracy": result["accuracy"],

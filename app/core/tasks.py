@@ -1,4 +1,5 @@
-"""One small object per kind of job: image classification, causal language modelling, sequence classification.
+"""One small object per kind of job: image classification, causal language modelling (on blocks of text, or on the
+answers of instruction data), sequence classification.
 
 Each builds its data and model and owns its loss, its metrics, its FLOPs per sample and the extra files its
 checkpoints carry, so train.py and the loop call it without knowing which kind of job it is.
@@ -14,9 +15,10 @@ from app.distributed import dist
 from app.core import models
 from app.settings import Settings
 from app.data import DataInfo, TextModel
+from app.data.chat import IGNORE
 from app.errors import UserError
 
-TEXT_TASKS = ("causal_lm", "sequence_classification")
+TEXT_TASKS = ("causal_lm", "instruction", "sequence_classification")
 
 
 def class_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -30,20 +32,24 @@ def class_correct(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
 
 
 def _next_token(logits: torch.Tensor, labels: torch.Tensor):
-    """Language-model logits as rows (batch x positions, vocab), each paired with the token it predicts."""
-    return logits[:, :-1].reshape(-1, logits.size(-1)), labels[:, 1:].reshape(-1)
+    """Language-model logits as rows (batch x positions, vocab), each paired with the token it predicts, and
+    how many tokens each sample predicts (labels of IGNORE, prompts and padding, are left out)."""
+    rows, targets = logits[:, :-1].reshape(-1, logits.size(-1)), labels[:, 1:].reshape(-1)
+    return rows, targets, (labels[:, 1:] != IGNORE).sum(1).clamp(min=1)
 
 
 def next_token_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """Each sample's mean next-token cross entropy, in fp32."""
-    rows, targets = _next_token(logits, labels)
-    return F.cross_entropy(rows.float(), targets, reduction="none").view(len(logits), -1).mean(1)
+    """Each sample's mean next-token cross entropy over the tokens it is labelled on, in fp32."""
+    rows, targets, counted = _next_token(logits, labels)
+    losses = F.cross_entropy(rows.float(), targets, reduction="none", ignore_index=IGNORE)
+    return losses.view(len(logits), -1).sum(1) / counted
 
 
 def next_token_correct(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """Each sample's share of next tokens predicted right."""
-    rows, targets = _next_token(logits, labels)
-    return (rows.argmax(-1) == targets).float().view(len(logits), -1).mean(1)
+    """Each sample's share of the next tokens it is labelled on predicted right."""
+    rows, targets, counted = _next_token(logits, labels)
+    right = (rows.argmax(-1) == targets) & (targets != IGNORE)
+    return right.view(len(logits), -1).sum(1) / counted
 
 
 class ImageClassification:
@@ -105,16 +111,16 @@ class TextTask:
             raise UserError(f"{self.settings.model} is a transformers model and trains on text, not "
                             f"{self.settings.dataset}; pass --dataset <.txt/.json/.jsonl/.csv/.parquet file or "
                             f"folder, or a hub dataset>")
-        train_set, eval_set, info, self.tokenizer = build_text_sets(self.settings, self.text_model(), self.name,
-                                                                    output_dir)
-        self.tokens_per_sample = info.seq_len
+        train_set, eval_set, info, self.tokenizer, self.name = build_text_sets(self.settings, self.text_model(),
+                                                                               self.name, output_dir)
+        self.tokens_per_sample, self.eval_set = info.seq_len, eval_set
         return train_set, eval_set, info
 
     def text_model(self) -> TextModel:
         return TextModel(self.spec.pretrained, models.vocab_size(self.spec.config), self.spec.max_positions)
 
     def build_model(self, info: DataInfo, ds_config: dict) -> nn.Module:
-        model = models.build_hf(self.spec, info, self.tokenizer, ds_config)
+        model = models.build_hf(self.spec, info, self.tokenizer, ds_config, self.settings.attention)
         self.config = model.hf.config  # not the model: a pipeline stage keeps only its own layers
         return model
 
@@ -131,7 +137,8 @@ class TextTask:
 
 
 class CausalLM(TextTask):
-    """Next-token prediction on blocks of text."""
+    """Next-token prediction on blocks of text, or (named instruction once the data shows it, app/data/chat.py) on
+    the answers of chats and of prompts with completions."""
     name = "causal_lm"
     loss = staticmethod(next_token_loss)
     correct = staticmethod(next_token_correct)
@@ -168,6 +175,11 @@ def build(settings: Settings):
         kinds = "transformers models" if spec is not None else "image models (leave --task auto)"
         raise UserError(f"--task {settings.task!r} is not one of auto, {', '.join(TEXT_TASKS)} for {kinds}")
     if spec is None:
+        if settings.packing == "on":
+            raise UserError("--packing on packs the rows of instruction data for a transformers model; "
+                            f"{settings.model} is an image model: leave --packing auto")
         return ImageClassification(settings)
     name = spec.task if settings.task == "auto" else settings.task
-    return (CausalLM if name == "causal_lm" else SequenceClassification)(settings, spec)
+    task = (SequenceClassification if name == "sequence_classification" else CausalLM)(settings, spec)
+    task.name = name
+    return task

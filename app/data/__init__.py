@@ -15,6 +15,8 @@ class DataInfo:
     """Tokens in the tokenizer (text only)."""
     seq_len: int = 0
     """Tokens per sample (text only): the block length, or the padded row length."""
+    packed: bool = False
+    """Samples are rows packed into blocks: the model takes position ids beside the input ids."""
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,7 @@
 """Per-rank loaders: every rank takes its share of one global order, padded to equal steps."""
 import math
 
+import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset, Subset, TensorDataset
 
@@ -10,37 +11,70 @@ from app.errors import UserError
 class ShardSampler:
     """Per-rank batches of one global order: each sample once per epoch across ranks, equal step counts.
 
-    Global batch k is order[k*B*W : (k+1)*B*W]; rank r takes every W-th sample of it. When the last
-    global batch is short, ranks are padded to a full micro batch with weight-0 samples, so every rank
-    runs the same number of steps (and collectives). Each real sample carries weight W / (samples in
-    its global batch): summing weight x loss on every rank and averaging gradients over ranks gives
-    exactly the mean over the global batch.
+    Global micro batch k is order[k*B*W : (k+1)*B*W]; rank r takes every W-th sample of it. When the last one is
+    short, ranks are padded to a full micro batch with weight-0 samples, so every rank runs the same number of steps
+    (and collectives).
+
+    Weights make the loss of an optimizer step the mean over the units (samples, or a row's answer tokens: units[i])
+    of its whole window, A = accumulation micro batches on every rank, however it is split: a real sample i weighs
+    W x A x units[i] / (units in its window). DeepSpeed divides each micro batch's loss by A and averages gradients
+    over the W ranks, so summing weight x per-unit-mean loss gives exactly that mean. The windows are DeepSpeed's,
+    counted in micro batches from the run's start, so one may span two epochs; the counts come from the data on the
+    host, never from the device. normalise=False (evaluation) weighs each sample by its units alone.
     """
 
-    def __init__(self, size, batch_size, rank=0, world_size=1, shuffle=True, seed=0):
+    def __init__(self, size, batch_size, rank=0, world_size=1, shuffle=True, seed=0, accumulation=1, units=None,
+                 normalise=True):
         if size == 0:
             raise UserError("the dataset is empty; check --dataset and --data_dir")
         self.size, self.batch_size, self.rank, self.world_size = size, batch_size, rank, world_size
         self.shuffle, self.seed, self.epoch, self.skip = shuffle, seed, 0, 0
+        self.accumulation, self.normalise = accumulation, normalise
+        # plain numbers on the host (numpy), never tensors: nothing the step might wait on
+        self.units = np.ones(size) if units is None else np.asarray(units, dtype=np.float64)
+        self._per_batch = {}  # epoch -> units of each global micro batch
 
     def set_epoch(self, epoch: int, skip: int = 0):
-        """Pick the order for an epoch (the same on every rank), leaving out its first `skip` batches."""
+        """Pick the order for an epoch (the same on every rank), leaving out its first `skip` batches; the units of
+        the epochs its windows reach into are counted now, between steps."""
         self.epoch, self.skip = epoch, skip
+        if self.normalise and self.accumulation > 1:
+            reach = -(-self.accumulation // len(self))
+            for near in range(max(0, epoch - reach), epoch + reach + 1):
+                self._batch_units(near)
 
     def __len__(self):
         return math.ceil(self.size / (self.batch_size * self.world_size))
 
+    def _order(self, epoch: int) -> list:
+        if not self.shuffle:
+            return list(range(self.size))
+        return torch.randperm(self.size, generator=torch.Generator().manual_seed(self.seed + epoch)).tolist()
+
+    def _batch_units(self, epoch: int) -> list:
+        """The units of each global micro batch of an epoch (a few epochs are kept)."""
+        if epoch not in self._per_batch:
+            span, order = self.batch_size * self.world_size, np.asarray(self._order(epoch))
+            self._per_batch = {e: v for e, v in self._per_batch.items() if abs(e - epoch) <= self.accumulation + 1}
+            self._per_batch[epoch] = [float(self.units[order[k:k + span]].sum()) for k in range(0, self.size, span)]
+        return self._per_batch[epoch]
+
+    def _window_units(self, epoch: int, k: int) -> float:
+        """Units of the optimizer step's window that global micro batch k of epoch belongs to."""
+        n, a = len(self), self.accumulation
+        first = (epoch * n + k) // a * a
+        return sum(self._batch_units(g // n)[g % n] for g in range(first, first + a))
+
     def __iter__(self):
-        if self.shuffle:
-            gen = torch.Generator().manual_seed(self.seed + self.epoch)
-            order = torch.randperm(self.size, generator=gen).tolist()
-        else:
-            order = list(range(self.size))
-        span = self.batch_size * self.world_size
-        for start in range(self.skip * span, self.size, span):
-            chunk = order[start:start + span]
-            weight = self.world_size / len(chunk)
-            mine = [(i, weight) for i in chunk[self.rank::self.world_size]]
+        order, span = self._order(self.epoch), self.batch_size * self.world_size
+        scale = self.world_size * self.accumulation
+        for k in range(self.skip, len(self)):
+            chunk = order[k * span:(k + 1) * span]
+            units = self.units[chunk[self.rank::self.world_size]].tolist()
+            if self.normalise:
+                window = self._window_units(self.epoch, k)
+                units = [scale * u / window for u in units]
+            mine = list(zip(chunk[self.rank::self.world_size], units))
             mine += [(chunk[0], 0.0)] * (self.batch_size - len(mine))
             yield mine
 
@@ -76,10 +110,12 @@ def feeding(dataset, cuda: bool, cores_per_rank: int, num_workers: int = -1, pin
 
 
 def build_loader(dataset, batch_size, rank, world_size, shuffle, seed, num_workers=0, pin_memory=False,
-                 persistent=True):
+                 persistent=True, accumulation=1, normalise=True):
     """A DataLoader over this rank's shard of dataset; persistent: its workers live from epoch to epoch (the
     training loader's), else they start for each pass and end with it (evaluation's, so that a rank's worker
-    budget is not held twice through training)."""
-    sampler = ShardSampler(len(dataset), batch_size, rank, world_size, shuffle, seed)
+    budget is not held twice through training). accumulation and normalise: the weights' (ShardSampler); a
+    dataset's units attribute, if it has one, counts what each sample's loss averages over."""
+    sampler = ShardSampler(len(dataset), batch_size, rank, world_size, shuffle, seed, accumulation,
+                           getattr(dataset, "units", None), normalise)
     return DataLoader(Weighted(dataset), batch_sampler=sampler, num_workers=num_workers, pin_memory=pin_memory,
                       persistent_workers=persistent and num_workers > 0)

@@ -7,7 +7,7 @@ import torch
 from torch.utils.data import Dataset
 
 from app.distributed import dist
-from app.data import DataInfo, TextModel
+from app.data import DataInfo, TextModel, chat
 from app.data.tokenizers import run_tokenizer
 from app.errors import UserError, first_line
 from app.settings import Settings
@@ -80,11 +80,12 @@ def _cache_key(dataset, tokenizer, *settings) -> str:
     return hashlib.sha256(repr((dataset._fingerprint, vocab, settings)).encode()).hexdigest()[:32]
 
 
-def _mapped(dataset, encode, key: str, what: str, unit: str):
+def _mapped(dataset, encode, key: str, what: str, unit: str, with_indices: bool = False):
     """dataset.map(encode) under a fingerprint of our own, so ranks and later runs reuse the cached result."""
     cache = [f["filename"] for f in dataset.cache_files]
     reused = bool(cache) and os.path.exists(os.path.join(os.path.dirname(cache[0]), f"cache-{key}.arrow"))
-    result = dataset.map(encode, batched=True, remove_columns=dataset.column_names, new_fingerprint=key)
+    result = dataset.map(encode, batched=True, remove_columns=dataset.column_names, new_fingerprint=key,
+                         with_indices=with_indices)
     dist.print0(f"{what}: {len(result)} {unit} ({'reused the tokenized cache' if reused else 'tokenized'})")
     return result
 
@@ -114,6 +115,36 @@ def labelled_rows(dataset, tokenizer, column: str, label_column: str, labels: li
         return {"input_ids": ids, "target": [index[y] for y in batch[label_column]]}
     return _mapped(dataset, encode, _cache_key(dataset, tokenizer, "cls", column, label_column, labels, block_size),
                    what, "labelled rows")
+
+
+def instruction_rows(dataset, tokenizer, form: str, block: int, whole_text: bool, what: str):
+    """Rows rendered with the chat template and labelled on their answers (app/data/chat.py), cut to block tokens;
+    says once how many were cut, and leaves out those the cut left without an answer token."""
+    key = _cache_key(dataset, tokenizer, "instruction", form, block, whole_text, tokenizer.chat_template)
+    rows = _mapped(dataset, chat.encoder(tokenizer, form, block, whole_text, what), key, what, "rows", with_indices=True)
+    cut, empty = sum(rows["cut"]), list(rows["units"]).count(0)
+    if cut:
+        lost = f"; {empty} lost every answer token and are left out" if empty else ""
+        dist.print0(f"{what}: {cut} of {len(rows)} rows are longer than the block of {block} tokens and were cut"
+                    f"{lost} (--block_size sets the block)")
+    if empty:
+        rows = rows.filter(lambda units: units > 0, input_columns="units", new_fingerprint=key + "-kept")
+    if not len(rows):
+        raise UserError(f"no {what} row keeps an answer token within the block of {block} tokens; raise "
+                        f"--block_size (the model reads up to its positions)")
+    return rows
+
+
+def chat_texts(dataset, form: str):
+    """An iterator of lists of strings: the text of every turn, prompt and completion (to train a BPE tokenizer)."""
+    for batch in dataset.iter(batch_size=1000):
+        columns = ("messages",) if form == "messages" else ("prompt", "completion")
+        texts = []
+        for column in columns:
+            for value in batch[column]:
+                turns = value if isinstance(value, list) else [{"content": value}]
+                texts += [t.get("content") for t in turns if isinstance(t, dict) and isinstance(t.get("content"), str)]
+        yield texts
 
 
 def label_names(dataset, column: str) -> list:
@@ -156,20 +187,62 @@ def _longest(dataset) -> int:
     return pc.max(pc.list_value_length(dataset.data.column("input_ids"))).as_py() or 0
 
 
+def instruction_form(train, task: str, settings: Settings) -> str:
+    """The instruction data's form (app/data/chat.py) when a causal LM's rows hold one, else ''; --task
+    instruction refuses rows without."""
+    form = chat.form_of(train.column_names) if task in ("causal_lm", "instruction") and not settings.text_column \
+        else ""
+    if task == "instruction" and not form:
+        raise UserError(f"--task instruction needs rows with a 'messages' column (chats) or 'prompt' and "
+                        f"'completion' columns; {settings.dataset} has: {', '.join(train.column_names)}")
+    return form
+
+
+def block_for(settings: Settings, model: TextModel, tokenizer) -> int:
+    """The block rows are cut to, checked against the model's embedding and positions."""
+    if len(tokenizer) > model.vocab_size:
+        raise UserError(f"the tokenizer has {len(tokenizer)} tokens but {settings.model} embeds only "
+                        f"{model.vocab_size}; use the model's own tokenizer, or --tokenizer bytes")
+    block = settings.block_size or min(model.max_positions, 1024)
+    if block > model.max_positions:
+        raise UserError(f"--block_size {block} is longer than {settings.model}'s {model.max_positions} positions; "
+                        f"pass --block_size {model.max_positions} or less")
+    return block
+
+
+def instruction_sets(train, eval_set, tokenizer, form: str, block: int, settings: Settings) -> tuple:
+    """(train, held-out, DataInfo) of instruction data: rows padded to the longest kept, or packed into blocks."""
+    train = instruction_rows(train, tokenizer, form, block, settings.train_on_prompt, "train")
+    eval_set = instruction_rows(eval_set, tokenizer, form, block, settings.train_on_prompt, "held-out")
+    length = max(_longest(train), _longest(eval_set))
+    sets = [chat.AnswerRows(rows, tokenizer.pad_token_id, length) for rows in (train, eval_set)]
+    packed = settings.packing != "off"
+    if packed:
+        sets = [chat.PackedRows(rows, block) for rows in sets]
+        dist.print0(f"packing: {len(sets[0].rows)} rows into {len(sets[0])} blocks of {block} tokens, "
+                    f"{sum(len(ids) for ids in train['input_ids']) / (len(sets[0]) * block):.0%} full")
+    info = DataInfo(0, task="causal_lm", vocab_size=len(tokenizer), seq_len=block if packed else length,
+                    packed=packed)
+    return (*sets, info)
+
+
 def build_text_sets(settings: Settings, model: TextModel, task: str, output_dir: Path):
-    """(train, held-out, DataInfo, tokenizer) for a transformers model, tokenized on the main rank first."""
+    """(train, held-out, DataInfo, tokenizer, task) for a transformers model, tokenized on the main rank first.
+    task: the one asked for; causal_lm becomes instruction when the rows hold chats or prompts and completions."""
     with dist.main_process_first():
         train, eval_set = load_splits(settings.dataset, settings.dataset_config, settings.eval_file,
-                                  settings.eval_fraction, settings.seed)
-        column = pick_column(train, settings.text_column, "text", ("text",))
-        tokenizer = run_tokenizer(settings, model, train, column, output_dir)
-        if len(tokenizer) > model.vocab_size:
-            raise UserError(f"the tokenizer has {len(tokenizer)} tokens but {settings.model} embeds only "
-                            f"{model.vocab_size}; use the model's own tokenizer, or --tokenizer bytes")
-        block = settings.block_size or min(model.max_positions, 1024)
-        if block > model.max_positions:
-            raise UserError(f"--block_size {block} is longer than {settings.model}'s {model.max_positions} positions; "
-                            f"pass --block_size {model.max_positions} or less")
+                                      settings.eval_fraction, settings.seed)
+        form = instruction_form(train, task, settings)
+        column = "" if form else pick_column(train, settings.text_column, "text", ("text",))
+        texts = (lambda: chat_texts(train, form)) if form else \
+            (lambda: (batch[column] for batch in train.iter(batch_size=1000)))
+        tokenizer = run_tokenizer(settings, model, texts, output_dir, chat=bool(form))
+        block = block_for(settings, model, tokenizer)
+        if form:
+            return (*instruction_sets(train, eval_set, tokenizer, form, block, settings), tokenizer, "instruction")
+        if settings.packing == "on":
+            raise UserError("--packing on packs instruction data (rows of 'messages', or 'prompt' and 'completion'); "
+                            "blocks of text are packed already; leave --packing auto")
         if task == "causal_lm":
             train = lm_blocks(train, tokenizer, column, block, "train")
             eval_set = lm_blocks(eval_set, tokenizer, column, block, "held-out")
@@ -186,4 +259,5 @@ def build_text_sets(settings: Settings, model: TextModel, task: str, output_dir:
             if classes < 2:
                 raise UserError(f"--label_column {label!r} has a single class; classification needs two or more")
     info = DataInfo(classes, task=task, vocab_size=len(tokenizer), seq_len=length or block)
-    return Rows(train, tokenizer.pad_token_id, length), Rows(eval_set, tokenizer.pad_token_id, length), info, tokenizer
+    return (Rows(train, tokenizer.pad_token_id, length), Rows(eval_set, tokenizer.pad_token_id, length), info,
+            tokenizer, task)

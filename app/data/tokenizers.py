@@ -76,13 +76,18 @@ def build_tokenizer(choice: str, model_source: str, vocab_size: int, texts):
     return tokenizer
 
 
-def run_tokenizer(settings: Settings, model: TextModel, train, column: str, output_dir: Path):
-    """The main rank builds the run's tokenizer and saves it in output_dir; the other ranks load that copy."""
+def run_tokenizer(settings: Settings, model: TextModel, texts, output_dir: Path, chat: bool = False):
+    """The main rank builds the run's tokenizer (texts(): an iterator of lists of strings, for BPE) and saves it in
+    output_dir, with the default chat template when chat and it has none (app/data/chat.py); the other ranks load
+    that copy."""
     from transformers import AutoTokenizer
+    from app.data.chat import ensure_template
     saved = Path(output_dir) / TOKENIZER_DIR
     if dist.is_main() and not (settings.resume and saved.is_dir()):
-        texts = (batch[column] for batch in train.iter(batch_size=1000))
-        tokenizer = build_tokenizer(settings.tokenizer, model.source, model.vocab_size, texts)
+        tokenizer = build_tokenizer(settings.tokenizer, model.source, model.vocab_size, texts())
+        if chat and ensure_template(tokenizer):
+            dist.print0("chat template: the tokenizer has none; using the default (docs/instruction-tuning.md, "
+                        "\"Instruction data\"), saved with it")
         tokenizer.save_pretrained(saved)
         return tokenizer
     return AutoTokenizer.from_pretrained(saved)

@@ -13,25 +13,28 @@ from app.distributed import dist
 
 
 class Meter:
-    """Sums and counts kept on the device (no host sync per step), reduced across ranks on read."""
+    """Sums, their weight and a count of samples, kept on the device (no host sync per step), reduced across ranks
+    on read."""
 
     def __init__(self, names, device):
         self.names = list(names)
-        self.totals = torch.zeros(len(self.names) + 1, dtype=torch.float64, device=device)
+        self.totals = torch.zeros(len(self.names) + 2, dtype=torch.float64, device=device)
 
-    def add(self, count: torch.Tensor, **sums: torch.Tensor):
-        """Add per-batch sums (tensors) and the number of samples they cover."""
+    def add(self, count: torch.Tensor, weight: torch.Tensor = None, **sums: torch.Tensor):
+        """Add per-batch sums (tensors, each value times its weight), the weight they carry in all (default: count)
+        and the number of samples they cover."""
         self.totals[-1] += count
+        self.totals[-2] += count if weight is None else weight
         for i, name in enumerate(self.names):
             self.totals[i] += sums[name]
 
     def reduce(self) -> dict:
-        """Global means over every rank since the last reset, plus the global 'count'; then reset."""
+        """Global weighted means over every rank since the last reset, plus the global 'count'; then reset."""
         totals = dist.host_sum(self.totals.tolist())  # read on the host once per log row, summed on the host group
         self.totals.zero_()
-        count = totals[-1]
-        result = {name: totals[i] / count if count else float("nan") for i, name in enumerate(self.names)}
-        result["count"] = count
+        weight = totals[-2]
+        result = {name: totals[i] / weight if weight else float("nan") for i, name in enumerate(self.names)}
+        result["count"] = totals[-1]
         return result
 
 

@@ -170,11 +170,10 @@ class StageLoss:
     def __call__(self, logits, labels):
         y, w = labels
         losses = self.task.loss(logits, y)
-        real = (w > 0).to(losses.dtype)
-        sums = {"loss": (losses.detach() * real).sum()}
+        sums = {"loss": (losses.detach() * w).sum()}
         if "accuracy" in self.meter.names:
-            sums["accuracy"] = (self.task.correct(logits.detach(), y) * real).sum()
-        self.meter.add(real.sum(), **sums)
+            sums["accuracy"] = (self.task.correct(logits.detach(), y) * w).sum()
+        self.meter.add((w > 0).sum(), w.sum(), **sums)
         return (losses * w).sum()
 
 

@@ -93,7 +93,60 @@ def test_evaluation_workers_live_only_while_it_evaluates():
     data = TensorDataset(torch.zeros(16, 2), torch.zeros(16))
     settings = SimpleNamespace(seed=0, num_workers=2, pin_memory="off")
     world = SimpleNamespace(device=torch.device("cpu"), local_world_size=1)
-    train_loader, eval_loader = train.loaders(data, data, {"train_micro_batch_size_per_gpu": 4}, settings, world,
-                                              SimpleNamespace(replica=0, replicas=1))
+    ds = {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 1}
+    train_loader, eval_loader = train.loaders(data, data, ds, settings, world, SimpleNamespace(replica=0, replicas=1))
     assert (train_loader.num_workers, train_loader.persistent_workers) == (2, True)
     assert (eval_loader.num_workers, eval_loader.persistent_workers) == (2, False)
+
+
+SPLITS = [(4, 1, 2), (1, 4, 2), (8, 1, 1), (2, 2, 2)]  # micro batch, accumulation, ranks: 8 rows per step each
+
+
+@pytest.mark.parametrize("size", [64, 96])
+def test_a_steps_weights_do_not_depend_on_how_it_is_split(size):
+    """DeepSpeed divides each micro batch's loss by the accumulation A and averages gradients over the W ranks, so a
+    row's share of the step is weight / (W x A): it must be units / (units of the step's rows) whatever the split,
+    for rows of unequal units (answer tokens), in every step, across epochs too."""
+    units = torch.randint(1, 50, (size,), generator=torch.Generator().manual_seed(0)).tolist()
+    shares = []
+    for micro, accumulation, world in SPLITS:
+        found = {}
+        for epoch in range(3):
+            samplers = [loader.ShardSampler(size, micro, rank, world, seed=5, accumulation=accumulation, units=units)
+                        for rank in range(world)]
+            for sampler in samplers:
+                sampler.set_epoch(epoch)
+            for k, step in enumerate(zip(*samplers)):
+                for batch in step:
+                    for i, w in batch:
+                        if w > 0:
+                            key = (epoch * len(samplers[0]) + k) // accumulation, i
+                            found[key] = found.get(key, 0) + w / (world * accumulation)
+        shares.append(found)
+    for found in shares[1:]:
+        assert found.keys() == shares[0].keys()
+        assert all(found[key] == pytest.approx(shares[0][key], rel=1e-12) for key in found)
+    by_step = {}
+    for (step, i), share in shares[0].items():
+        by_step.setdefault(step, []).append((i, share))
+    for rows in by_step.values():
+        total = sum(units[i] for i, _ in rows)
+        assert all(share == pytest.approx(units[i] / total) for i, share in rows)
+
+
+def test_a_window_that_spans_two_epochs_weighs_the_rows_of_both():
+    """5 micro batches an epoch with accumulation 2: the third optimizer step takes the last of epoch 0 and the
+    first of epoch 1; its rows' shares add up to one over both."""
+    size, units = 20, list(range(1, 21))
+    sampler = loader.ShardSampler(size, 4, 0, 1, seed=1, accumulation=2, units=units)
+    first, second = (list(sampler) for _ in [sampler.set_epoch(0)]), None
+    epoch0 = next(first)
+    sampler.set_epoch(1)
+    epoch1 = list(sampler)
+    spanning = [w for i, w in epoch0[4] + epoch1[0]]
+    assert sum(spanning) / 2 == pytest.approx(1.0) and second is None
+
+
+def test_evaluation_weighs_each_row_by_its_units():
+    sampler = loader.ShardSampler(6, 4, 0, 1, shuffle=False, units=[3, 1, 2, 5, 4, 1], normalise=False)
+    assert list(sampler) == [[(0, 3.0), (1, 1.0), (2, 2.0), (3, 5.0)], [(4, 4.0), (5, 1.0), (4, 0.0), (4, 0.0)]]

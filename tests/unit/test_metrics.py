@@ -51,6 +51,13 @@ def test_meter_means_over_the_window_then_resets():
     assert empty["count"] == 0 and math.isnan(empty["loss"])
 
 
+def test_a_weighted_meter_means_by_the_weights_and_counts_samples():
+    meter = metrics.Meter(["loss"], torch.device("cpu"))
+    meter.add(torch.tensor(2.0), torch.tensor(3.0), loss=torch.tensor(6.0))  # 2 samples weighing 3 in all
+    meter.add(torch.tensor(1.0), torch.tensor(1.0), loss=torch.tensor(4.0))
+    assert meter.reduce() == {"loss": 2.5, "count": 3.0}
+
+
 def test_throughput_rates():
     assert metrics.Throughput().rates(64, 2.0) == {"samples_per_s": 32.0}
     assert metrics.Throughput().rates(64, 0.0) == {"samples_per_s": 0.0}

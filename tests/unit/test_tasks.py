@@ -8,6 +8,7 @@ import torch.nn.functional as F
 from app.core import tasks
 from app.settings import Settings
 from app.data import DataInfo
+from app.data.chat import IGNORE
 from app.errors import UserError
 
 
@@ -36,6 +37,25 @@ def test_language_model_loss_is_the_mean_next_token_cross_entropy_of_each_sample
     assert tasks.next_token_loss(logits.to(torch.bfloat16), tokens).dtype == torch.float32
 
 
+def test_the_language_model_loss_leaves_out_tokens_labelled_ignore():
+    """Prompts and padding (labels of IGNORE) count neither in the loss nor in the accuracy: each sample's loss is
+    the mean over its labelled tokens, and a sample labelled on nothing weighs nothing."""
+    gen = torch.Generator().manual_seed(1)
+    logits, tokens = torch.randn(3, 6, 11, generator=gen), torch.randint(0, 11, (3, 6), generator=gen)
+    labels = tokens.clone()
+    labels[0, :3] = IGNORE  # a prompt of three tokens
+    labels[1, 4:] = IGNORE  # padding after four
+    labels[2, 1:] = IGNORE  # nothing to predict
+    losses, right = tasks.next_token_loss(logits, labels), tasks.next_token_correct(logits, labels)
+    for i, kept in enumerate([range(2, 5), range(0, 3), range(0)]):
+        positions = list(kept)  # position t predicts label t + 1
+        expected = F.cross_entropy(logits[i, positions], labels[i, [p + 1 for p in positions]]) if positions \
+            else torch.tensor(0.0)
+        assert torch.allclose(losses[i], expected, atol=1e-6), i
+        hits = sum(int(logits[i, p].argmax() == labels[i, p + 1]) for p in positions)
+        assert right[i].item() == pytest.approx(hits / max(len(positions), 1))
+
+
 def test_a_perfect_next_token_guess_scores_one():
     tokens = torch.tensor([[1, 2, 3, 1]])
     logits = torch.full((1, 4, 5), -20.0)
@@ -51,23 +71,30 @@ def test_a_perfect_next_token_guess_scores_one():
     ("bert-tiny", "auto", tasks.SequenceClassification, "sequence_classification"),
     ("gpt2-tiny", "sequence_classification", tasks.SequenceClassification, "sequence_classification"),
     ("bert-tiny", "causal_lm", tasks.CausalLM, "causal_lm"),
+    ("llama-tiny", "instruction", tasks.CausalLM, "instruction"),
 ])
 def test_build_picks_the_task(model, task, kind, name):
     built = tasks.build(Settings(model=model, task=task))
     assert type(built) is kind and built.name == name
-    language_model = name == "causal_lm"
+    language_model = name in ("causal_lm", "instruction")
     assert built.loss is (tasks.next_token_loss if language_model else tasks.class_loss)
     assert built.correct is (tasks.next_token_correct if language_model else tasks.class_correct)
 
 
 def test_task_is_refused_for_image_models():
-    with pytest.raises(UserError, match=r"--task 'causal_lm' is not one of auto, causal_lm, sequence_classification "
+    with pytest.raises(UserError, match=r"--task 'causal_lm' is not one of auto, causal_lm, instruction, sequence_classification "
                                         r"for image models \(leave --task auto\)"):
         tasks.build(Settings(model="cnn", task="causal_lm"))
 
 
+def test_packing_is_refused_for_image_models():
+    with pytest.raises(UserError, match="--packing on packs the rows of instruction data for a transformers model"):
+        tasks.build(Settings(model="cnn", packing="on"))
+
+
 def test_an_unknown_task_names_the_choices():
-    with pytest.raises(UserError, match="--task 'translation' is not one of auto, causal_lm, sequence_classification"):
+    with pytest.raises(UserError, match="--task 'translation' is not one of auto, causal_lm, instruction, "
+                                        "sequence_classification"):
         tasks.build(Settings(model="gpt2-tiny", task="translation"))
 
 

@@ -1,0 +1,190 @@
+"""Instruction data: rows of chats (`messages`) or of `prompt` and `completion`, rendered with the tokenizer's chat
+template, tokenized, and labelled on the answers only (every assistant turn), or on the whole text.
+
+A row becomes (input ids, labels): the rendered text cut into pieces at the start and end of each answer, each piece
+tokenized on its own (as the prompt is at inference, before the model answers), labels -100 outside the answers.
+"""
+import torch
+from torch.utils.data import Dataset
+
+from app.errors import UserError, first_line
+
+IGNORE = -100  # a label the loss leaves out (transformers' convention)
+ROLES = ("system", "user", "assistant")
+# The template a tokenizer without one gets (docs/data-and-models.md, "Instruction data"), saved with it so the exported
+# model answers in the format it learned: each turn a role header, its text and the end-of-text token.
+DEFAULT_TEMPLATE = (
+    "{%- for message in messages %}"
+    "{%- if message['role'] not in ['system', 'user', 'assistant'] %}"
+    "{{- raise_exception('role ' + message['role'] + ' is not one of system, user, assistant') }}{%- endif %}"
+    "{%- if message['content'] is not string %}"
+    "{{- raise_exception('a ' + message['role'] + ' turn whose content is not text') }}{%- endif %}"
+    "{{- '<|' + message['role'] + '|>\n' + message['content'] + eos_token }}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|assistant|>\n' }}{%- endif %}")
+
+
+def form_of(columns) -> str:
+    """'messages' or 'prompt_completion' when the columns hold instruction data, else ''."""
+    if "messages" in columns:
+        return "messages"
+    if "prompt" in columns and "completion" in columns:
+        return "prompt_completion"
+    return ""
+
+
+def ensure_template(tokenizer) -> bool:
+    """Give a tokenizer without a chat template the default one; True if it got it."""
+    if getattr(tokenizer, "chat_template", None):
+        return False
+    tokenizer.chat_template = DEFAULT_TEMPLATE
+    return True
+
+
+def _render(tokenizer, messages: list, generation: bool, row: str) -> str:
+    try:
+        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation)
+    except Exception as e:  # jinja's TemplateError, or a message that is not a dict
+        raise UserError(f"{row}: the chat template cannot render it ({first_line(e)}); "
+                        f"each turn needs a role ({', '.join(ROLES)}) and text content") from None
+
+
+def _turns(value, row: str, what: str) -> list:
+    """A list of {role, content} dicts, checked."""
+    if not isinstance(value, list) or not value or not all(isinstance(m, dict) and "role" in m for m in value):
+        raise UserError(f"{row}: {what} is not a list of turns like "
+                        f"{{\"role\": \"user\", \"content\": \"...\"}}")
+    return [{"role": m["role"], "content": m.get("content")} for m in value]
+
+
+def pieces(tokenizer, row: dict, form: str, index: str) -> list:
+    """[(text, is_answer)] whose texts join to the whole rendered row; index names the row in errors."""
+    if form == "prompt_completion" and isinstance(row["prompt"], str):
+        if not isinstance(row["completion"], str) or not row["completion"]:
+            raise UserError(f"{index}: its completion is empty or not text")
+        return [(row["prompt"], False), (row["completion"] + (tokenizer.eos_token or ""), True)]
+    if form == "prompt_completion":
+        prompt = _turns(row["prompt"], index, "its prompt")
+        messages = prompt + _turns(row["completion"], index, "its completion")
+        answers = [i for i in range(len(prompt), len(messages)) if messages[i]["role"] == "assistant"]
+    else:
+        messages = _turns(row["messages"], index, "its messages")
+        answers = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
+    if not answers:
+        raise UserError(f"{index} has no assistant turn to learn from; every "
+                        f"conversation needs at least one")
+    whole, cuts = _render(tokenizer, messages, False, index), [0]
+    for i in answers:
+        start, end = _render(tokenizer, messages[:i], True, index), _render(tokenizer, messages[:i + 1], False, index)
+        if not (whole.startswith(start) and whole.startswith(end)) or len(start) < cuts[-1]:
+            raise UserError(f"the chat template does not render the start of a conversation as the start of the "
+                            f"whole ({index}): it rewrites earlier turns; pass --tokenizer with one that does not")
+        cuts += [len(start), len(end)]
+    cuts.append(len(whole))
+    return [(whole[a:b], k % 2 == 1) for k, (a, b) in enumerate(zip(cuts, cuts[1:])) if b > a or k % 2 == 1]
+
+
+def encode_row(tokenizer, row: dict, form: str, index: str, block: int, whole_text: bool) -> tuple:
+    """(input ids, labels, first answer's [start, end) in tokens, cut): the row's tokens up to block, labels on its
+    answers (all of it when whole_text)."""
+    ids, labels, first = [], [], []
+    for text, answer in pieces(tokenizer, row, form, index):
+        tokens = tokenizer(text, add_special_tokens=False)["input_ids"] if text else []
+        if answer and not first:
+            first = [min(len(ids), block), min(len(ids) + len(tokens), block)]
+        ids += tokens
+        labels += tokens if answer or whole_text else [IGNORE] * len(tokens)
+    return ids[:block], labels[:block], first, len(ids) > block
+
+
+def answer_tokens(labels) -> int:
+    """Tokens a row's loss covers: labelled positions after the first (the first is never predicted)."""
+    return sum(1 for y in labels[1:] if y != IGNORE)
+
+
+def encoder(tokenizer, form: str, block: int, whole_text: bool, what: str):
+    """The batched map function: rows to input_ids, labels, first answer, whether each was cut and answer-token
+    counts; what names the split in errors."""
+    def encode(batch, indices):
+        out = {"input_ids": [], "labels": [], "answer": [], "cut": [], "units": []}
+        columns = list(batch)
+        for n, index in enumerate(indices):
+            where = f"row {index} of the {what} instruction data"
+            encoded = encode_row(tokenizer, {c: batch[c][n] for c in columns}, form, where, block, whole_text)
+            for key, value in zip(out, (*encoded, answer_tokens(encoded[1]))):
+                out[key].append(value)
+        return out
+    return encode
+
+
+class AnswerRows(Dataset):
+    """(input ids, labels) padded on the right to one length: the causal attention never lets a real token see
+    the padding after it, and padding is never a label. units: each row's answer tokens, for the loss's weights."""
+
+    def __init__(self, dataset, pad_id: int, length: int):
+        self.dataset, self.pad_id, self.length = dataset.with_format("torch"), pad_id, length
+        self.units = list(dataset["units"])
+
+    def __len__(self):
+        return len(self.dataset)
+
+    def __getitem__(self, i):
+        row = self.dataset[i]
+        ids = torch.full((self.length,), self.pad_id, dtype=torch.long)
+        labels = torch.full((self.length,), IGNORE, dtype=torch.long)
+        ids[:len(row["input_ids"])], labels[:len(row["labels"])] = row["input_ids"], row["labels"]
+        return ids, labels
+
+    def prompt(self, i: int) -> tuple:
+        """(prompt ids, answer ids) of row i: the tokens before its first answer, and that answer."""
+        row = self.dataset[i]
+        ids, (start, end) = row["input_ids"].tolist(), row["answer"].tolist()
+        return ids[:start], ids[start:end]
+
+
+def pack_order(lengths: list, block: int) -> list:
+    """Rows (by index) grouped into blocks of at most block tokens: first fit, longest rows first, so the blocks
+    come out nearly full; every row in exactly one block, in the same order on every rank."""
+    blocks, room = [], []
+    for i in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
+        fit = next((b for b, left in enumerate(room) if left >= lengths[i]), None)
+        if fit is None:
+            blocks.append([i])
+            room.append(block - lengths[i])
+        else:
+            blocks[fit].append(i)
+            room[fit] -= lengths[i]
+    return blocks
+
+
+class PackedRows(Dataset):
+    """Rows of an AnswerRows packed into blocks of `block` tokens: ((input ids, position ids), labels). Position
+    ids restart at each row, which the model's attention reads as the rows' bounds (app/core/packing.py checks
+    that it does); each row's first token is never a label, as when it stands alone, so a block's loss is its
+    rows' answer tokens and units add up."""
+
+    def __init__(self, rows: AnswerRows, block: int):
+        self.rows, self.block = rows, block
+        self.groups = pack_order([len(ids) for ids in rows.dataset.data.column("input_ids").to_pylist()], block)
+        self.units = [sum(rows.units[i] for i in group) for group in self.groups]
+
+    def __len__(self):
+        return len(self.groups)
+
+    def __getitem__(self, i):
+        ids = torch.full((self.block,), self.rows.pad_id, dtype=torch.long)
+        labels = torch.full((self.block,), IGNORE, dtype=torch.long)
+        positions = torch.zeros(self.block, dtype=torch.long)
+        at = 0
+        for index in self.groups[i]:
+            row = self.rows.dataset[index]
+            n = len(row["input_ids"])
+            ids[at:at + n], labels[at + 1:at + n] = row["input_ids"], row["labels"][1:]
+            positions[at:at + n] = torch.arange(n)
+            at += n
+        positions[at:] = torch.arange(self.block - at)  # the padding: one more sequence, never a label
+        return (ids, positions), labels
+
+    def prompt(self, i: int) -> tuple:
+        """Row i's (prompt ids, answer ids), as AnswerRows gives them."""
+        return self.rows.prompt(i)

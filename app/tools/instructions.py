@@ -1,0 +1,69 @@
+"""Write a small instruction fine-tuning example: a tiny Llama-family model folder (random weights, its byte-level
+tokenizer, no chat template) and chats in the usual `{"messages": [...]}` form asking for the opposite of a word,
+in four phrasings, a system turn in half of them. A model this small learns it in a few hundred CPU steps.
+
+    python -m app.tools.instructions <folder> [--rows 2000] [--seed 0]
+
+Writes <folder>/chats.jsonl and <folder>/model. A model that has learnt the pairs answers every held-out row
+right; one that guesses is right once in len(OPPOSITES) (docs/instruction-tuning.md, "A worked example").
+"""
+import argparse
+import json
+import random
+from pathlib import Path
+
+OPPOSITES = [("hot", "cold"), ("big", "small"), ("up", "down"), ("day", "night"), ("old", "new"), ("fast", "slow"),
+             ("left", "right"), ("open", "shut"), ("wet", "dry"), ("high", "low"), ("hard", "soft"),
+             ("full", "empty"), ("light", "dark"), ("early", "late"), ("rich", "poor"), ("thick", "thin"),
+             ("loud", "quiet"), ("sweet", "sour"), ("near", "far"), ("happy", "sad")]
+PHRASINGS = ["Opposite of {}?", "What is the opposite of {}?", "Give the opposite of {}.", "{}: opposite?"]
+SYSTEM = "You answer with one word."
+# Llama's architecture at a size a CPU trains in seconds: 2 layers, width 128, the byte tokenizer's 258 tokens
+# padded to 320 rows of embedding.
+SHAPE = dict(num_hidden_layers=2, hidden_size=128, intermediate_size=512, num_attention_heads=4,
+             num_key_value_heads=4, max_position_embeddings=256, vocab_size=320, tie_word_embeddings=False)
+
+
+def chat(rng: random.Random) -> dict:
+    """One conversation: a word in one of the phrasings, its opposite as the answer."""
+    word, opposite = rng.choice(OPPOSITES)
+    turns = [{"role": "system", "content": SYSTEM}] if rng.random() < 0.5 else []
+    return {"messages": turns + [{"role": "user", "content": rng.choice(PHRASINGS).format(word)},
+                                 {"role": "assistant", "content": opposite}]}
+
+
+def write(folder: Path, rows: int, seed: int) -> Path:
+    """folder/chats.jsonl with rows conversations."""
+    rng = random.Random(seed)
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / "chats.jsonl"
+    path.write_text("".join(json.dumps(chat(rng)) + "\n" for _ in range(rows)))
+    return path
+
+
+def write_model(folder: Path, seed: int) -> Path:
+    """folder/model: a randomly initialised LlamaForCausalLM of SHAPE and the byte-level tokenizer, as
+    save_pretrained writes them."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+    from app.data.tokenizers import byte_tokenizer
+    tokenizer = byte_tokenizer()
+    torch.manual_seed(seed)
+    config = LlamaConfig(**SHAPE, bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+                         pad_token_id=tokenizer.pad_token_id)
+    LlamaForCausalLM(config).save_pretrained(folder / "model")
+    tokenizer.save_pretrained(folder / "model")
+    return folder / "model"
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("folder")
+    parser.add_argument("--rows", type=int, default=2000)
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    print(f"wrote {write(Path(args.folder), args.rows, args.seed)} and {write_model(Path(args.folder), args.seed)}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,139 @@
+"""Instruction data: chats and prompt/completion rows rendered with the chat template, labelled on the answers only
+(every assistant turn), cut to the block with the count said once, the default template saved with the tokenizer,
+and one line for each kind of bad row."""
+import json
+
+import pytest
+import torch
+
+from app.data import TextModel, chat, text
+from app.data.tokenizers import TOKENIZER_DIR, byte_tokenizer, run_tokenizer
+from app.errors import UserError
+from app.settings import Settings
+
+EOS = "<|endoftext|>"
+TWO_TURNS = {"messages": [{"role": "system", "content": "Add."}, {"role": "user", "content": "1+2?"},
+                          {"role": "assistant", "content": "3"}, {"role": "user", "content": "and 2+2?"},
+                          {"role": "assistant", "content": "4"}]}
+
+
+def tokenizer():
+    made = byte_tokenizer()
+    assert chat.ensure_template(made) and not chat.ensure_template(made), "given once, kept after"
+    return made
+
+
+def labelled(tok, ids, labels) -> str:
+    return tok.decode([i for i, y in zip(ids, labels) if y != chat.IGNORE])
+
+
+def test_every_assistant_turn_is_labelled_and_nothing_else():
+    tok = tokenizer()
+    ids, labels, first, cut = chat.encode_row(tok, TWO_TURNS, "messages", "row 0", 1000, whole_text=False)
+    assert tok.decode(ids) == tok.apply_chat_template(TWO_TURNS["messages"], tokenize=False)
+    assert labelled(tok, ids, labels) == f"3{EOS}4{EOS}", "the answers and the end of each, no prompt"
+    assert tok.decode(ids[:first[0]]) == f"<|system|>\nAdd.{EOS}<|user|>\n1+2?{EOS}<|assistant|>\n"
+    assert tok.decode(ids[first[0]:first[1]]) == f"3{EOS}" and not cut
+    assert chat.answer_tokens(labels) == 4
+    ids, whole, _, _ = chat.encode_row(tok, TWO_TURNS, "messages", "row 0", 1000, whole_text=True)
+    assert whole == ids, "--train_on_prompt labels the whole text"
+
+
+def test_prompt_and_completion_rows_plain_and_conversational():
+    tok = tokenizer()
+    ids, labels, _, _ = chat.encode_row(tok, {"prompt": "2+2=", "completion": "4"}, "prompt_completion", "r", 99,
+                                        False)
+    assert tok.decode(ids) == f"2+2=4{EOS}" and labelled(tok, ids, labels) == f"4{EOS}"
+    row = {"prompt": TWO_TURNS["messages"][:4], "completion": TWO_TURNS["messages"][4:]}
+    ids, labels, _, _ = chat.encode_row(tok, row, "prompt_completion", "r", 999, False)
+    assert tok.decode(ids) == tok.apply_chat_template(TWO_TURNS["messages"], tokenize=False)
+    assert labelled(tok, ids, labels) == f"4{EOS}", "the completion only: the prompt's answer was given"
+
+
+def test_the_form_is_found_from_the_columns():
+    assert chat.form_of(["messages", "id"]) == "messages"
+    assert chat.form_of(["prompt", "completion"]) == "prompt_completion"
+    assert chat.form_of(["prompt", "text"]) == "" and chat.form_of(["text"]) == ""
+
+
+@pytest.mark.parametrize("row, said", [
+    ({"messages": [{"role": "tool", "content": "x"}, {"role": "assistant", "content": "y"}]},
+     "the chat template cannot render it (role tool is not one of system, user, assistant)"),
+    ({"messages": [{"role": "user", "content": "x"}]}, "has no assistant turn to learn from"),
+    ({"messages": [{"role": "user", "content": ["x"]}, {"role": "assistant", "content": "y"}]},
+     "a user turn whose content is not text"),
+    ({"messages": "hello"}, "its messages is not a list of turns"),
+    ({"prompt": "x", "completion": ""}, "its completion is empty or not text"),
+])
+def test_a_bad_row_is_one_line_naming_it(row, said):
+    form = chat.form_of(row.keys()) or "prompt_completion"
+    with pytest.raises(UserError, match="^row 7 of the train instruction data") as error:
+        chat.encoder(tokenizer(), form, 100, False, "train")({k: [v] for k, v in row.items()}, [7])
+    assert said in str(error.value) and "\n" not in str(error.value)
+
+
+def test_a_template_that_rewrites_earlier_turns_is_refused():
+    """Some templates drop what earlier assistant turns said (reasoning, for one): the rendered start of a
+    conversation is then not the start of the whole, and the answers cannot be found in it."""
+    tok = byte_tokenizer()
+    tok.chat_template = ("{% for m in messages %}{% if m['role'] == 'assistant' and not loop.last %}[earlier]"
+                         "{% else %}{{ m['content'] }}{% endif %}{% endfor %}")
+    with pytest.raises(UserError, match="does not render the start of a conversation as the start of the whole"):
+        chat.pieces(tok, TWO_TURNS, "messages", "row 0")
+
+
+def _rows(tmp_path, n=30):
+    path = tmp_path / "chats.jsonl"
+    path.write_text("".join(json.dumps({"messages": [{"role": "user", "content": "q" * (i % 7 + 1)},
+                                                     {"role": "assistant", "content": "a" * (i % 5 + 1)}]}) + "\n"
+                            for i in range(n)))
+    return text.load_splits(str(path), "", "", 0.2, seed=0)[0]
+
+
+def test_long_rows_are_cut_said_once_and_rows_left_without_an_answer_left_out(tmp_path, capsys):
+    rows, tok = _rows(tmp_path), tokenizer()
+    whole = text.instruction_rows(rows, tok, "messages", 1000, False, "train")
+    assert len(whole) == len(rows) and "cut" not in capsys.readouterr().out
+    longest = max(len(ids) for ids in whole["input_ids"])
+    kept = text.instruction_rows(rows, tok, "messages", 28, False, "train")
+    said = capsys.readouterr().out
+    cut = sum(len(ids) > 28 for ids in whole["input_ids"])
+    prompt_only = sum(first[0] >= 28 for first in whole["answer"])  # their answer starts past the cut
+    assert said.count("rows are longer than the block of 28 tokens and were cut") == 1 and 0 < cut < len(rows)
+    assert f"train: {cut} of {len(rows)} rows" in said and longest > 28
+    assert all(len(ids) <= 28 for ids in kept["input_ids"]) and all(u > 0 for u in kept["units"])
+    assert len(kept) == len(rows) - prompt_only
+    with pytest.raises(UserError, match="no train row keeps an answer token within the block of 4 tokens"):
+        text.instruction_rows(rows, tok, "messages", 4, False, "train")
+
+
+def test_rows_are_padded_on_the_right_and_padding_is_never_a_label(tmp_path):
+    tok = tokenizer()
+    encoded = text.instruction_rows(_rows(tmp_path), tok, "messages", 1000, False, "train")
+    rows = chat.AnswerRows(encoded, tok.pad_token_id, 40)
+    ids, labels = rows[0]
+    n = len(encoded[0]["input_ids"])
+    assert ids.shape == labels.shape == (40,) and (ids[n:] == tok.pad_token_id).all()
+    assert (labels[n:] == chat.IGNORE).all() and rows.units[0] == int((labels[1:] != chat.IGNORE).sum())
+    prompt, answer = rows.prompt(0)
+    assert tok.decode(prompt).endswith("<|assistant|>\n") and tok.decode(answer).endswith(EOS)
+    assert torch.equal(ids[:len(prompt) + len(answer)], torch.tensor(prompt + answer))
+
+
+def test_a_tokenizer_without_a_template_is_saved_with_the_default(tmp_path, capsys):
+    settings = Settings(model="llama-tiny", tokenizer="bytes")
+    made = run_tokenizer(settings, TextModel("", 8192, 128), lambda: iter([]), tmp_path, chat=True)
+    assert made.chat_template == chat.DEFAULT_TEMPLATE and "using the default" in capsys.readouterr().out
+    from transformers import AutoTokenizer
+    again = AutoTokenizer.from_pretrained(tmp_path / TOKENIZER_DIR)
+    assert again.apply_chat_template(TWO_TURNS["messages"], tokenize=False) == \
+        made.apply_chat_template(TWO_TURNS["messages"], tokenize=False)
+
+
+def test_instruction_needs_one_of_the_two_forms(tmp_path):
+    path = tmp_path / "plain.jsonl"
+    path.write_text("".join(json.dumps({"text": f"row {i}", "source": "x"}) + "\n" for i in range(10)))
+    settings = Settings(model="llama-tiny", task="instruction", dataset=str(path))
+    with pytest.raises(UserError, match="--task instruction needs rows with a 'messages' column \\(chats\\) or "
+                                        "'prompt' and 'completion' columns; .* has: text, source"):
+        text.build_text_sets(settings, TextModel("", 8192, 128), "instruction", tmp_path / "run")
