@@ -243,6 +243,8 @@ def summarise(result: dict, settings: Settings, world: World, engine, task, log,
                "dataset": settings.dataset, "task": task.name, "deepspeed_config": settings.deepspeed_config,
                "launcher": world.launcher, "peak_memory_bytes": int(peak),
                "wall_s": time.perf_counter() - started}
+    per_sample = task.per_sample()  # instruction data: rows and real tokens in each (padded or packed) sample
+    summary.update({f"{what}_per_s": summary["samples_per_s"] * n for what, n in per_sample.items()})
     log.finish(summary)
     if result["stopped_early"]:
         dist.print0(f"stopped at step {summary['steps']} on request ({stop.reason or 'another rank'}); "

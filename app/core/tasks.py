@@ -90,6 +90,10 @@ class ImageClassification:
     def eval_metrics(self, loss: float) -> dict:
         return {}
 
+    def per_sample(self) -> dict:
+        """What one sample holds besides itself, for the summary's rates: nothing."""
+        return {}
+
     def save_files(self, folder: Path):
         """Extra files a checkpoint carries: none, the weights are the whole model."""
 
@@ -102,6 +106,7 @@ class TextTask:
     def __init__(self, settings: Settings, spec: models.HFSpec):
         self.settings, self.spec = settings, spec
         self.tokenizer, self.config, self.tokens_per_sample = None, None, 0
+        self.train_set = self.eval_set = None
 
     def build_data(self, output_dir: Path) -> tuple:
         """(train set, eval set, DataInfo), tokenized once on the main rank and cached."""
@@ -113,8 +118,12 @@ class TextTask:
                             f"folder, or a hub dataset>")
         train_set, eval_set, info, self.tokenizer, self.name = build_text_sets(self.settings, self.text_model(),
                                                                                self.name, output_dir)
-        self.tokens_per_sample, self.eval_set = info.seq_len, eval_set
+        self.tokens_per_sample, self.train_set, self.eval_set = info.seq_len, train_set, eval_set
         return train_set, eval_set, info
+
+    def per_sample(self) -> dict:
+        """Instruction data: the rows and real (not padding) tokens of a sample, on average; else nothing."""
+        return self.train_set.per_sample() if hasattr(self.train_set, "per_sample") else {}
 
     def text_model(self) -> TextModel:
         return TextModel(self.spec.pretrained, models.vocab_size(self.spec.config), self.spec.max_positions)

@@ -24,13 +24,31 @@ DEFAULT_TEMPLATE = (
     "{%- if add_generation_prompt %}{{- '<|assistant|>\n' }}{%- endif %}")
 
 
+# ShareGPT's speakers (axolotl, LLaMA-Factory and FastChat read its `conversations` of {"from", "value"} turns)
+SPEAKERS = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "system": "system"}
+
+
 def form_of(columns) -> str:
-    """'messages' or 'prompt_completion' when the columns hold instruction data, else ''."""
-    if "messages" in columns:
-        return "messages"
+    """'messages', 'conversations' (ShareGPT), 'prompt_completion' or 'alpaca' (instruction, input, output) when
+    the columns hold instruction data, else ''."""
+    if "messages" in columns or "conversations" in columns:
+        return "messages" if "messages" in columns else "conversations"
     if "prompt" in columns and "completion" in columns:
         return "prompt_completion"
+    if "instruction" in columns and "output" in columns:
+        return "alpaca"
     return ""
+
+
+def alpaca_turns(row: dict, index: str) -> list:
+    """An Alpaca row as a chat: its system text if any, the instruction (and its input, after a blank line) from the
+    user, the output from the assistant."""
+    if not isinstance(row.get("instruction"), str) or not isinstance(row.get("output"), str) or not row["output"]:
+        raise UserError(f"{index}: its instruction or output is empty or not text")
+    asked = row["instruction"] + (f"\n\n{row['input']}" if isinstance(row.get("input"), str) and row["input"] else "")
+    system = [{"role": "system", "content": row["system"]}] if isinstance(row.get("system"), str) and row["system"] \
+        else []
+    return system + [{"role": "user", "content": asked}, {"role": "assistant", "content": row["output"]}]
 
 
 def ensure_template(tokenizer) -> bool:
@@ -50,11 +68,13 @@ def _render(tokenizer, messages: list, generation: bool, row: str) -> str:
 
 
 def _turns(value, row: str, what: str) -> list:
-    """A list of {role, content} dicts, checked."""
-    if not isinstance(value, list) or not value or not all(isinstance(m, dict) and "role" in m for m in value):
+    """A list of {role, content} dicts, checked; ShareGPT's {from, value} turns are read as such."""
+    if not isinstance(value, list) or not value or not all(isinstance(m, dict) and (m.get("role") or m.get("from"))
+                                                           for m in value):
         raise UserError(f"{row}: {what} is not a list of turns like "
                         f"{{\"role\": \"user\", \"content\": \"...\"}}")
-    return [{"role": m["role"], "content": m.get("content")} for m in value]
+    return [{"role": m["role"], "content": m.get("content")} if m.get("role") else
+            {"role": SPEAKERS.get(m["from"], m["from"]), "content": m.get("value")} for m in value]
 
 
 def pieces(tokenizer, row: dict, form: str, index: str) -> list:
@@ -68,7 +88,7 @@ def pieces(tokenizer, row: dict, form: str, index: str) -> list:
         messages = prompt + _turns(row["completion"], index, "its completion")
         answers = [i for i in range(len(prompt), len(messages)) if messages[i]["role"] == "assistant"]
     else:
-        messages = _turns(row["messages"], index, "its messages")
+        messages = alpaca_turns(row, index) if form == "alpaca" else _turns(row[form], index, f"its {form}")
         answers = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
     if not answers:
         raise UserError(f"{index} has no assistant turn to learn from; every "
@@ -135,6 +155,11 @@ class AnswerRows(Dataset):
         ids[:len(row["input_ids"])], labels[:len(row["labels"])] = row["input_ids"], row["labels"]
         return ids, labels
 
+    def per_sample(self) -> dict:
+        """Rows and real (not padding) tokens per sample, on average over the set."""
+        lengths = self.dataset.data.column("input_ids").to_pylist()
+        return {"rows": 1.0, "real_tokens": sum(map(len, lengths)) / len(lengths)}
+
     def prompt(self, i: int) -> tuple:
         """(prompt ids, answer ids) of row i: the tokens before its first answer, and that answer."""
         row = self.dataset[i]
@@ -184,6 +209,11 @@ class PackedRows(Dataset):
             at += n
         positions[at:] = torch.arange(self.block - at)  # the padding: one more sequence, never a label
         return (ids, positions), labels
+
+    def per_sample(self) -> dict:
+        """Rows and real (not padding) tokens per block, on average over the set."""
+        real = self.rows.per_sample()["real_tokens"] * len(self.rows)
+        return {"rows": len(self.rows) / len(self), "real_tokens": real / len(self)}
 
     def prompt(self, i: int) -> tuple:
         """Row i's (prompt ids, answer ids), as AnswerRows gives them."""

@@ -129,6 +129,7 @@ def instruction_rows(dataset, tokenizer, form: str, block: int, whole_text: bool
                     f"{lost} (--block_size sets the block)")
     if empty:
         rows = rows.filter(lambda units: units > 0, input_columns="units", new_fingerprint=key + "-kept")
+        rows = rows.flatten_indices(new_fingerprint=key + "-flat")  # its arrow table then holds the kept rows alone
     if not len(rows):
         raise UserError(f"no {what} row keeps an answer token within the block of {block} tokens; raise "
                         f"--block_size (the model reads up to its positions)")
@@ -138,12 +139,14 @@ def instruction_rows(dataset, tokenizer, form: str, block: int, whole_text: bool
 def chat_texts(dataset, form: str):
     """An iterator of lists of strings: the text of every turn, prompt and completion (to train a BPE tokenizer)."""
     for batch in dataset.iter(batch_size=1000):
-        columns = ("messages",) if form == "messages" else ("prompt", "completion")
+        columns = {"prompt_completion": ("prompt", "completion"), "alpaca": ("instruction", "input", "output")}.get(
+            form, (form,))
         texts = []
         for column in columns:
             for value in batch[column]:
                 turns = value if isinstance(value, list) else [{"content": value}]
-                texts += [t.get("content") for t in turns if isinstance(t, dict) and isinstance(t.get("content"), str)]
+                texts += [t.get("content", t.get("value")) for t in turns
+                          if isinstance(t, dict) and isinstance(t.get("content", t.get("value")), str)]
         yield texts
 
 
@@ -193,8 +196,9 @@ def instruction_form(train, task: str, settings: Settings) -> str:
     form = chat.form_of(train.column_names) if task in ("causal_lm", "instruction") and not settings.text_column \
         else ""
     if task == "instruction" and not form:
-        raise UserError(f"--task instruction needs rows with a 'messages' column (chats) or 'prompt' and "
-                        f"'completion' columns; {settings.dataset} has: {', '.join(train.column_names)}")
+        raise UserError(f"--task instruction needs rows with a 'messages' column (chats), 'conversations' (ShareGPT), "
+                        f"'prompt' and 'completion', or 'instruction' and 'output' (Alpaca); {settings.dataset} has: "
+                        f"{', '.join(train.column_names)}")
     return form
 
 

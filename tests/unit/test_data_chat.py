@@ -53,7 +53,30 @@ def test_prompt_and_completion_rows_plain_and_conversational():
 def test_the_form_is_found_from_the_columns():
     assert chat.form_of(["messages", "id"]) == "messages"
     assert chat.form_of(["prompt", "completion"]) == "prompt_completion"
+    assert chat.form_of(["conversations"]) == "conversations"
+    assert chat.form_of(["instruction", "input", "output"]) == "alpaca"
     assert chat.form_of(["prompt", "text"]) == "" and chat.form_of(["text"]) == ""
+
+
+def test_alpaca_rows_read_as_a_user_turn_and_an_answer():
+    """Alpaca's rows (LLaMA-Factory's default format): the instruction and its input from the user, the output
+    from the assistant, the system text first if there is one."""
+    tok = tokenizer()
+    row = {"instruction": "Add.", "input": "1+2", "output": "3", "system": ""}
+    as_chat = {"messages": [{"role": "user", "content": "Add.\n\n1+2"}, {"role": "assistant", "content": "3"}]}
+    assert chat.encode_row(tok, row, "alpaca", "r", 999, False) == chat.encode_row(tok, as_chat, "messages", "r",
+                                                                                      999, False)
+    with pytest.raises(UserError, match="r: its instruction or output is empty or not text"):
+        chat.encode_row(tok, {**row, "output": ""}, "alpaca", "r", 999, False)
+
+
+def test_sharegpt_conversations_read_as_chats():
+    """ShareGPT's turns ({"from": "human" | "gpt" | "system", "value": ...}) render as the same chat does."""
+    tok = tokenizer()
+    speakers = {"system": "system", "user": "human", "assistant": "gpt"}
+    shared = {"conversations": [{"from": speakers[m["role"]], "value": m["content"]} for m in TWO_TURNS["messages"]]}
+    assert chat.encode_row(tok, shared, "conversations", "r", 999, False) == \
+        chat.encode_row(tok, TWO_TURNS, "messages", "r", 999, False)
 
 
 @pytest.mark.parametrize("row, said", [
@@ -102,7 +125,10 @@ def test_long_rows_are_cut_said_once_and_rows_left_without_an_answer_left_out(tm
     assert said.count("rows are longer than the block of 28 tokens and were cut") == 1 and 0 < cut < len(rows)
     assert f"train: {cut} of {len(rows)} rows" in said and longest > 28
     assert all(len(ids) <= 28 for ids in kept["input_ids"]) and all(u > 0 for u in kept["units"])
-    assert len(kept) == len(rows) - prompt_only
+    assert len(kept) == len(rows) - prompt_only and len(kept.data) == len(kept), "the table holds the kept rows"
+    packed = chat.PackedRows(chat.AnswerRows(kept, tok.pad_token_id, 28), 64)
+    assert sorted(i for group in packed.groups for i in group) == list(range(len(kept)))
+    assert sum(packed.units) == sum(kept["units"])
     with pytest.raises(UserError, match="no train row keeps an answer token within the block of 4 tokens"):
         text.instruction_rows(rows, tok, "messages", 4, False, "train")
 
@@ -134,6 +160,7 @@ def test_instruction_needs_one_of_the_two_forms(tmp_path):
     path = tmp_path / "plain.jsonl"
     path.write_text("".join(json.dumps({"text": f"row {i}", "source": "x"}) + "\n" for i in range(10)))
     settings = Settings(model="llama-tiny", task="instruction", dataset=str(path))
-    with pytest.raises(UserError, match="--task instruction needs rows with a 'messages' column \\(chats\\) or "
-                                        "'prompt' and 'completion' columns; .* has: text, source"):
+    with pytest.raises(UserError, match="--task instruction needs rows with a 'messages' column \\(chats\\), "
+                                        "'conversations' \\(ShareGPT\\), 'prompt' and 'completion', or "
+                                        "'instruction' and 'output' \\(Alpaca\\); .* has: text, source"):
         text.build_text_sets(settings, TextModel("", 8192, 128), "instruction", tmp_path / "run")

@@ -77,3 +77,12 @@ def test_the_check_finds_a_family_whose_rows_leak_and_passes_one_whose_do_not():
     for model, leaks in ((gpt, True), (llama, False)):
         moved = packing.leak(lambda ids, pos: model(input_ids=ids, position_ids=pos).logits, first, second, (2, 16))
         assert (moved > 1e-3) == leaks, (type(model).__name__, moved)
+
+
+def test_rows_and_real_tokens_per_sample_padded_and_packed(tmp_path):
+    rows, packed = packed_rows(tmp_path)
+    real = sum(len(ids) for ids in rows.dataset["input_ids"])
+    assert rows.per_sample() == {"rows": 1.0, "real_tokens": pytest.approx(real / len(rows))}
+    assert packed.per_sample() == {"rows": pytest.approx(len(rows) / len(packed)),
+                                   "real_tokens": pytest.approx(real / len(packed))}
+    assert sum(int((packed[i][0][0] != rows.pad_id).sum()) for i in range(len(packed))) >= real * 0.99

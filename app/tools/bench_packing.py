@@ -1,0 +1,68 @@
+"""Packed against padded on the same instruction data: the same training command run twice, rows padded to the
+longest (--packing off) and packed into blocks (--packing on), and the rows and real (not padding) tokens each
+trains per second, with their ratio.
+
+    python -m app.tools.bench_packing --model runs/opposites/model --dataset runs/opposites/chats.jsonl \\
+        [--steps 30] [--launcher "deepspeed --num_gpus 2"] [--output_dir runs/bench-packing] [-- more train.py flags]
+
+Each run's rates come from its summary.json: samples per second over its training steps (evaluation and saving
+not counted), times the rows and real tokens a sample holds on average over the training set. Writes
+report.json in --output_dir.
+"""
+import argparse
+import json
+import shlex
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+MODES = {"padded": "off", "packed": "on"}
+
+
+def command(launcher: str, mode: str, args, extra: list) -> list:
+    """The training command of one mode."""
+    start = shlex.split(launcher) if launcher else [sys.executable]
+    beside = Path(sys.executable).parent / start[0]  # a launcher of this environment's, not on PATH
+    start[0] = start[0] if shutil.which(start[0]) or not beside.is_file() else str(beside)
+    return start + [str(REPO / "app" / "train.py"), "--model", args.model, "--dataset", args.dataset,
+                    "--max_steps", str(args.steps), "--log_interval", str(args.steps), "--eval_answers", "0",
+                    "--packing", MODES[mode], "--overwrite", "--output_dir", str(Path(args.output_dir) / mode), *extra]
+
+
+def rates(summary: dict) -> dict:
+    return {key: summary[key] for key in ("samples_per_s", "rows_per_s", "real_tokens_per_s", "train_s", "steps")}
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m app.tools.bench_packing", description=__doc__.splitlines()[0])
+    parser.add_argument("--model", required=True)
+    parser.add_argument("--dataset", required=True, help="instruction data: rows of messages, or prompt/completion")
+    parser.add_argument("--steps", type=int, default=30, help="optimizer steps of each run (default: 30)")
+    parser.add_argument("--launcher", default="", help='e.g. "deepspeed --num_gpus 2" (default: one process)')
+    parser.add_argument("--output_dir", default="runs/bench-packing")
+    args, extra = parser.parse_known_args(argv)
+    extra = [a for a in extra if a != "--"]
+    found = {}
+    for mode in MODES:
+        done = subprocess.run(command(args.launcher, mode, args, extra), capture_output=True, text=True, cwd=REPO)
+        if done.returncode != 0:
+            errors = [line for line in (done.stdout + done.stderr).splitlines() if "error:" in line]
+            print(f"error: the {mode} run failed (exit {done.returncode}): "
+                  f"{errors[-1] if errors else (done.stdout + done.stderr)[-2000:]}")
+            return done.returncode
+        found[mode] = rates(json.loads((Path(args.output_dir) / mode / "summary.json").read_text()))
+    for mode, row in found.items():
+        print(f"{mode:7} {row['samples_per_s']:9.2f} samples/s {row['rows_per_s']:9.2f} rows/s "
+              f"{row['real_tokens_per_s']:11.1f} real tokens/s ({row['steps']} steps in {row['train_s']:.1f} s)")
+    ratio = found["packed"]["real_tokens_per_s"] / found["padded"]["real_tokens_per_s"]
+    print(f"packed / padded: {ratio:.2f}x the real tokens per second")
+    report = {**found, "packed_over_padded": ratio, "model": args.model, "dataset": args.dataset,
+              "launcher": args.launcher or "python", "extra": extra}
+    (Path(args.output_dir) / "report.json").write_text(json.dumps(report, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
