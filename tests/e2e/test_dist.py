@@ -142,7 +142,7 @@ def _beside_a_device_only_group(rank, world, tmp):
                              pipeline_parallelism=False, num_stages=1, autotp_size=lambda: 1,
                              torch_autocast_enabled=lambda: False, bfloat16_enabled=lambda: False,
                              fp16_enabled=lambda: False)
-    task = SimpleNamespace(tokens_per_sample=16, name="causal_lm")
+    task = SimpleNamespace(tokens_per_sample=16, name="causal_lm", per_sample=dict)
     settings = SimpleNamespace(peak_flops=0.0, model="m", dataset="d", deepspeed_config="c.json")
     throughput = train.throughput_for(task, 1e9, engine, settings)
     assert throughput.peak_flops > 0
