@@ -41,6 +41,18 @@ class Settings:
     output_dir/answers/step<N>.jsonl (0: none)."""
     answer_tokens: int = 64
     """Instruction data: the most tokens of each of those answers."""
+    lora: bool = False
+    """Transformers models: train low-rank adapters (LoRA, through HF peft) and freeze the base model; checkpoints
+    hold the adapters, and app.tools.export writes the adapter folder or the merged model."""
+    lora_rank: int = 8
+    """LoRA: the adapters' inner size r."""
+    lora_alpha: float = 16.0
+    """LoRA: the adapters' scale is alpha / rank."""
+    lora_dropout: float = 0.0
+    """LoRA: dropout on the adapters' input."""
+    lora_targets: str = "all-linear"
+    """LoRA: the modules that get adapters: all-linear (every linear layer of the model but its output layer) or
+    names such as q_proj,v_proj."""
     label_column: str = ""
     """Text classification: the column holding the label (default: 'label' or 'labels')."""
     dataset_config: str = ""
@@ -109,6 +121,12 @@ class Settings:
                               ("pin_memory", ("auto", "on", "off"))):
             if getattr(self, name) not in allowed:
                 raise UserError(f"--{name} must be one of {', '.join(allowed)}, got {getattr(self, name)!r}")
+        if self.lora_rank < 1:
+            raise UserError(f"--lora_rank must be at least 1 (the adapters' inner size; 8 to 64 is usual), got "
+                            f"{self.lora_rank}")
+        if self.lora_alpha <= 0 or not 0 <= self.lora_dropout < 1:
+            raise UserError(f"--lora_alpha must be above 0 and --lora_dropout at least 0 and below 1, got "
+                            f"{self.lora_alpha} and {self.lora_dropout}")
         if not 0 < self.eval_fraction < 1:
             raise UserError(f"--eval_fraction must be between 0 and 1, got {self.eval_fraction}")
 

@@ -24,6 +24,7 @@ from app.ds import config as ds_config
 from app.ds import internals as ds_internals
 from app.distributed import launch
 from app.core import loop
+from app.core import lora
 from app.observe import metrics
 from app.core import models
 from app.distributed import node_shell
@@ -105,6 +106,7 @@ def run(settings: Settings, ds: dict, world: World, started: float) -> int:  # l
     try:
         ranks = parallel.rank_layout(ds, world.world_size, world.rank, settings.deepspeed_config)
         task = tasks.build(settings)
+        lora.check_layout(settings.lora, ranks)
         ds, filled, precision_note = json_for_run(ds, settings, world, ranks, task)
         output_dir = output_dir_for(settings)
         seed_everything(settings.seed)
@@ -122,7 +124,7 @@ def run(settings: Settings, ds: dict, world: World, started: float) -> int:  # l
         steps = loop.total_steps(settings.max_steps, settings.epochs, len(train_loader),
                                  ds["gradient_accumulation_steps"])
         ds = json_with_lengths(ds, steps, filled)
-        state = trainer_state(settings, world, ranks, info, ds)
+        state = trainer_state(settings, world, ranks, info, ds, task)
         folder, saved, state.deepspeed_config = resume.plan_resume(output_dir, settings.resume, state, ds,
                                                                    settings.overwrite)
         engine = loop.build_engine(trained, ranks.engine_config(state.deepspeed_config))
@@ -155,13 +157,14 @@ def run(settings: Settings, ds: dict, world: World, started: float) -> int:  # l
         ds_internals.forget_parallel_groups()  # another job may follow in this process (the tests pool them)
 
 
-def trainer_state(settings: Settings, world: World, ranks, info, ds: dict) -> TrainerState:
+def trainer_state(settings: Settings, world: World, ranks, info, ds: dict, task) -> TrainerState:
     """What this run's checkpoints record besides DeepSpeed's shards, at step 0."""
     return TrainerState(step=0, epoch=0, batch=0, model=settings.model, dataset=settings.dataset,
                         world_size=world.world_size, zero_stage=ds_config.zero_stage(ds),
                         settings=config.settings_dict(settings), data_info=asdict(info), deepspeed_config=ds,
                         pipeline_stages=ranks.split.stages if ranks.split else 0,
-                        data_parallel_size=ranks.replicas, tensor_parallel_size=ranks.tensor)
+                        data_parallel_size=ranks.replicas, tensor_parallel_size=ranks.tensor,
+                        lora=lora.record(settings, getattr(task, "spec", None)))
 
 
 def json_for_run(ds: dict, settings: Settings, world: World, ranks, task) -> tuple:
@@ -226,6 +229,8 @@ def say_mode(settings: Settings, world: World, engine, steps: int, output_dir: P
     parallelism = ranks.describe(engine)
     if parallelism:
         dist.print0(parallelism)
+    if settings.lora:
+        dist.print0(lora.describe(engine.module))
     dist.print0(f"precision: {shown}{'; ' + tf32 if tf32 else ''}")
     warning = ds_internals.version_note()
     if warning:

@@ -15,7 +15,7 @@ from app.ds import internals as ds_internals
 from app.checkpoint import outdir
 from app.ds.internals.safe_load import check_files, data_only
 from app.checkpoint.save import MANIFEST, STATE, UNIVERSAL, TrainerState, checkpoint_root, complete_checkpoints, \
-    atomic_write, sha256_of
+    atomic_write, has_frozen, sha256_of
 from app.errors import UserError, first_line
 
 
@@ -123,6 +123,16 @@ def check_compatible(saved: TrainerState, current: TrainerState, folder: Path):
         if getattr(saved, key) != getattr(current, key):
             raise UserError(f"checkpoint {folder} was made with {key}={getattr(saved, key)!r} but this run has "
                             f"{key}={getattr(current, key)!r}; use the same settings or start a new --output_dir")
+    base, adapters = saved.lora.get("base"), {k: v for k, v in saved.lora.items() if k != "base"}
+    if adapters != {k: v for k, v in current.lora.items() if k != "base"}:
+        said = lambda lora: f"LoRA {lora}" if lora else "no LoRA"  # noqa: E731
+        raise UserError(f"checkpoint {folder} was made with {said(adapters)} but this run has "
+                        f"{said({k: v for k, v in current.lora.items() if k != 'base'})}; pass the same --lora "
+                        f"flags or start a new --output_dir")
+    if base != current.lora.get("base"):
+        raise UserError(f"checkpoint {folder} holds LoRA adapters trained on another base model than {current.model} "
+                        f"has now (its config or weights differ); resume on the base model they were trained on, "
+                        f"or start a new --output_dir")
 
 
 def needs_universal(saved: TrainerState, world_size: int) -> bool:
@@ -182,7 +192,7 @@ def load(engine, folder: Path, saved: TrainerState, replicas: int) -> tuple:
     """Restore engine, optimizer, scheduler and RNG; return the (epoch, micro batch) this run continues from."""
     with data_only(f"a file under {folder}"):
         path, _ = engine.load_checkpoint(str(folder.parent), tag=folder.name, load_optimizer_states=True,
-                                         load_lr_scheduler_states=True)
+                                         load_lr_scheduler_states=True, load_module_strict=not has_frozen(engine))
     if path is None:
         raise UserError(f"DeepSpeed could not load {folder}; it may come from another world size or config")
     ds_internals.replay_cpu_adam_steps(engine)

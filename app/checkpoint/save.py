@@ -7,7 +7,7 @@ import random
 import re
 import shutil
 import tempfile
-from dataclasses import MISSING, asdict, dataclass, fields, replace
+from dataclasses import MISSING, asdict, dataclass, field, fields, replace
 from pathlib import Path
 
 import numpy as np
@@ -53,6 +53,9 @@ class TrainerState:
     """Replicas the data was sharded across (0, in older checkpoints: the world size)."""
     tensor_parallel_size: int = 1
     """Ranks each layer's matmuls were sharded across (DeepSpeed AutoTP)."""
+    lora: dict = field(default_factory=dict)
+    """LoRA runs: the adapters' rank, alpha, dropout and targets, and `base`, what identifies the frozen base model
+    the checkpoint leaves out ({}: the whole model trains and is saved)."""
 
     def to_json(self) -> str:
         """The state as written: a secret in the DeepSpeed dict (a monitor's api_key) is kept out of the file."""
@@ -179,7 +182,8 @@ def _write(engine, root: Path, folder: Path, state: TrainerState, extra, every_r
         (folder / SAVING).write_text(json.dumps({"pid": os.getpid()}))  # marks the folder as the app's to clear
     dist.barrier()
     with ds_internals.config_saved_as(engine, redacted(engine.config)):  # its files keep a copy of the dict
-        engine.save_checkpoint(str(root), tag=folder.name, save_latest=False)
+        engine.save_checkpoint(str(root), tag=folder.name, save_latest=False,
+                               exclude_frozen_parameters=has_frozen(engine))
     if every_rank is not None:
         every_rank(engine, folder)
     faults.kill_at("shards", state.step)
@@ -198,6 +202,11 @@ def _write(engine, root: Path, folder: Path, state: TrainerState, extra, every_r
         (folder / SAVING).unlink()
         faults.kill_at("pointer", state.step)
         atomic_write(root / LATEST, folder.name)  # DeepSpeed's tools read this; it names only a whole checkpoint
+
+
+def has_frozen(engine) -> bool:
+    """Whether the model has frozen weights (LoRA's base model): checkpoints leave them out, resume builds them."""
+    return any(not p.requires_grad for p in engine.module.parameters())
 
 
 def complete_checkpoints(root: Path) -> list:

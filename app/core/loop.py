@@ -19,7 +19,8 @@ def build_engine(model, ds_config: dict):
     ds_config = {"timers": {"throughput": {"enabled": False}}, **ds_config}
     ds_config = fit_buckets(ds_config, sum(p.numel() for p in model.parameters() if p.requires_grad))
     try:
-        engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=ds_config)
+        trained = [p for p in model.parameters() if p.requires_grad]  # LoRA: the adapters alone
+        engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=trained, config=ds_config)
     except (TypeError, ValueError, AssertionError, KeyError) as e:
         text = str(e).splitlines()[0] if str(e) else type(e).__name__
         raise UserError(f"DeepSpeed could not build the engine from this config: {text}") from None

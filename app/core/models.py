@@ -59,6 +59,8 @@ PRESETS = {
                                  tie_word_embeddings=False)),
     "bert-tiny": ("bert", dict(num_hidden_layers=2, hidden_size=128, num_attention_heads=2, intermediate_size=512,
                                max_position_embeddings=512, vocab_size=8192)),
+    # the ZeRO paper's 7.5B GPT-2 shape (7.46B parameters), for the memory plan at scale
+    "gpt2-7b": ("gpt2", dict(n_layer=36, n_embd=4096, n_head=32, n_positions=1024, vocab_size=50257)),
     # a 1B-class shape (Llama 3.2 1B's: 1.24B parameters, tied embeddings), for the memory plan and for real runs
     "llama-1b": ("llama", dict(num_hidden_layers=16, hidden_size=2048, intermediate_size=8192, num_attention_heads=32,
                                num_key_value_heads=8, max_position_embeddings=2048, vocab_size=128256,
@@ -227,15 +229,17 @@ def save_hf_files(config, tokenizer, folder):
 def train_flops_per_token(model: nn.Module, seq_len: int) -> float:
     """6 x parameters in matmuls + 12 x layers x width x sequence (forward and backward; PaLM, appendix B).
 
-    Embedding lookups are not matmuls; an output layer tied to the input embedding is.
+    Embedding lookups are not matmuls; an output layer tied to the input embedding is. A frozen weight (LoRA's base
+    model) takes 4, not 6: its backward computes the input's gradient but not its own.
     """
     hf = model.hf
     out, tied = hf.get_output_embeddings(), set()
     if out is not None:
         tied.add(id(out.weight))
     lookups = {id(m.weight) for m in hf.modules() if isinstance(m, nn.Embedding)} - tied
-    params = sum(getattr(p, "ds_numel", p.numel()) for p in hf.parameters() if id(p) not in lookups)
-    return 6.0 * params + 12.0 * hf.config.num_hidden_layers * hf.config.hidden_size * seq_len
+    flops = sum((6.0 if p.requires_grad else 4.0) * getattr(p, "ds_numel", p.numel()) for p in hf.parameters()
+                if id(p) not in lookups)
+    return flops + 12.0 * hf.config.num_hidden_layers * hf.config.hidden_size * seq_len
 
 
 def model_names() -> list:

@@ -4,6 +4,7 @@ answers of instruction data), sequence classification.
 Each builds its data and model and owns its loss, its metrics, its FLOPs per sample and the extra files its
 checkpoints carry, so train.py and the loop call it without knowing which kind of job it is.
 """
+import contextlib
 import math
 from pathlib import Path
 
@@ -12,7 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from app.distributed import dist
-from app.core import models
+from app.core import lora, models
 from app.settings import Settings
 from app.data import DataInfo, TextModel
 from app.data.chat import IGNORE
@@ -106,7 +107,7 @@ class TextTask:
     def __init__(self, settings: Settings, spec: models.HFSpec):
         self.settings, self.spec = settings, spec
         self.tokenizer, self.config, self.tokens_per_sample = None, None, 0
-        self.train_set = self.eval_set = None
+        self.train_set = self.eval_set = self.adapters = None
 
     def build_data(self, output_dir: Path) -> tuple:
         """(train set, eval set, DataInfo), tokenized once on the main rank and cached."""
@@ -129,8 +130,15 @@ class TextTask:
         return TextModel(self.spec.pretrained, models.vocab_size(self.spec.config), self.spec.max_positions)
 
     def build_model(self, info: DataInfo, ds_config: dict) -> nn.Module:
-        model = models.build_hf(self.spec, info, self.tokenizer, ds_config, self.settings.attention)
+        """The transformers model as HFLogits; with --lora, its adapters on the frozen base (a preset's base
+        initialised from --seed alone, so that a resumed run builds the same one)."""
+        settings = self.settings
+        with lora.seeded(settings.seed) if settings.lora and not self.spec.pretrained else contextlib.nullcontext():
+            model = models.build_hf(self.spec, info, self.tokenizer, ds_config, settings.attention)
         self.config = model.hf.config  # not the model: a pipeline stage keeps only its own layers
+        if settings.lora:
+            model.hf = lora.wrap(model.hf, settings, self.name)
+            self.adapters = model.hf.peft_config["default"]
         return model
 
     def flops_per_sample(self, model: nn.Module, info: DataInfo) -> float:
@@ -141,8 +149,11 @@ class TextTask:
         return {}
 
     def save_files(self, folder: Path):
-        """The config and tokenizer that make the checkpoint exportable in save_pretrained form."""
+        """The config and tokenizer that make the checkpoint exportable in save_pretrained form (and with --lora,
+        the adapters' peft config)."""
         models.save_hf_files(self.config, self.tokenizer, folder / models.HF_FILES)
+        if self.adapters is not None:
+            self.adapters.save_pretrained(str(folder / models.HF_FILES))
 
 
 class CausalLM(TextTask):
@@ -184,6 +195,9 @@ def build(settings: Settings):
         kinds = "transformers models" if spec is not None else "image models (leave --task auto)"
         raise UserError(f"--task {settings.task!r} is not one of auto, {', '.join(TEXT_TASKS)} for {kinds}")
     if spec is None:
+        if settings.lora:
+            raise UserError(f"--lora trains adapters on a transformers model (HF peft); {settings.model} is an image "
+                            f"model: pass a transformers model folder, hub name or preset, or leave --lora out")
         if settings.packing == "on":
             raise UserError("--packing on packs the rows of instruction data for a transformers model; "
                             f"{settings.model} is an image model: leave --packing auto")

@@ -2,8 +2,9 @@
 of a micro batch adds, worked out from the model's shape alone (no weight is allocated, no GPU is needed).
 
 Model states follow DeepSpeed's own layout, as the engine holds it (checked against a real engine's tensors):
-ZeRO 1-2 partition the optimizer state and keep an fp32 master partition, a rank keeping the whole gradient of
-every parameter its partition touches; ZeRO-3 partitions each parameter on its own. Activations are measured:
+ZeRO 1-2 partition the optimizer state and keep an fp32 master partition; ZeRO-2 keeps the whole gradient of every
+parameter its partition touches, ZeRO-1 every gradient until the step (unless overlap_comm reduces them as they
+arrive); ZeRO-3 partitions each parameter on its own. Activations are measured:
 the model's forward and backward run under torch's FakeTensorMode, in the precision the config gets on a GPU,
 with activation checkpointing when the config asks, while a dispatch mode counts the bytes alive.
 """
@@ -33,6 +34,8 @@ class MemoryPlan:
     per_sample: int = 0
     fixed: int = 0
     """Activation bytes of one sample, and those a micro batch needs whatever its size (weights cast to bf16)."""
+    trained: int = 0
+    """Parameters that train (fewer than all with LoRA)."""
 
     def states(self) -> int:
         return sum(self.device.values())
@@ -63,29 +66,41 @@ def _touched(sizes: list, rank: int, part: int) -> int:
     return total
 
 
-def model_states(sizes: list, ds: dict, ranks: int) -> tuple:
-    """({what: bytes} on the device, {what: bytes} on the host) of the largest rank's model states.
+def _reduced_as_they_arrive(ds: dict, stage: int) -> bool:
+    """Whether a ZeRO 1-2 rank drops each gradient it does not own as backward makes it: always under ZeRO-2;
+    under ZeRO-1 only with overlap_comm and no accumulation (DeepSpeed's stage 1 otherwise keeps every gradient
+    whole until the accumulation boundary, then reduces them all at once)."""
+    zero = ds.get("zero_optimization") or {}
+    accumulation = ds.get("gradient_accumulation_steps", 1)
+    return stage == 2 or zero.get("overlap_comm") is True and accumulation in (1, "auto")
 
-    sizes: the model's parameter sizes in order. Weights in fp32 (autocast keeps them so) unless the config's
-    bf16 or fp16 section makes them 16-bit.
+
+def model_states(sizes: list, ds: dict, ranks: int, trainable: list = None) -> tuple:
+    """({what: bytes} on the device, {what: bytes} on the host) of the largest rank's model states at the moment
+    its gradients peak.
+
+    sizes: the model's parameter sizes in order; trainable: whether each one trains (None: all; LoRA freezes the
+    base model, whose weights then have no gradient, optimizer state nor master copy). Weights in fp32 (autocast
+    keeps them so) unless the config's bf16 or fp16 section makes them 16-bit.
     """
     width = 2 if any((ds.get(name) or {}).get("enabled") is True for name in ("bf16", "fp16")) else FP32
-    stage, total = zero_stage(ds), sum(sizes)
+    learnt = [size for size, trains in zip(sizes, trainable or [True] * len(sizes)) if trains]
+    stage, total, learnt_total = zero_stage(ds), sum(sizes), sum(learnt)
     zero = ds.get("zero_optimization") or {}
     offload = ((zero.get("offload_optimizer") or {}).get("device") or "none") != "none"
     offload_params = ((zero.get("offload_param") or {}).get("device") or "none") != "none"
     if stage == 0:
-        return {"weights": width * total, "gradients": width * total, "optimizer": 2 * FP32 * total,
-                "masters": FP32 * total if width == 2 else 0}, {}
+        return {"weights": width * total, "gradients": width * learnt_total, "optimizer": 2 * FP32 * learnt_total,
+                "masters": FP32 * learnt_total if width == 2 else 0}, {}
     if stage == 3:
-        part = sum(math.ceil(size / ranks) for size in sizes)
-        grads = part
-    else:
-        part = _partition(total, ranks)
-        grads = max(_touched(sizes, rank, part) for rank in range(ranks))
-    weights = width * (part if stage == 3 else total)
+        part = sum(math.ceil(size / ranks) for size in learnt)
+        grads, weights = part, sum(math.ceil(size / ranks) for size in sizes)  # frozen weights are partitioned too
+    else:  # the flat buffers hold the trained parameters only; frozen weights stay whole on every rank
+        part, weights = _partition(learnt_total, ranks), total
+        grads = max(_touched(learnt, rank, part) for rank in range(ranks)) \
+            if _reduced_as_they_arrive(ds, stage) else learnt_total
     optimizer = {"optimizer": 2 * FP32 * part, "masters": FP32 * part}
-    device = {"weights": weights, "gradients": width * grads}
+    device = {"weights": width * weights, "gradients": width * grads}
     host = {}
     if offload:
         host.update(optimizer, gradients=FP32 * part)
@@ -128,15 +143,17 @@ def bucket_bytes(total: int, ds: dict, kinds: tuple = (True, True)) -> int:
     return elements * width * (full + lower) * (2 if overlap else 1)
 
 
-def working_bytes(sizes: list, ds: dict, ranks: int, largest_block: int, kinds: tuple = (True, True)) -> int:
+def working_bytes(sizes: list, ds: dict, ranks: int, largest_block: int, kinds: tuple = (True, True),
+                  learnt: int = None) -> int:
     """The transient buffers of a step: the flat gradient all-reduce (ZeRO 0 on several ranks), ZeRO's reduce
     buckets, ZeRO-3's gathered layers (the largest block and the next prefetched) and its parameters too small
-    to partition (kept whole on every rank)."""
+    to partition (kept whole on every rank). learnt: the elements that train (None: all)."""
     stage, total = zero_stage(ds), sum(sizes)
+    learnt = total if learnt is None else learnt
     zero = ds.get("zero_optimization") or {}
     if stage == 0:
-        return FP32 * min(total, int(5e8)) if ranks > 1 else 0
-    bucket = bucket_bytes(total, ds, kinds)
+        return FP32 * min(learnt, int(5e8)) if ranks > 1 else 0
+    bucket = bucket_bytes(learnt, ds, kinds)
     if stage < 3:
         return bucket
     persistent = sum(size for size in sizes if size < int(zero.get("stage3_param_persistence_threshold", 1e5)))
@@ -179,7 +196,8 @@ def activation_bytes(build, inputs, loss, micro: int, dtype, checkpointed: bool,
             activations.checkpoint_blocks(model)
         model.train()
         for param in model.parameters():
-            param.register_post_accumulate_grad_hook(lambda p: setattr(p, "grad", None))
+            if param.requires_grad:  # LoRA's frozen base has none
+                param.register_post_accumulate_grad_hook(lambda p: setattr(p, "grad", None))
         x, y = inputs(micro)
         tracker = LiveBytes()
         autocast = torch.autocast("cpu", dtype=dtype) if dtype else contextlib.nullcontext()
@@ -191,9 +209,10 @@ def activation_bytes(build, inputs, loss, micro: int, dtype, checkpointed: bool,
 
 
 def memory_plan(config: str, ds: dict, ranks: int, sizes: list, largest_block: int, measured: tuple,
-                kinds: tuple = (True, True)) -> MemoryPlan:
+                kinds: tuple = (True, True), trainable: list = None) -> MemoryPlan:
     """The MemoryPlan of one config: measured is (bytes of one sample, bytes of a micro batch whatever its size); kinds:
-    comm_kinds of the model."""
-    device, host = model_states(sizes, ds, ranks)
-    device["working"] = working_bytes(sizes, ds, ranks, largest_block, kinds)
-    return MemoryPlan(config, sum(sizes), device, host, *measured)
+    comm_kinds of the model; trainable: whether each parameter trains (None: all)."""
+    device, host = model_states(sizes, ds, ranks, trainable)
+    learnt = sum(size for size, trains in zip(sizes, trainable) if trains) if trainable else None
+    device["working"] = working_bytes(sizes, ds, ranks, largest_block, kinds, learnt)
+    return MemoryPlan(config, sum(sizes), device, host, *measured, trained=sum(sizes) if learnt is None else learnt)

@@ -20,8 +20,9 @@ from app.parallel import layout as parallel
 from app.core import tasks
 from app.settings import Settings
 from app.errors import UserError, report
-from app.tools.bench_modes import COMPILE_SUFFIX, build_model, build_workload, measure
-from app.tools.bench_report import TORCH_MODES, add_ratios, checkpointing, headline, plot, splitting, table
+from app.tools.bench_modes import COMPILE_SUFFIX, LORA, build_model, build_workload, measure
+from app.tools.bench_report import TORCH_MODES, adapters, add_ratios, checkpointing, headline, plot, splitting, \
+    table
 
 FIELDS = ("mode", "ranks", "threads_per_rank", "micro_batch", "global_batch", "dtype", "compiled", "pipeline_stages",
           "tensor_parallel", "activation_checkpointing", "step_time_s", "samples_per_s", "tokens_per_s", "ratio_to_raw",
@@ -48,6 +49,8 @@ def parse(argv=None):
                         help="comma list of auto, on, off: the app modes run once per entry (name+compile when on)")
     parser.add_argument("--dtype", default="auto", choices=("auto", "fp32", "bf16"),
                         help="autocast dtype of the torch modes (auto: bf16 on a CUDA device that has it, else fp32)")
+    parser.add_argument("--lora", action="store_true", help="transformers models: run each app mode twice, "
+                        "training the whole model and LoRA adapters on it (mode+lora), and compare the two")
     parser.add_argument("--ranks", type=int, default=2, help="ranks of the multi-rank modes")
     parser.add_argument("--output_dir", default="", help="where bench.json and bench.png go")
     parser.add_argument("--quick", action="store_true", help="3 steps after 1 warm-up, short matmul probe (tests)")
@@ -71,7 +74,11 @@ def _checked(args):
         raise UserError("--steps, --seq_len and --ranks must be at least 1, --warmup and --batch 0 or more")
     args.configs = {name: ds_config.load_ds_config(ds_config.REPO / "ds_configs" / f"{name}.json")
                     for name in args.configs.split(",") if name and "app" in args.modes}
-    args.batch = args.batch or tasks.build(Settings(model=args.model)).bench_batch
+    task = tasks.build(Settings(model=args.model))
+    if args.lora and getattr(task, "spec", None) is None:
+        raise UserError(f"--lora trains adapters on a transformers model; {args.model} is an image model: pass a "
+                        f"preset such as llama-tiny or gpt2-124m, or leave --lora out")
+    args.batch = args.batch or task.bench_batch
     if args.batch % args.ranks:
         raise UserError(f"--batch {args.batch} is not divisible by --ranks {args.ranks}; each rank takes an equal share")
     args.output_dir = Path(args.output_dir or f"runs/bench-{args.model}-{time.strftime('%Y%m%d-%H%M%S')}")
@@ -99,8 +106,9 @@ def group_modes(args, cores: int, gpus: int) -> tuple:
         groups[args.ranks].append(("ddp", threads(args.ranks), args.batch // args.ranks))
     for name, ds in args.configs.items():
         for choice in args.compile:
-            mode = f"{name}+{COMPILE_SUFFIX[choice]}" if len(args.compile) > 1 or choice != "auto" else name
-            for ranks in sorted({1, args.ranks} if multi else {1}):
+            plain = f"{name}+{COMPILE_SUFFIX[choice]}" if len(args.compile) > 1 or choice != "auto" else name
+            for mode, ranks in [(m, r) for m in ([plain, plain + LORA] if args.lora else [plain])
+                                for r in sorted({1, args.ranks} if multi else {1})]:
                 try:  # a config that splits the model runs only where the ranks hold the split
                     replicas = parallel.rank_layout(ds, ranks, 0, name).replicas
                 except UserError as e:
@@ -149,6 +157,7 @@ def main(argv=None) -> int:
         work = build_workload(args)
         model = build_model(work)
         args.flops_per_sample = work.task.flops_per_sample(model, work.info)
+        args.lora_flops_per_sample = args.lora and work.task.flops_per_sample(build_model(work, lora=True), work.info)
         groups, skipped = group_modes(args, os.cpu_count() or 1, torch.cuda.device_count())
         if not groups:
             raise UserError("nothing to measure: --modes and --configs select no mode this machine can run")
@@ -168,7 +177,7 @@ def main(argv=None) -> int:
     plot(rows, args.output_dir / "bench.png")
     print(table(rows))
     print(headline(rows))
-    for line in splitting(rows) + checkpointing(rows):
+    for line in splitting(rows) + checkpointing(rows) + adapters(rows):
         print(line)
     for mode, why in skipped:
         print(f"skipped {mode}: {why}")

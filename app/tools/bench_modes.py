@@ -3,7 +3,7 @@ step by step on every rank. The app modes run the app's own loop (app/core/loop.
 import logging
 import statistics
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -24,6 +24,7 @@ from app.data.loader import build_loader
 from app.tools.bench_report import TORCH_MODES
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+LORA = "+lora"  # the app mode's name for its run with LoRA adapters on the frozen model
 COMPILE_SUFFIX = {"on": "compile", "off": "eager", "auto": "auto"}  # app mode names: zero1+compile, zero1+eager
 
 
@@ -42,9 +43,10 @@ def build_workload(args) -> Workload:
     return Workload(task, train_set, info)
 
 
-def build_model(work: Workload, ds=None):
-    """The model every mode trains, from the same seed."""
+def build_model(work: Workload, ds=None, lora: bool = False):
+    """The model every mode trains, from the same seed (lora: with LoRA adapters, the rest frozen)."""
     torch.manual_seed(0)
+    work.task.settings = replace(work.task.settings, lora=lora)
     return work.task.build_model(work.info, ds or {})
 
 
@@ -148,25 +150,31 @@ def param_bytes(module) -> int:
 def run_app(mode, args, world, work: Workload, loader, clock, total):  # long: the engine, the timed step, the Loop
     """The app's own path: the task's model (split or sharded as its ds_config says), build_engine with the real
     ds_config, the app's Loop; returns (the ZeRO state, dtype, compiled, parameter bytes of this rank)."""
-    name, _, suffix = mode.partition("+")
-    choice = {label: choice for choice, label in COMPILE_SUFFIX.items()}.get(suffix, "auto")
+    name, *suffixes = mode.split("+")
+    labels = {label: choice for choice, label in COMPILE_SUFFIX.items()}
+    choice = next((labels[s] for s in suffixes if s in labels), "auto")
     ranks = rank_layout_of(mode, args, world)
     ds = ds_config.resolve_batch_sizes({**args.configs[name], "train_micro_batch_size_per_gpu": loader.batch_sampler.
                                         batch_size, "gradient_accumulation_steps": 1}, ranks.replicas, name)
-    module, _, _ = ranks.prepare(build_model(work, ds), work.task, args.model, ds)
+    module, _, _ = ranks.prepare(build_model(work, ds, mode.endswith(LORA)), work.task, args.model, ds)
     engine = loop.build_engine(module, ranks.engine_config(ds_config.fill_scheduler_length(ds, total)))
     micro = loader.batch_sampler.batch_size  # a pipeline's stages pass activations of one fixed shape
     eval_loader = build_loader(torch.utils.data.Subset(work.train_set, range(ranks.replicas * micro)), micro,
                                ranks.replica, ranks.replicas, False, 0)
-    state, real_step = {}, engine.optimizer.step
+    state, real_step, real_reduce = {}, engine.optimizer.step, engine.allreduce_gradients
 
-    def step_and_tick(*a, **kw):  # gradients exist only inside a step; the optimizer state from step 2
+    def reduce_after_reading(*a, **kw):  # the end of the backward: ZeRO-1 holds every gradient whole here
         if engine.global_steps == 1:
-            state.update(zero_state(engine, name))
+            state["grads_at_backward_end"] = ds_internals.storages(ds_internals.zero_tensors(engine)["grads"])
+        return real_reduce(*a, **kw)
+
+    def step_and_tick(*a, **kw):  # the optimizer state exists from step 2; ZeRO-2's gradients are whole here
+        if engine.global_steps == 1:
+            state.update(zero_state(engine, name, sum(state.pop("grads_at_backward_end", {}).values())))
         result = real_step(*a, **kw)
         clock.tick()
         return result
-    engine.optimizer.step = step_and_tick
+    engine.optimizer.step, engine.allreduce_gradients = step_and_tick, reduce_after_reading
     step = ranks.train_step(engine, work.task, compiling.wanted(choice, engine.device))
     precision.set_tf32(world.device, precision.compute_dtype(engine), "on")  # as train.py does
     schedule = loop.Schedule(total, log_interval=10, eval_interval=total)
@@ -176,9 +184,10 @@ def run_app(mode, args, world, work: Workload, loader, clock, total):  # long: t
     return state or None, precision.compute_dtype(engine), compiled, param_bytes(engine.module)
 
 
-def zero_state(engine, name) -> dict:
-    """Per-rank bytes of parameters, gradients and optimizer state, read from the engine's tensors, beside
-    the ZeRO paper's formula adapted to fp32 (params 4, grads 4, Adam moments 8 bytes per parameter)."""
+def zero_state(engine, name, backward_grads: int = 0) -> dict:
+    """Per-rank bytes of parameters, gradients (their peak: now, inside the step, or backward_grads, read at the end
+    of the backward) and optimizer state, read from the engine's tensors, beside the ZeRO paper's formula adapted
+    to fp32 (params 4, grads 4, Adam moments 8 bytes per parameter)."""
     stage, n = engine.zero_optimization_stage(), dist.world_size()
     psi = sum(getattr(p, "ds_numel", p.numel()) for p in engine.module.parameters())
     tensors = ds_internals.zero_tensors(engine)
@@ -189,6 +198,7 @@ def zero_state(engine, name) -> dict:
     held = {"params_bytes": params, "grads_bytes": ds_internals.storages(tensors["grads"]),
             "optimizer_bytes": ds_internals.storages(tensors["moments"]), "master_copy_bytes": master}
     held = {key: sum(value.values()) for key, value in held.items()}
+    held["grads_bytes"] = max(held["grads_bytes"], backward_grads)
     measured = sum(held.values())
     return {"config": name, "stage": stage, "parameters": psi, **held, "measured_bytes": measured,
             "formula_bytes": int(formula), "measured_over_formula": measured / formula,
@@ -215,6 +225,7 @@ def measure(mode, args, world, threads, per_rank_batch, work: Workload) -> dict:
     peak = dist.host_sum([peak])[0]
     memory, held = _each_rank(world, metrics.peak_memory_bytes(world.device)), _each_rank(world, held)
     global_batch = per_rank_batch * ranks.replicas
+    flops = args.lora_flops_per_sample if mode.endswith(LORA) else args.flops_per_sample  # frozen weights: 4 not 6
     samples_per_s = global_batch / step_time
     datasheet = datasheet and datasheet * world.world_size
     return {"mode": mode, "ranks": world.world_size, "threads_per_rank": threads,
@@ -224,8 +235,8 @@ def measure(mode, args, world, threads, per_rank_batch, work: Workload) -> dict:
             "activation_checkpointing": activations.SECTION in (args.configs.get(mode.partition("+")[0]) or {}),
             "samples_per_s": samples_per_s,
             "tokens_per_s": samples_per_s * work.info.seq_len if work.info.seq_len else None,
-            "mfu": samples_per_s * args.flops_per_sample / peak, "peak_flops": peak,
-            "mfu_datasheet": datasheet and samples_per_s * args.flops_per_sample / datasheet,
+            "mfu": samples_per_s * flops / peak, "peak_flops": peak,
+            "mfu_datasheet": datasheet and samples_per_s * flops / datasheet,
             "datasheet_flops": datasheet,
             "data_wait_share": wait_share, "time_to_first_step_s": first_step,
             "peak_memory_bytes": [int(m) for m in memory], "param_bytes": [int(b) for b in held],

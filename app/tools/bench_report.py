@@ -55,7 +55,8 @@ def table(rows: list) -> str:
 
 def headline(rows: list) -> str:
     """The app's speed over raw PyTorch + torch.compile + fused AdamW at one rank, mode by mode."""
-    app = [r for r in rows if r["speed_vs_raw_compile"] is not None and r["mode"] not in TORCH_MODES]
+    app = [r for r in rows if r["speed_vs_raw_compile"] is not None and r["mode"] not in TORCH_MODES
+           and not r["mode"].endswith("+lora")]
     if not app:
         return "headline: needs the raw-compile mode and an app mode at 1 rank"
     return "headline (app speed / raw PyTorch + compile + fused AdamW, 1 rank): " + ", ".join(
@@ -74,7 +75,8 @@ def splitting(rows: list) -> list:
 def checkpointing(rows: list) -> list:
     """For each mode that checkpoints activations: what it saves in peak memory and costs in speed against the
     plain data-parallel mode (dp) at the same ranks and compile setting."""
-    plain = {(r["ranks"], r["compiled"]): r for r in rows if r["mode"].partition("+")[0] == "dp"}
+    plain = {(r["ranks"], r["compiled"]): r for r in rows if r["mode"].partition("+")[0] == "dp"
+             and not r["mode"].endswith("+lora")}
     lines = []
     for r in rows:
         base = plain.get((r["ranks"], r["compiled"]))
@@ -83,6 +85,21 @@ def checkpointing(rows: list) -> list:
                          f"{base['step_time_s'] / r['step_time_s']:.3f}x the speed of {base['mode']} and peaks at "
                          f"{max(r['peak_memory_bytes']) / max(base['peak_memory_bytes']):.0%} of its memory "
                          f"({(max(base['peak_memory_bytes']) - max(r['peak_memory_bytes'])) / 2**20:,.0f} MB saved)")
+    return lines
+
+
+def adapters(rows: list) -> list:
+    """For each mode+lora: LoRA's tokens/s and peak memory against training the whole model in the same mode."""
+    whole = {(r["mode"], r["ranks"]): r for r in rows}
+    lines = []
+    for r in rows:
+        full = whole.get((r["mode"].removesuffix("+lora"), r["ranks"])) if r["mode"].endswith("+lora") else None
+        if full:
+            rate = "tokens_per_s" if r["tokens_per_s"] else "samples_per_s"
+            lines.append(f"{r['mode']} x{r['ranks']}: LoRA trains at {r[rate] / full[rate]:.3f}x the {rate[:-6]}/s of "
+                         f"the whole model ({r[rate]:,.0f} vs {full[rate]:,.0f}) and peaks at "
+                         f"{max(r['peak_memory_bytes']) / max(full['peak_memory_bytes']):.0%} of its memory "
+                         f"({max(r['peak_memory_bytes']) / 2**20:,.0f} vs {max(full['peak_memory_bytes']) / 2**20:,.0f} MB)")
     return lines
 
 

@@ -1,14 +1,18 @@
 """Export a checkpoint's fp32 weights: python -m app.tools.export <run or checkpoint> <out.safetensors | folder>.
 
-A .safetensors file holds the plain state dict; a folder (transformers models) gets save_pretrained form.
+A .safetensors file holds the plain state dict; a folder (transformers models) gets save_pretrained form. A LoRA
+run's folder is the adapter folder peft loads (PeftModel.from_pretrained), or with --merged the base model with the
+adapters folded in.
 """
 import argparse
 import json
 import sys
+import tempfile
 from pathlib import Path
 
 import torch
 
+from app.core import lora
 from app.ds import internals as ds_internals
 from app.parallel import pipeline
 from app.checkpoint import resume
@@ -50,8 +54,34 @@ def save_pretrained(folder: Path, state: dict, task: str, out: Path):
     AutoTokenizer.from_pretrained(files).save_pretrained(out)
 
 
-def export(folder: Path, out: Path) -> dict:
-    """Verify the checkpoint, then write its fp32 weights to out with the run's record as metadata."""
+def export_lora(folder: Path, saved, state: dict, out: Path, merged: bool):
+    """A LoRA checkpoint: the adapter folder peft loads, or (merged) the base model with the adapters folded in,
+    in save_pretrained form; either with the run's tokenizer."""
+    from transformers import AutoTokenizer
+    from app.core.models import HF_FILES, hf_spec
+    files = folder / HF_FILES
+    task = "sequence_classification" if saved.data_info.get("task") == "sequence_classification" else "causal_lm"
+    if not merged:
+        lora.write_adapters(files, state, out)
+    else:
+        base = saved.settings["model"]
+        spec = hf_spec(base)
+        if not spec.pretrained:
+            raise UserError(f"--merged folds the adapters into the base model's weights, and {base} was built from "
+                            f"random weights the checkpoint does not hold; export the adapters alone (leave out "
+                            f"--merged)")
+        if lora.fingerprint(base, spec.pretrained, saved.settings["seed"]) != saved.lora["base"]:
+            raise UserError(f"{base} is not the base model the adapters of {folder} were trained on (its config or "
+                            f"weights differ); put that model back, or export the adapters alone")
+        with tempfile.TemporaryDirectory() as adapters:
+            lora.write_adapters(files, state, Path(adapters))
+            lora.merge(Path(adapters), spec.pretrained, task, out)
+    AutoTokenizer.from_pretrained(files).save_pretrained(out)
+
+
+def export(folder: Path, out: Path, merged: bool = False) -> dict:
+    """Verify the checkpoint, then write its fp32 weights to out with the run's record as metadata (LoRA: the
+    adapter folder, or the merged model)."""
     from safetensors.torch import save_file
     named, folder = folder, resume.checkpoint_folder(folder)
     if folder != named:
@@ -64,8 +94,11 @@ def export(folder: Path, out: Path) -> dict:
         raise UserError(f"{folder} holds a {saved.model} image model; export it to a file ending in .safetensors")
     state = {name: tensor.detach().to(torch.float32).contiguous().clone() for name, tensor in
              fp32_state_dict(folder).items()}
+    if merged and not saved.lora:
+        raise UserError(f"--merged folds LoRA adapters into their base model, and {folder} holds a whole model; "
+                        f"leave out --merged")
     if out.suffix != ".safetensors":
-        save_pretrained(folder, state, task, out)
+        export_lora(folder, saved, state, out, merged) if saved.lora else save_pretrained(folder, state, task, out)
         return state
     meta = {key: json.dumps(getattr(saved, key)) for key in ("model", "dataset", "step", "zero_stage", "world_size",
                                                              "data_info")}
@@ -81,9 +114,11 @@ def main(argv=None) -> int:
                                                       "folder, e.g. <output_dir>/checkpoints/step00000100")
     parser.add_argument("out", type=Path, help="the .safetensors file to write, or (transformers models) a folder "
                                                "to write in save_pretrained form")
+    parser.add_argument("--merged", action="store_true", help="LoRA checkpoints: write the base model with the "
+                        "adapters folded into its weights (default: the adapter folder peft loads)")
     args = parser.parse_args(argv)
     try:
-        state = export(args.checkpoint, args.out)
+        state = export(args.checkpoint, args.out, args.merged)
     except UserError as e:
         return report(e)
     count = sum(t.numel() for t in state.values())

@@ -15,7 +15,7 @@ from app.ds.internals import torch_private
 from app.parallel import activations
 from app.ds import config as ds_config
 from app.ds import internals as ds_internals
-from app.core import models
+from app.core import lora, models
 from app.memory import plan
 from app.core import tasks
 from app.settings import Settings
@@ -59,6 +59,11 @@ def parse(argv=None):
                         "positions, at most 1024)")
     parser.add_argument("--image_size", type=int, default=0,
                         help="images: side in pixels (default: 224 for torchvision models, 8 for cnn and mlp)")
+    parser.add_argument("--lora", action="store_true", help="transformers models: plan LoRA fine-tuning (train.py's "
+                        "--lora): the adapters train, the base model is frozen")
+    parser.add_argument("--lora_rank", type=int, default=8, help="LoRA: the adapters' inner size (train.py's)")
+    parser.add_argument("--lora_targets", default="all-linear", help="LoRA: the modules that get adapters "
+                        "(train.py's)")
     parser.add_argument("--gpu_memory", default="", help="memory of one GPU, e.g. 80GB (default: this GPU's)")
     args = parser.parse_args(argv)
     if min(args.world_size, args.micro_batch, args.seq_len, args.image_size) < 0:
@@ -76,6 +81,8 @@ def parse(argv=None):
 def workload(args):
     """(build() of the model, inputs(micro) -> (inputs, labels), the task's loss) from the model's shape alone."""
     task = tasks.build(Settings(model=args.model))
+    if args.lora and getattr(task, "spec", None) is None:
+        raise UserError(f"--lora plans adapters on a transformers model; {args.model} is an image model")
     if task.name == "image_classification":
         builtin = args.model in models.BUILTIN
         side, channels, classes = args.image_size or (8 if builtin else 224), 1 if builtin else 3, 10 if builtin else 1000
@@ -111,6 +118,10 @@ def measure(args, named: dict) -> dict:
     with torch_private.fake_tensor_mode():
         model = build()
         sizes, kinds = [p.numel() for p in model.parameters()], plan.comm_kinds(model)
+        trainable = None
+        if args.lora:  # the frozen base, then the adapters (whose activations, r values a token, are left out)
+            adapters = lora.adapter_sizes(model.hf, lora.targets_of(args), args.lora_rank)
+            sizes, trainable = sizes + adapters, [False] * len(sizes) + [True] * len(adapters)
         largest = max((sum(p.numel() for p in b.parameters()) for b in activations.blocks(model)), default=0)
     cache, plans = {}, {}
     for name, ds in named.items():
@@ -120,7 +131,8 @@ def measure(args, named: dict) -> dict:
         if (dtype, checkpointed) not in cache:
             one, two = (plan.activation_bytes(build, inputs, loss, micro, dtype, checkpointed) for micro in (1, 2))
             cache[dtype, checkpointed] = (two - one, 2 * one - two)
-        plans[name] = plan.memory_plan(name, ds, args.world_size, sizes, largest, cache[dtype, checkpointed], kinds)
+        plans[name] = plan.memory_plan(name, ds, args.world_size, sizes, largest, cache[dtype, checkpointed], kinds,
+                                       trainable)
         plans[name].largest_layer = largest
     return plans
 
@@ -132,8 +144,11 @@ def _gb(count) -> str:
 def table(args, named: dict, plans: dict) -> list:
     """The lines of the plan: one row per config, then the recommendation."""
     first = next(iter(plans.values()))
+    trained = f" ({first.trained / 1e6:,.2f}M of them LoRA adapters that train)" if first.trained < first.parameters \
+        else ""
     budget = plan.USABLE * args.gpu_memory
-    lines = [f"model {args.model}: {first.parameters / 1e6:,.1f}M parameters; {args.world_size} data-parallel "
+    lines = [f"model {args.model}: {first.parameters / 1e6:,.1f}M parameters{trained}; "
+             f"{args.world_size} data-parallel "
              f"rank(s); GPU {args.gpu_memory / 1e9:,.1f} GB, of which a run may use {budget / 1e9:,.1f}; in GB per rank",
              f"{'config':<25}{'weights':>8}{'grads':>8}{'optim':>8}{'masters':>8}{'working':>8}{'host':>8}"
              f"{'act/sample':>11}{'micro':>6}{'peak':>8}{'fits':>6}{'largest':>8}{'DS est.':>8}"]

@@ -10,12 +10,56 @@ from app.tools import plan as plan_tool
 CNN = [288, 32, 18432, 64, 131072, 128, 1280, 10]  # the digits CNN's parameters, in order: 151,306
 
 
-def test_zero_1_and_2_keep_the_gradients_their_partition_touches_and_an_fp32_master_partition():
-    device, host = plan.model_states(CNN, {"zero_optimization": {"stage": 1}}, ranks=2)
+def test_zero_2_keeps_the_gradients_its_partition_touches_and_an_fp32_master_partition():
+    device, host = plan.model_states(CNN, {"zero_optimization": {"stage": 2}}, ranks=2)
     part = 75654  # half of 151,306, rounded up to a whole number of pairs
     # rank 0's half ends inside the first linear layer's weight (131,072 elements), whose gradient it keeps whole
     assert device == {"weights": 4 * 151306, "gradients": 4 * (288 + 32 + 18432 + 64 + 131072),
                       "optimizer": 8 * part, "masters": 4 * part} and host == {}
+
+
+def test_zero_1_keeps_every_gradient_until_the_step_unless_overlap_comm_reduces_them_as_they_arrive():
+    whole = plan.model_states(CNN, {"zero_optimization": {"stage": 1}}, ranks=2)[0]
+    assert whole["gradients"] == 4 * 151306 and whole["optimizer"] == 8 * 75654
+    overlap = {"zero_optimization": {"stage": 1, "overlap_comm": True}, "gradient_accumulation_steps": 1}
+    assert plan.model_states(CNN, overlap, ranks=2)[0] == plan.model_states(
+        CNN, {"zero_optimization": {"stage": 2}}, ranks=2)[0]
+    # accumulating, the micro steps between boundaries keep every gradient whole
+    assert plan.model_states(CNN, {**overlap, "gradient_accumulation_steps": 4}, ranks=2)[0] == whole
+
+
+def _gpt2_7b_sizes() -> list:
+    """Parameter sizes of the ZeRO paper's 7.5B GPT-2 shape (36 layers of width 4096): 7.46B, on the meta device."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+    with torch.device("meta"):
+        model = GPT2LMHeadModel(GPT2Config(n_layer=36, n_embd=4096, n_head=32, n_positions=1024, vocab_size=50257))
+    return [p.numel() for p in model.parameters()]
+
+
+@pytest.mark.parametrize("stage, paper_gb", [(0, 119.36), (1, 31.24), (2, 16.55), (3, 1.86)])
+def test_the_model_states_agree_with_the_zero_paper_at_7b_on_64_ranks(stage, paper_gb):
+    """Rajbhandari et al., Figure 1: mixed-precision Adam (K = 12) on Nd = 64 ranks holds (2+2+K)Psi,
+    2Psi+2Psi+K*Psi/Nd, 2Psi+(2+K)Psi/Nd and (2+2+K)Psi/Nd bytes per rank under ZeRO 0-3."""
+    sizes, ranks, k = _gpt2_7b_sizes(), 64, 12
+    psi = sum(sizes)
+    assert psi == pytest.approx(7.46e9, rel=0.01)
+    formula = [(2 + 2 + k) * psi, 4 * psi + k * psi / ranks, 2 * psi + (2 + k) * psi / ranks,
+               (2 + 2 + k) * psi / ranks][stage]
+    ds = {"bf16": {"enabled": True}, "zero_optimization": {"stage": stage}}
+    held = sum(plan.model_states(sizes, ds, ranks)[0].values())
+    assert held == pytest.approx(formula, rel=0.05) and held / 1e9 == pytest.approx(paper_gb, rel=0.05)
+
+
+def test_lora_frozen_weights_have_no_gradient_optimizer_state_nor_master():
+    trains = [i % 2 == 1 for i in range(len(CNN))]  # the biases alone train: 32 + 64 + 128 + 10 = 234 elements
+    learnt = 234
+    ds0 = {"bf16": {"enabled": True}}
+    assert plan.model_states(CNN, ds0, 1, trains)[0] == {"weights": 2 * 151306, "gradients": 2 * learnt,
+                                                          "optimizer": 8 * learnt, "masters": 4 * learnt}
+    zero1 = plan.model_states(CNN, {**ds0, "zero_optimization": {"stage": 1}}, 2, trains)[0]
+    assert zero1 == {"weights": 2 * 151306, "gradients": 2 * learnt, "optimizer": 8 * 118, "masters": 4 * 118}
+    zero3 = plan.model_states(CNN, {**ds0, "zero_optimization": {"stage": 3}}, 2, trains)[0]
+    assert zero3["weights"] == 2 * sum(-(-size // 2) for size in CNN) and zero3["gradients"] == 2 * learnt // 2
 
 
 def test_zero_3_partitions_each_parameter_and_offload_moves_state_to_the_host():

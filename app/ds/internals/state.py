@@ -5,7 +5,8 @@ import torch
 def zero_tensors(engine) -> dict:
     """This rank's parameter, gradient, optimizer-moment and fp32 master tensors, as lists, by what they are.
 
-    Read inside an optimizer step (gradients exist only there), from the ZeRO optimizers' own buffers.
+    Read inside an optimizer step or at the end of a backward (gradients exist only between the two), from the ZeRO
+    optimizers' own buffers and the parameters' gradients.
     """
     stage, optimizer = engine.zero_optimization_stage(), engine.optimizer
     module_params = list(engine.module.parameters())
@@ -17,6 +18,7 @@ def zero_tensors(engine) -> dict:
     else:
         grads = [g for group in getattr(optimizer, "averaged_gradients", {}).values()  # None between steps; the
                  for g in group or ()]  # bf16 section's ZeRO-1 optimizer (BF16_Optimizer) keeps none apart
+        grads += [p.grad for p in module_params if p.grad is not None]  # ZeRO-1 before its reduction: all whole
     inner = getattr(optimizer, "optimizer", optimizer)
     moments = [t for state in inner.state.values() for t in state.values()]
     # DeepSpeed's ZeRO optimizers keep an fp32 master partition even when training in fp32
@@ -36,7 +38,8 @@ def state_bytes(engine, first: bool) -> int:
     optimizer state, under ZeRO-3 its partition of the weights too; what every rank holds whole (the weights
     below ZeRO-3, all of the optimizer state under ZeRO 0) is saved once, by the first rank."""
     stage, tensors = engine.zero_optimization_stage(), zero_tensors(engine)
-    own = {**(storages(tensors["params"]) if stage == 3 or first else {}),
+    saved = [p.ds_tensor if stage == 3 else p for p in engine.module.parameters() if p.requires_grad]  # LoRA: no base
+    own = {**(storages(saved) if stage == 3 or first else {}),
            **(storages(tensors["moments"]) | storages(tensors["masters"]) if stage > 0 or first else {})}
     return sum(own.values())
 

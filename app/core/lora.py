@@ -1,0 +1,176 @@
+"""LoRA: low-rank adapters (HF peft) on a transformers model, the base model frozen.
+
+The model is wrapped before the engine is built, so only the adapters reach the optimizer and ZeRO-3 partitions
+the wrapped model (the base was already built partitioned, one part per rank). Checkpoints hold the adapters and
+the trainer state, not the frozen base: resume builds the base again from where it came from, and refuses a base
+whose weights are not the ones the adapters were trained on. app/tools/export.py writes the adapter folder peft
+loads, or the merged model.
+"""
+import contextlib
+import hashlib
+import warnings
+from pathlib import Path
+
+import torch
+
+from app.errors import UserError
+
+ALL_LINEAR = "all-linear"
+ADAPTER_CONFIG = "adapter_config.json"  # peft's file names
+ADAPTER_WEIGHTS = "adapter_model.safetensors"
+PEFT_TASKS = {"causal_lm": "CAUSAL_LM", "instruction": "CAUSAL_LM", "sequence_classification": "SEQ_CLS"}
+SAMPLED = 1 << 20  # bytes read from each end of a weight file for the base model's fingerprint
+
+
+def targets_of(settings):
+    """peft's target_modules for --lora_targets: 'all-linear', or the listed module names."""
+    if settings.lora_targets.strip() == ALL_LINEAR:
+        return ALL_LINEAR
+    names = [name.strip() for name in settings.lora_targets.split(",") if name.strip()]
+    if not names:
+        raise UserError("--lora_targets is empty; pass all-linear or module names such as q_proj,v_proj")
+    return names
+
+
+def wrap(hf, settings, task: str):
+    """The transformers model hf with LoRA adapters on its target modules; only they train."""
+    from peft import LoraConfig, get_peft_model
+    targets = targets_of(settings)
+    if targets != ALL_LINEAR:
+        _check_targets(hf, targets)
+    config = LoraConfig(r=settings.lora_rank, lora_alpha=settings.lora_alpha, lora_dropout=settings.lora_dropout,
+                        target_modules=targets, task_type=PEFT_TASKS[task])
+    try:
+        with quiet(), seeded(settings.seed):  # the same adapters whatever the ZeRO stage drew building the base
+            wrapped = get_peft_model(hf, config)
+    except ValueError as e:
+        raise UserError(f"LoRA cannot wrap {type(hf).__name__}: {str(e).splitlines()[0]}; pick --lora_targets "
+                        f"among its linear layers") from None
+    return wrapped
+
+
+def _check_targets(hf, targets: list):
+    """One line naming a target the model has no module of (peft's own error lists every module)."""
+    names = {name.rsplit(".", 1)[-1] for name, _ in hf.named_modules()}
+    missing = [target for target in targets if target not in names]
+    if missing:
+        linear = sorted({name.rsplit(".", 1)[-1] for name, module in hf.named_modules()
+                         if isinstance(module, torch.nn.Linear) or type(module).__name__ == "Conv1D"})
+        raise UserError(f"--lora_targets: {type(hf).__name__} has no module named {', '.join(missing)}; its linear "
+                        f"layers are {', '.join(linear)} (or pass all-linear)")
+
+
+@contextlib.contextmanager
+def quiet():
+    """peft's warnings a user can do nothing about: a deprecated question it asks transformers, and GPT-2's Conv1D
+    layers, whose fan_in_fan_out it sets itself."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
+        warnings.filterwarnings("ignore", message="fan_in_fan_out is set to False")
+        yield
+
+
+def adapter_sizes(hf, targets, rank: int) -> list:
+    """The sizes of the adapters peft would add (A: rank x in, B: out x rank) to each target of hf, worked out from
+    its shape alone (the memory plan's model is fake)."""
+    out = hf.get_output_embeddings()
+    sizes = []
+    for name, module in hf.named_modules():
+        linear = isinstance(module, torch.nn.Linear)
+        if not (linear or type(module).__name__ == "Conv1D") or module is out:
+            continue
+        if targets != ALL_LINEAR and name.rsplit(".", 1)[-1] not in targets:
+            continue
+        inputs, outputs = module.weight.shape[::-1] if linear else module.weight.shape  # Conv1D keeps (in, out)
+        sizes += [rank * inputs, outputs * rank]
+    return sizes
+
+
+@contextlib.contextmanager
+def seeded(seed: int):
+    """Random numbers drawn inside come from seed alone, and those outside go on as if nothing was drawn."""
+    devices = [torch.cuda.current_device()] if torch.cuda.is_available() else []
+    with torch.random.fork_rng(devices=devices):
+        torch.manual_seed(seed)
+        yield
+
+
+def counts(model) -> tuple:
+    """(parameters that train, all parameters), counted as ZeRO-3 would gather them."""
+    sizes = [(getattr(p, "ds_numel", p.numel()), p.requires_grad) for p in model.parameters()]
+    return sum(n for n, trains in sizes if trains), sum(n for n, _ in sizes)
+
+
+def describe(model) -> str:
+    """The start-up line of a LoRA run."""
+    trained, total = counts(model)
+    return (f"LoRA: {trained:,} adapter parameters train ({100 * trained / total:.2f}% of {total:,}); the base model "
+            f"is frozen")
+
+
+def save_config(hf, folder: Path):
+    """The adapters' peft config (adapter_config.json), beside the config and tokenizer of a checkpoint."""
+    hf.peft_config["default"].save_pretrained(str(folder))
+
+
+def record(settings, spec) -> dict:
+    """What a checkpoint records of LoRA: {} without it; else the adapters' settings and the base's fingerprint."""
+    if not settings.lora:
+        return {}
+    return {"rank": settings.lora_rank, "alpha": settings.lora_alpha, "dropout": settings.lora_dropout,
+            "targets": settings.lora_targets, "base": fingerprint(settings.model, spec.pretrained, settings.seed)}
+
+
+def check_layout(lora: bool, ranks):
+    """LoRA trains under data parallel and ZeRO 0-3; one line for the model-parallel layouts."""
+    if lora and (ranks.split or ranks.tensor > 1):
+        raise UserError("LoRA runs under data parallel and ZeRO 0-3, not pipeline stages or tensor parallelism: "
+                        "pick a ds_config without a pipeline or tensor_parallel section (zero3.json shards a large "
+                        "base model)")
+
+
+def fingerprint(model_name: str, pretrained: str, seed: int) -> str:
+    """What identifies the frozen base model: its config and weight files (their sizes and both ends), or, for a
+    model built from a preset's config, the preset and the seed that initialised it."""
+    if not pretrained:
+        return f"{model_name} initialised with seed {seed}"
+    folder = Path(pretrained)
+    if not folder.is_dir():
+        return f"{pretrained} (hub)"
+    digest = hashlib.sha256((folder / "config.json").read_bytes())
+    for path in sorted(p for p in folder.iterdir() if p.suffix in (".safetensors", ".bin")):
+        size = path.stat().st_size
+        digest.update(f"{path.name}:{size}".encode())
+        with open(path, "rb") as f:
+            digest.update(f.read(SAMPLED))
+            f.seek(max(0, size - SAMPLED))
+            digest.update(f.read(SAMPLED))
+    return digest.hexdigest()
+
+
+def write_adapters(hf_files: Path, state: dict, out: Path):
+    """The adapter folder peft loads (PeftModel.from_pretrained(base, out)): adapter_config.json and the adapters'
+    weights from a checkpoint's fp32 state dict, the base model built on the meta device (no memory for it)."""
+    from peft import LoraConfig, PeftModel
+    from transformers import AutoConfig
+    from app.core.models import hf_class
+    config = LoraConfig.from_pretrained(str(hf_files))
+    task = "sequence_classification" if config.task_type == "SEQ_CLS" else "causal_lm"
+    with torch.device("meta"), quiet():
+        wrapped = PeftModel(hf_class(task).from_config(AutoConfig.from_pretrained(hf_files)), config)
+    adapters = {name.removeprefix("hf."): tensor for name, tensor in state.items()}
+    missing, unexpected = wrapped.load_state_dict(adapters, strict=False, assign=True)
+    trained = {name for name, p in wrapped.named_parameters() if p.requires_grad}
+    if unexpected or trained & set(missing):
+        raise UserError(f"{hf_files.parent} does not match its adapter config (missing "
+                        f"{sorted(trained & set(missing))[:3]}, unexpected {sorted(unexpected)[:3]})")
+    wrapped.save_pretrained(str(out))
+
+
+def merge(adapters: Path, base: str, task: str, out: Path):
+    """A transformers folder of the base model with the adapters folded into its weights."""
+    from peft import PeftModel
+    from app.core.models import hf_class
+    with quiet():
+        merged = PeftModel.from_pretrained(hf_class(task).from_pretrained(base), str(adapters)).merge_and_unload()
+    merged.save_pretrained(out)

@@ -1,0 +1,132 @@
+"""LoRA's parts without an engine: the flags checked, peft wrapping a tiny Llama (only adapters train, the same ones
+from the seed), the adapters' sizes from the shape alone, the base model's fingerprint, the resume checks, and the
+adapter folder and merged model written from a state dict. (Training, resume and export: tests/e2e/test_lora.py.)"""
+from dataclasses import replace
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from app.checkpoint import resume
+from app.checkpoint.save import TrainerState
+from app.core import lora, tasks
+from app.errors import UserError
+from app.settings import Settings
+
+FLAGS = Settings(lora=True)
+
+
+def tiny_llama():
+    from transformers import LlamaConfig, LlamaForCausalLM
+    torch.manual_seed(0)
+    return LlamaForCausalLM(LlamaConfig(num_hidden_layers=1, hidden_size=32, intermediate_size=64,
+                                        num_attention_heads=2, num_key_value_heads=2, vocab_size=64))
+
+
+@pytest.mark.parametrize("flags, message", [(dict(lora_rank=0), "--lora_rank must be at least 1"),
+                                            (dict(lora_alpha=0), "--lora_alpha must be above 0"),
+                                            (dict(lora_dropout=1.0), "--lora_dropout at least 0 and below 1")])
+def test_impossible_lora_flags_are_one_line(flags, message):
+    with pytest.raises(UserError, match=message):
+        Settings(lora=True, **flags)
+
+
+def test_lora_on_an_image_model_is_one_line():
+    with pytest.raises(UserError, match="--lora trains adapters on a transformers model.*cnn is an image model"):
+        tasks.build(Settings(model="cnn", lora=True))
+
+
+def test_a_target_the_model_does_not_have_is_named_with_those_it_has():
+    with pytest.raises(UserError, match=r"has no module named qkv_proj; its linear layers are down_proj, gate_proj, "
+                                        r"k_proj, lm_head, o_proj, q_proj, up_proj, v_proj"):
+        lora.wrap(tiny_llama(), replace(FLAGS, lora_targets="q_proj,qkv_proj"), "causal_lm")
+
+
+def test_only_the_adapters_train_and_their_sizes_are_known_from_the_shape():
+    sizes = lora.adapter_sizes(tiny_llama(), lora.ALL_LINEAR, 8)
+    wrapped = lora.wrap(tiny_llama(), FLAGS, "causal_lm")
+    trained = {name: p.numel() for name, p in wrapped.named_parameters() if p.requires_grad}
+    assert trained and all(".lora_A." in name or ".lora_B." in name for name in trained)
+    assert sum(trained.values()) == sum(sizes) == 8 * (4 * (32 + 32) + 2 * (32 + 64) + (64 + 32))
+    assert lora.counts(wrapped)[1] == sum(p.numel() for p in wrapped.parameters())
+    named = lora.wrap(tiny_llama(), replace(FLAGS, lora_targets="q_proj, v_proj"), "causal_lm")
+    assert {name.split(".")[-4] for name, p in named.named_parameters() if p.requires_grad} == {"q_proj", "v_proj"}
+
+
+def test_the_adapters_start_from_the_seed_and_leave_the_random_stream_as_it_was():
+    torch.manual_seed(5)
+    first = lora.wrap(tiny_llama(), FLAGS, "causal_lm").state_dict()
+    after_first = torch.rand(1)
+    torch.manual_seed(5)
+    torch.rand(3)  # another draw before: the adapters do not change
+    second = lora.wrap(tiny_llama(), FLAGS, "causal_lm").state_dict()
+    assert all(torch.equal(first[k], second[k]) for k in first)
+    torch.manual_seed(5)
+    lora.wrap(tiny_llama(), FLAGS, "causal_lm")
+    assert torch.equal(torch.rand(1), after_first)
+
+
+def test_lora_under_pipeline_stages_or_tensor_parallelism_is_one_line():
+    with pytest.raises(UserError, match="LoRA runs under data parallel and ZeRO 0-3"):
+        lora.check_layout(True, SimpleNamespace(split=object(), tensor=1))
+    with pytest.raises(UserError, match="not pipeline stages or tensor parallelism"):
+        lora.check_layout(True, SimpleNamespace(split=None, tensor=2))
+    lora.check_layout(True, SimpleNamespace(split=None, tensor=1))
+
+
+def test_the_fingerprint_follows_the_base_models_config_and_weights(tmp_path):
+    tiny_llama().save_pretrained(tmp_path)
+    before = lora.fingerprint(str(tmp_path), str(tmp_path), 1)
+    assert lora.fingerprint(str(tmp_path), str(tmp_path), 2) == before, "weights that load: the seed plays no part"
+    weights = tmp_path / "model.safetensors"
+    data = bytearray(weights.read_bytes())
+    data[-4:] = bytes(b ^ 0xFF for b in data[-4:])  # the last weight changes, the header does not
+    weights.write_bytes(bytes(data))
+    assert lora.fingerprint(str(tmp_path), str(tmp_path), 1) != before
+    assert lora.fingerprint("llama-tiny", "", 1) != lora.fingerprint("llama-tiny", "", 2), "a preset: its seed"
+
+
+def state(**lora_record) -> TrainerState:
+    return TrainerState(step=4, epoch=0, batch=4, model="m", dataset="d", world_size=2, zero_stage=3, settings={},
+                        data_info={}, deepspeed_config={}, lora=lora_record)
+
+
+ADAPTED = dict(rank=8, alpha=16.0, dropout=0.0, targets="all-linear", base="abc")
+
+
+@pytest.mark.parametrize("saved, current, message", [
+    (ADAPTED, {**ADAPTED, "base": "def"}, "holds LoRA adapters trained on another base model than m has now"),
+    (ADAPTED, {**ADAPTED, "rank": 16}, "was made with LoRA .*'rank': 8.* but this run has LoRA .*'rank': 16"),
+    (ADAPTED, {}, "but this run has no LoRA; pass the same --lora flags"),
+    ({}, ADAPTED, "was made with no LoRA but this run has LoRA")])
+def test_adapters_resumed_onto_another_base_or_other_flags_are_one_line(tmp_path, saved, current, message):
+    with pytest.raises(UserError, match=message):
+        resume.check_compatible(state(**saved), state(**current), tmp_path)
+    resume.check_compatible(state(**saved), state(**saved), tmp_path)
+
+
+def test_the_adapter_folder_and_the_merged_model_hold_the_trained_adapters(tmp_path):
+    """A checkpoint's state dict (the app's names) written as peft's adapter folder loads back by value, and the
+    merged model computes what the base with its adapters does."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+    base = tmp_path / "base"
+    tiny_llama().save_pretrained(base)
+    wrapped = lora.wrap(AutoModelForCausalLM.from_pretrained(base), FLAGS, "causal_lm")
+    with torch.no_grad():
+        for name, p in wrapped.named_parameters():
+            if p.requires_grad:
+                p.add_(torch.randn_like(p))  # as if trained: B is no longer zero
+    files = tmp_path / "hf"
+    wrapped.config.save_pretrained(files)
+    lora.save_config(wrapped, files)
+    state = {f"hf.{name}": p.detach() for name, p in wrapped.named_parameters() if p.requires_grad}
+    lora.write_adapters(files, state, tmp_path / "adapters")
+    loaded = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base), tmp_path / "adapters")
+    again = dict(loaded.named_parameters())
+    assert all(torch.equal(again[name.removeprefix("hf.")], value) for name, value in state.items())
+    lora.merge(tmp_path / "adapters", str(base), "causal_lm", tmp_path / "merged")
+    merged = AutoModelForCausalLM.from_pretrained(tmp_path / "merged")
+    ids = torch.randint(64, (2, 8))
+    with torch.no_grad():
+        assert torch.allclose(merged(ids).logits, wrapped(input_ids=ids).logits, atol=1e-4)
