@@ -39,3 +39,61 @@ def test_no_step_waits_on_the_device_with_one_rank(tmp_path):
     reports = count_in_launch(1, [sync_job(name, mode, tmp_path / f"{name}-{mode}") for name, mode in names])
     for (name, mode), report in zip(names, reports):
         check_report(name, report)
+
+
+# ZeRO 0 with the "bf16" section steps through DeepSpeed's FP16_Optimizer, whose overflow check and gradient norm
+# are read on the host (not moved to the device yet, docs/gpu.md): exactly these, and nothing else.
+BF16_ZERO0_REMAINS = {"has_overflow_serial", "has_overflow", "get_weight_norm"}
+
+
+def test_no_step_waits_on_the_device_with_bf16_weights(tmp_path):
+    """DeepSpeed's "bf16" section (16-bit weights, fp32 masters) under ZeRO 0-3 on 2 ranks, eager: no step of
+    ZeRO 1-3 waits, though DeepSpeed checks bf16 gradients for overflow by default (check_grad_overflow)."""
+    import json
+    from conftest import REPO
+    jobs = []
+    for stage in range(4):
+        ds = json.loads((REPO / "ds_configs" / "zero3.json").read_text())
+        ds.pop("torch_autocast")
+        ds.update(bf16={"enabled": True}, zero_optimization={"stage": stage})
+        path = tmp_path / f"bf16-zero{stage}.json"
+        path.write_text(json.dumps(ds))
+        jobs.append([*sync_job("dp", "off", tmp_path / f"run{stage}")[2:], "--deepspeed_config", path])
+    reports = count_in_launch(2, jobs)
+    for report in reports:
+        assert "precision: bf16" in report["output"] and "precision: bf16 autocast" not in report["output"]
+    for stage, report in enumerate(reports[1:], start=1):
+        check_report(f"bf16 zero{stage}", report)
+    assert {source.split()[-1] for _, _, source, _ in counted(reports[0])} == BF16_ZERO0_REMAINS
+
+
+def _nan_step_skipped(rank, world, stage):
+    """Under the bf16 section at a ZeRO stage: a step whose gradients hold NaN leaves the weights as they were
+    (the check that moved to the device still skips it); the next, finite step moves them."""
+    import torch
+    from app.core import loop
+    from app.distributed import dist, launch
+    launch.prepare_environment()
+    launch.setup(timeout_s=60)
+    try:
+        torch.manual_seed(0)
+        ds = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1, "train_batch_size": 2 * world,
+              "gradient_clipping": 1.0, "bf16": {"enabled": True}, "zero_optimization": {"stage": stage},
+              "optimizer": {"type": "AdamW", "params": {"torch_adam": True, "fused": True, "lr": 0.1}}}
+        engine = loop.build_engine(torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 1)), ds)
+        before = [p.detach().clone() for p in engine.module.parameters()]
+        for x, moved in ((torch.full((2, 8), float("nan")), False), (torch.ones(2, 8), True)):
+            engine.backward(engine(x.to(engine.device, torch.bfloat16)).float().sum())
+            engine.step()
+            after = [p.detach().clone() for p in engine.module.parameters()]
+            assert any(not torch.equal(a, b) for a, b in zip(before, after)) == moved, (stage, x[0, 0])
+            assert all(torch.isfinite(p).all() for p in after)
+            before = after
+    finally:
+        dist.teardown()
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_a_step_of_nan_gradients_is_skipped_under_bf16(stage):
+    from conftest import spawn_ranks
+    spawn_ranks(2, _nan_step_skipped, stage)

@@ -47,7 +47,8 @@ def skip_bad_steps_on_device(engine) -> bool:
     to guard the clip. A fused torch optimizer can skip a step on the device instead, as it does for torch's
     GradScaler: given `found_inf`, its kernel leaves the weights, moments and step count as they were. While
     this engine's step runs, the check records the norm's verdict as `found_inf` and answers "valid" to the
-    host, so no sync is left and a bad step is still skipped. Offload's CPU Adam keeps DeepSpeed's check.
+    host, so no sync is left and a bad step is still skipped. Offload's CPU Adam keeps DeepSpeed's check. In
+    bf16, ZeRO 1-2's separate overflow check of every gradient is left to the norm's.
     """
     from deepspeed.runtime.zero import stage3, stage_1_and_2
     optimizer = engine.optimizer
@@ -57,6 +58,11 @@ def skip_bad_steps_on_device(engine) -> bool:
     for module in (stage_1_and_2, stage3):
         if not hasattr(module.is_invalid_grad_norm, "deepspeed_original"):
             module.is_invalid_grad_norm = _norm_check_on_device(module.is_invalid_grad_norm)
+    if engine.bfloat16_enabled() and getattr(optimizer, "check_grad_overflow", False) and \
+            getattr(optimizer, "compute_grad_norm", False) and not getattr(optimizer, "cpu_offload", False):
+        # ZeRO 1-2 in bf16 first ask every gradient for inf or NaN (an all-reduce read back on the host); such a
+        # gradient makes the norm inf or NaN too, which the check above then skips on the device
+        optimizer.check_overflow = lambda partition_gradients=True: None
     step = optimizer.step
 
     def step_deciding_on_device(*args, **kwargs):
