@@ -170,8 +170,8 @@ def make_universal(folder: Path, saved: TrainerState) -> Path:
     problem = ""
     if dist.is_main() and not (target / MANIFEST).is_file():
         shutil.rmtree(target, ignore_errors=True)
-        command = [sys.executable, "-m", "app.ds.internals.universal", "--input_folder", str(folder),
-                   "--output_folder", str(target), "--inject_missing_state", "--num_extract_workers", "1",
+        command = [sys.executable, "-m", "app.ds.internals.universal", "--input_folder", str(folder.resolve()),
+                   "--output_folder", str(target.resolve()), "--inject_missing_state", "--num_extract_workers", "1",
                    "--num_merge_workers", "1"]
         done = subprocess.run(command, capture_output=True, text=True, cwd=Path(__file__).resolve().parents[2])
         if done.returncode == 0:

@@ -34,6 +34,9 @@ class MemoryPlan:
     per_sample: int = 0
     fixed: int = 0
     """Activation bytes of one sample, and those a micro batch needs whatever its size (weights cast to bf16)."""
+    least: int = 0
+    """The activation peak of a micro batch of one, measured: a transient of the weights' size (a gradient, a
+    cast) can outgrow one sample's activations, so a small micro batch peaks at no less than this."""
     trained: int = 0
     """Parameters that train (fewer than all with LoRA)."""
 
@@ -42,12 +45,14 @@ class MemoryPlan:
 
     def peak(self, micro: int) -> int:
         """Predicted peak of the GPU's allocated bytes of one rank at this micro batch."""
-        return self.states() + self.fixed + micro * self.per_sample
+        return self.states() + max(self.least, self.fixed + micro * self.per_sample)
 
     def largest_micro(self, memory: int) -> int:
         """The largest micro batch whose peak fits in memory bytes of GPU (0: not even one sample)."""
-        room = USABLE * memory - self.states() - self.fixed
-        return max(0, int(room // self.per_sample)) if self.per_sample else 0
+        room = USABLE * memory - self.states()
+        if not self.per_sample or room < self.least:
+            return 0
+        return max(0, int((room - self.fixed) // self.per_sample))
 
 
 def _partition(total: int, ranks: int) -> int:
@@ -185,13 +190,20 @@ class LiveBytes(torch_private.TorchDispatchMode):
         return out
 
 
-def activation_bytes(build, inputs, loss, micro: int, dtype, checkpointed: bool, fake: bool = True) -> int:
+def activation_bytes(build, inputs, loss, micro: int, dtype, checkpointed: bool, fake: bool = True,
+                     weights16: bool = False) -> int:
     """Peak bytes alive during a forward and backward of a micro batch, gradients excepted (each is dropped as it
     arrives, as a ZeRO bucket takes it; the model states count them). build() makes the model, inputs(micro)
     (inputs, labels), loss(logits, labels) per-sample losses; dtype: the autocast dtype (None: the weights')."""
     import contextlib
     with torch_private.fake_tensor_mode() if fake else contextlib.nullcontext():
-        model = build()
+        if weights16:
+            torch.set_default_dtype(dtype)
+        try:
+            model = build()
+        finally:
+            torch.set_default_dtype(torch.float32)
+        dtype = None if weights16 else dtype
         if checkpointed:
             activations.checkpoint_blocks(model)
         model.train()
@@ -200,6 +212,8 @@ def activation_bytes(build, inputs, loss, micro: int, dtype, checkpointed: bool,
                 param.register_post_accumulate_grad_hook(lambda p: setattr(p, "grad", None))
         x, y = inputs(micro)
         tracker = LiveBytes()
+        held = [*model.parameters(), *model.buffers(), *x, y]  # made before: a view of one (a weight's .t()) is free
+        tracker.seen.update(t.untyped_storage()._cdata for t in held if isinstance(t, torch.Tensor))
         autocast = torch.autocast("cpu", dtype=dtype) if dtype else contextlib.nullcontext()
         with tracker:
             with autocast:

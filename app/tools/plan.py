@@ -101,15 +101,33 @@ def workload(args):
     return (lambda: task.build_model(info, {})), inputs, task.loss
 
 
+BF16 = "+bf16"  # a config's row with DeepSpeed's bf16 section (16-bit weights) in place of its autocast
+
+
 def configs(args) -> dict:
-    """{name: DeepSpeed dict as a GPU with bf16 resolves it} of the configs to plan."""
+    """{name: DeepSpeed dict as a GPU with bf16 resolves it} of the configs to plan; each one that takes bf16
+    autocast (fp32 weights) is followed by name+bf16, the same with DeepSpeed's bf16 section (16-bit weights)."""
     paths = [Path(args.deepspeed_config)] if args.deepspeed_config else \
         [p for p in (ds_config.REPO / "ds_configs").glob("*.json") if p.stem not in NOT_PLANNED]
     found = {}
     for path in sorted(paths, key=lambda p: list(ORDER).index(p.stem) if p.stem in ORDER else len(ORDER)):
         name = str(path) if args.deepspeed_config else path.stem
         found[name] = ds_config.load_ds_config(path, cuda=True, bf16_ok=True)
+        if (found[name].get("torch_autocast") or {}).get("enabled") is True:
+            found[name + BF16] = {**{k: v for k, v in found[name].items() if k != "torch_autocast"},
+                                  "bf16": {"enabled": True}}
     return found
+
+
+def _stem(name: str) -> str:
+    """The shipped config a row plans (zero2 for zero2+bf16)."""
+    return Path(name.removesuffix(BF16)).stem
+
+
+def _speed_rank(name: str) -> tuple:
+    """Where a row stands in ORDER, fastest first; autocast before bf16 weights at one config, as precision "auto"
+    picks (a config outside ORDER: first)."""
+    return (list(ORDER).index(_stem(name)) if _stem(name) in ORDER else -1, name.endswith(BF16))
 
 
 def measure(args, named: dict) -> dict:
@@ -128,11 +146,12 @@ def measure(args, named: dict) -> dict:
         checkpointed = activations.SECTION in ds
         dtype = torch.bfloat16 if any((ds.get(s) or {}).get("enabled") is True
                                       for s in ("torch_autocast", "bf16")) else None
-        if (dtype, checkpointed) not in cache:
-            one, two = (plan.activation_bytes(build, inputs, loss, micro, dtype, checkpointed) for micro in (1, 2))
-            cache[dtype, checkpointed] = (two - one, 2 * one - two)
-        plans[name] = plan.memory_plan(name, ds, args.world_size, sizes, largest, cache[dtype, checkpointed], kinds,
-                                       trainable)
+        key = (dtype, checkpointed, (ds.get("bf16") or {}).get("enabled") is True)
+        if key not in cache:  # the slope from 2 to 4 samples; 1 sample's peak as measured (MemoryPlan.least)
+            one, two, four = (plan.activation_bytes(build, inputs, loss, micro, dtype, checkpointed,
+                                                    weights16=key[2]) for micro in (1, 2, 4))
+            cache[key] = ((four - two) // 2, two - (four - two), one)
+        plans[name] = plan.memory_plan(name, ds, args.world_size, sizes, largest, cache[key], kinds, trainable)
         plans[name].largest_layer = largest
     return plans
 
@@ -150,7 +169,7 @@ def table(args, named: dict, plans: dict) -> list:
     lines = [f"model {args.model}: {first.parameters / 1e6:,.1f}M parameters{trained}; "
              f"{args.world_size} data-parallel "
              f"rank(s); GPU {args.gpu_memory / 1e9:,.1f} GB, of which a run may use {budget / 1e9:,.1f}; in GB per rank",
-             f"{'config':<25}{'weights':>8}{'grads':>8}{'optim':>8}{'masters':>8}{'working':>8}{'host':>8}"
+             f"{'config':<30}{'weights':>8}{'grads':>8}{'optim':>8}{'masters':>8}{'working':>8}{'host':>8}"
              f"{'act/sample':>11}{'micro':>6}{'peak':>8}{'fits':>6}{'largest':>8}{'DS est.':>8}"]
     fitting = []
     for name, p in plans.items():
@@ -165,13 +184,16 @@ def table(args, named: dict, plans: dict) -> list:
             zero.get("stage", 0), bool((zero.get("offload_optimizer") or {}).get("device")),
             bool((zero.get("offload_param") or {}).get("device")), p.parameters, p.largest_layer, args.world_size)
         d = p.device
-        lines.append(f"{name:<25}{_gb(d.get('weights', 0)):>8}{_gb(d['gradients']):>8}{_gb(d.get('optimizer', 0)):>8}"
+        lines.append(f"{name:<30}{_gb(d.get('weights', 0)):>8}{_gb(d['gradients']):>8}{_gb(d.get('optimizer', 0)):>8}"
                      f"{_gb(d.get('masters', 0)):>8}{_gb(d['working']):>8}{_gb(sum(p.host.values())):>8}"
                      f"{_gb(p.per_sample):>11}{micro or f'{largest}*':>6}{_gb(peak):>8}{'yes' if fits else 'no':>6}"
                      f"{largest:>8}{_gb(estimate):>8}")
         if fits:
-            fitting.append((list(ORDER).index(Path(name).stem) if Path(name).stem in ORDER else 0, name, peak))
+            fitting.append((_speed_rank(name), name, peak))
     lines.append(recommend(sorted(fitting), plans, budget, args))
+    if any(name.endswith(BF16) for name in plans):
+        lines.append(f"{BF16}: the config with DeepSpeed's bf16 section (bf16 weights and gradients, fp32 masters) in "
+                     f"place of bf16 autocast (fp32 weights and gradients): faster, less precise")
     if any(not (args.micro_batch or isinstance(named[n].get("train_micro_batch_size_per_gpu"), int)) for n in plans):
         lines.append("* the micro batch is \"auto\": the largest that fits, which the run finds for itself at start")
     return lines
@@ -185,10 +207,12 @@ def recommend(fitting: list, plans: dict, budget: float, args) -> str:
                 f"{best.largest_micro(args.gpu_memory)} sample(s) per micro batch: lower the micro batch and raise "
                 f"gradient_accumulation_steps, add ranks, or a GPU with more memory")
     _, name, peak = fitting[0]
-    faster = [n for n in list(ORDER)[:list(ORDER).index(name)] if n in plans] if name in ORDER else []
-    over = "; ".join(f"{n} would peak at {plans[n].peak(args.micro_batch or 1) / 1e9:,.1f}" for n in faster)
+    stem = _stem(name)
+    faster = [n for n in plans if stem in ORDER and _speed_rank(n) < _speed_rank(name)]
+    over = "; ".join(f"{n} would peak at {_gb(plans[n].peak(args.micro_batch or 1))}" for n in faster)
+    weights = "; with bf16 weights in place of autocast's fp32 ones" if name.endswith(BF16) else ""
     return (f"recommended: {name}, peaking at {peak / 1e9:,.1f} of {budget / 1e9:,.1f} GB"
-            + (f": {ORDER[Path(name).stem]}" if Path(name).stem in ORDER else "") + (f" ({over})" if over else ""))
+            + (f": {ORDER[stem]}" if stem in ORDER else "") + weights + (f" ({over})" if over else ""))
 
 
 def main(argv=None) -> int:

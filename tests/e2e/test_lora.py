@@ -113,6 +113,22 @@ def test_the_exports_answer_as_the_run_did(runs, form):
         assert tokenizer.decode(made[0, ids.shape[1]:], skip_special_tokens=True) == said["answer"], said
 
 
+def test_adapters_resume_on_one_rank_from_a_folder_named_relative_to_where_the_user_is(runs):
+    """The 2-rank zero1.json run's adapters continue on 1 rank through DeepSpeed's universal checkpoint; the run
+    folder is named relative to the user's folder, not the repository."""
+    import subprocess
+    tmp, model, _ = runs
+    argv = [REPO / "app" / "train.py", "--model", model, "--dataset", tmp / "chats.jsonl", "--lora", "--eval_answers",
+            0, "--deepspeed_config", REPO / "ds_configs" / "zero1.json", "--max_steps", 2, "--output_dir", "zero1",
+            "--resume", "auto"]
+    result = subprocess.run([sys.executable, *map(str, argv)], cwd=tmp, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert "converting it to a universal checkpoint" in result.stdout
+    assert "resume: zero1/checkpoints/universal/step00000001 at step 1" in result.stdout
+    assert [r["step"] for r in read_metrics(tmp / "zero1")[0]] == [1, 2]
+    assert sum(t.numel() for t in adapters_of(tmp / "zero1", 2).values()) == ADAPTERS
+
+
 def test_the_bench_sets_lora_beside_training_the_whole_model(tmp_path):
     result = run([sys.executable, "-m", "app.tools.bench", "--model", "llama-tiny", "--modes", "app", "--configs",
                   "dp", "--ranks", "1", "--lora", "--quick", "--output_dir", tmp_path])

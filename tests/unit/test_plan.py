@@ -95,8 +95,8 @@ def _tiny_gpt():
     return models.HFLogits(AutoModelForCausalLM.from_config(spec.config))
 
 
-@pytest.mark.parametrize("checkpointed", [False, True])
-def test_fake_tensors_count_the_activation_bytes_real_ones_hold(checkpointed):
+@pytest.mark.parametrize("checkpointed, weights16", [(False, False), (True, False), (False, True)])
+def test_fake_tensors_count_the_activation_bytes_real_ones_hold(checkpointed, weights16):
     """No weight allocated, the same count: the plan measures a 7B model on a laptop."""
     from app.core.tasks import next_token_loss
     torch.manual_seed(0)
@@ -104,9 +104,19 @@ def test_fake_tensors_count_the_activation_bytes_real_ones_hold(checkpointed):
     def inputs(b):
         ids = torch.randint(8000, (b, 64))
         return [ids], ids
-    counted = [plan.activation_bytes(_tiny_gpt, inputs, next_token_loss, 2, torch.bfloat16, checkpointed, fake=fake)
-               for fake in (True, False)]
+    counted = [plan.activation_bytes(_tiny_gpt, inputs, next_token_loss, 2, torch.bfloat16, checkpointed, fake=fake,
+                                     weights16=weights16) for fake in (True, False)]
     assert counted[0] == counted[1] > 0
+
+
+def test_a_view_of_a_weight_made_before_is_not_counted():
+    """bf16 weights are used as they are (a linear layer takes weight.t(), a view): nothing new is held."""
+    layer = torch.nn.Linear(256, 256, bias=False).requires_grad_(False)  # frozen: no gradient of its size either
+
+    def inputs(b):
+        return [torch.randn(b, 256, requires_grad=True)], torch.zeros(b, dtype=torch.long)
+    held = plan.activation_bytes(lambda: layer, inputs, lambda out, y: out.sum(1), 1, None, False, fake=False)
+    assert held < 256 * 256 * 4 / 2, "the weight's transpose counted as new bytes"
 
 
 def test_checkpointing_holds_fewer_activations():
@@ -148,4 +158,25 @@ def test_a_config_only_folder_plans_and_the_fastest_config_that_fits_is_recommen
     assert list(rows) == list(plan_tool.ORDER), "every shipped data-parallel config, fastest first"
     assert rows["dp"][-3] == "no" and rows["activation_checkpointing"][-3] == "yes", out
     assert "recommended: activation_checkpointing" in out and "dp would peak at" in out
-    assert "not planned: bf16" in out
+    assert "dp+bf16 would peak at" in out and "not planned: bf16" in out
+
+
+def test_each_autocast_config_is_also_planned_with_bf16_weights_which_win_where_only_they_fit(tmp_path, capsys):
+    """bf16 weights hold half the weights and gradients of autocast's fp32 ones: on a GPU where dp under autocast
+    does not fit and dp with bf16 weights does, the plan recommends that (autocast first at the same config)."""
+    from app.core import models
+    models.hf_spec("gpt2-tiny").config.save_pretrained(tmp_path / "gpt2")
+    argv = ["--model", str(tmp_path / "gpt2"), "--world_size", "2", "--micro_batch", "64", "--seq_len", "128",
+            "--deepspeed_config", str(plan_tool.ds_config.REPO / "ds_configs" / "dp.json")]
+    assert plan_tool.main([*argv, "--gpu_memory", "10GB"]) == 0
+    out = capsys.readouterr().out
+    rows = {line.split()[0]: line.split() for line in out.splitlines()[2:4]}
+    autocast, bf16 = rows[argv[-1]], rows[argv[-1] + "+bf16"]
+    assert float(bf16[1]) == pytest.approx(float(autocast[1]) / 2, abs=0.01), "weights: 2 bytes, not 4"
+    peaks = float(autocast[9]), float(bf16[9])
+    assert peaks[1] < peaks[0] and f"recommended: {argv[-1]}," in out, "both fit: autocast, the more precise"
+    memory = sum(peaks) / 2 / 0.92  # a run may use 92% of it: between the two peaks
+    assert plan_tool.main([*argv, "--gpu_memory", f"{memory:.4f}GB"]) == 0
+    out = capsys.readouterr().out
+    assert f"recommended: {argv[-1]}+bf16" in out and "with bf16 weights in place of autocast's fp32 ones" in out
+    assert f"({argv[-1]} would peak at" in out
