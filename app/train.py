@@ -12,7 +12,7 @@ if __package__ in (None, ""):  # run as `python app/train.py` or by a launcher: 
 import numpy as np
 import torch
 
-from app.memory import autobatch
+from app.memory import autobatch, fit
 from app.checkpoint import save as checkpoint
 from app.core import answers as sample_answers
 from app.core import compiling
@@ -169,11 +169,17 @@ def trainer_state(settings: Settings, world: World, ranks, info, ds: dict, task)
 
 def json_for_run(ds: dict, settings: Settings, world: World, ranks, task) -> tuple:
     """(DeepSpeed dict, what "auto" filled, why precision was picked), settled before anything is written, so a
-    mistake in the JSON ends the run with the output folder untouched: precision for this rank's device, "auto"
-    filled, batch sizes fitted to the data-parallel replicas. After the data, json_with_lengths finishes it."""
+    mistake in the JSON ends the run with the output folder untouched: precision for this rank's device (on a GPU,
+    weighed against its memory), "auto" filled, batch sizes fitted to the data-parallel replicas. After the data,
+    json_with_lengths finishes it."""
     ds, note = precision.resolve_precision(ds, settings.deepspeed_config, device=world.device)
     ds, filled = ds_auto.fill(ds, auto_facts(task), ranks.replicas)
-    return ds_config.resolve_batch_sizes(ds, ranks.replicas, settings.deepspeed_config), filled, note
+    ds = ds_config.resolve_batch_sizes(ds, ranks.replicas, settings.deepspeed_config)
+    gpu = torch.cuda.get_device_properties(world.device).total_memory if world.device.type == "cuda" else 0
+    if not (ranks.split or ranks.tensor > 1):  # the plan is data parallel's: a split model's bytes are its stages'
+        ds, note = dist.broadcast_object(fit.weigh(ds, note, task, settings, ranks.replicas, gpu)
+                                         if dist.is_main() else None)  # one decision, however the GPUs differ
+    return ds, filled, note
 
 
 def json_with_lengths(ds: dict, steps: int, filled: dict) -> dict:

@@ -11,15 +11,12 @@ from pathlib import Path
 
 import torch
 
-from app.ds.internals import torch_private
-from app.parallel import activations
 from app.ds import config as ds_config
 from app.ds import internals as ds_internals
-from app.core import lora, models
-from app.memory import plan
+from app.core import lora
+from app.memory import fit, plan
 from app.core import tasks
 from app.settings import Settings
-from app.data import DataInfo
 from app.errors import UserError, report
 
 # Fastest first, with what each costs to save its memory: the recommendation is the first that fits.
@@ -78,29 +75,6 @@ def parse(argv=None):
     return args
 
 
-def workload(args):
-    """(build() of the model, inputs(micro) -> (inputs, labels), the task's loss) from the model's shape alone."""
-    task = tasks.build(Settings(model=args.model))
-    if args.lora and getattr(task, "spec", None) is None:
-        raise UserError(f"--lora plans adapters on a transformers model; {args.model} is an image model")
-    if task.name == "image_classification":
-        builtin = args.model in models.BUILTIN
-        side, channels, classes = args.image_size or (8 if builtin else 224), 1 if builtin else 3, 10 if builtin else 1000
-        info = DataInfo(classes, channels, side)
-        return (lambda: task.build_model(info, {}),
-                lambda b: ([torch.randn(b, channels, side, side)], torch.randint(classes, (b,))), task.loss)
-    from app.data.tokenizers import byte_tokenizer
-    task.tokenizer, task.spec.pretrained = byte_tokenizer(), ""  # the shape is enough: a config.json alone plans
-    vocab, seq = models.vocab_size(task.spec.config), args.seq_len or min(task.spec.max_positions or 1024, 1024)
-    classify = task.name == "sequence_classification"
-    info = DataInfo(2 if classify else 0, task=task.name, vocab_size=vocab, seq_len=seq)
-
-    def inputs(b):
-        ids = torch.randint(min(vocab, 256), (b, seq))
-        return ([ids, torch.ones_like(ids)], torch.randint(2, (b,))) if classify else ([ids], ids)
-    return (lambda: task.build_model(info, {})), inputs, task.loss
-
-
 BF16 = "+bf16"  # a config's row with DeepSpeed's bf16 section (16-bit weights) in place of its autocast
 
 
@@ -114,8 +88,7 @@ def configs(args) -> dict:
         name = str(path) if args.deepspeed_config else path.stem
         found[name] = ds_config.load_ds_config(path, cuda=True, bf16_ok=True)
         if (found[name].get("torch_autocast") or {}).get("enabled") is True:
-            found[name + BF16] = {**{k: v for k, v in found[name].items() if k != "torch_autocast"},
-                                  "bf16": {"enabled": True}}
+            found[name + BF16] = fit.with_bf16_weights(found[name])
     return found
 
 
@@ -131,29 +104,12 @@ def _speed_rank(name: str) -> tuple:
 
 
 def measure(args, named: dict) -> dict:
-    """{name: MemoryPlan} of each config: one fake forward and backward per precision and checkpointing asked."""
-    build, inputs, loss = workload(args)
-    with torch_private.fake_tensor_mode():
-        model = build()
-        sizes, kinds = [p.numel() for p in model.parameters()], plan.comm_kinds(model)
-        trainable = None
-        if args.lora:  # the frozen base, then the adapters (whose activations, r values a token, are left out)
-            adapters = lora.adapter_sizes(model.hf, lora.targets_of(args), args.lora_rank)
-            sizes, trainable = sizes + adapters, [False] * len(sizes) + [True] * len(adapters)
-        largest = max((sum(p.numel() for p in b.parameters()) for b in activations.blocks(model)), default=0)
-    cache, plans = {}, {}
-    for name, ds in named.items():
-        checkpointed = activations.SECTION in ds
-        dtype = torch.bfloat16 if any((ds.get(s) or {}).get("enabled") is True
-                                      for s in ("torch_autocast", "bf16")) else None
-        key = (dtype, checkpointed, (ds.get("bf16") or {}).get("enabled") is True)
-        if key not in cache:  # the slope from 2 to 4 samples; 1 sample's peak as measured (MemoryPlan.least)
-            one, two, four = (plan.activation_bytes(build, inputs, loss, micro, dtype, checkpointed,
-                                                    weights16=key[2]) for micro in (1, 2, 4))
-            cache[key] = ((four - two) // 2, two - (four - two), one)
-        plans[name] = plan.memory_plan(name, ds, args.world_size, sizes, largest, cache[key], kinds, trainable)
-        plans[name].largest_layer = largest
-    return plans
+    """{name: MemoryPlan} of each config, from the model's shape alone."""
+    task = tasks.build(Settings(model=args.model))
+    if args.lora and getattr(task, "spec", None) is None:
+        raise UserError(f"--lora plans adapters on a transformers model; {args.model} is an image model")
+    adapters = (args.lora_rank, lora.targets_of(args)) if args.lora else None
+    return fit.plans(fit.workload(task, args.seq_len, args.image_size), named, args.world_size, adapters)
 
 
 def _gb(count) -> str:

@@ -158,3 +158,34 @@ def test_the_plan_predicts_the_peak_the_gpu_reaches(tmp_path):
     header, row = (line.split() for line in planned.stdout.splitlines()[1:3])
     peak = float(row[header.index("peak")]) * 1e9
     assert abs(peak - measured) <= 0.1 * measured, (peak, measured)
+
+
+def test_auto_takes_bf16_weights_where_only_they_fit_the_gpu(tmp_path):
+    """A micro batch that the plan puts over this GPU under bf16 autocast (fp32 weights) and under it with bf16
+    weights: precision "auto" takes bf16 weights, says why on its precision line, and the run trains."""
+    need(1)
+    import json
+    from app.core import tasks
+    from app.ds import precision
+    from app.ds.config import load_ds_config
+    from app.memory import fit, plan
+    from app.settings import Settings
+    from conftest import write_text_rows
+    memory = int(subprocess.run([sys.executable, "-c", "import torch; print(torch.cuda.get_device_properties(0)"
+                                 ".total_memory)"], capture_output=True, text=True, env=cuda_env()).stdout)
+    ds, _ = precision.resolve_precision(load_ds_config(REPO / "ds_configs" / "dp.json", resolve=False), "dp.json",
+                                        cuda=True, bf16_ok=True)
+    task = tasks.build(Settings(model="gpt2-124m", block_size=1024))
+    found = fit.plans(fit.workload(task, 1024), {"autocast": ds, "bf16": fit.with_bf16_weights(ds)}, 1)
+    usable = plan.USABLE * memory
+    micro = next(m for m in range(1, 4096) if found["autocast"].peak(m) > usable)
+    assert found["bf16"].peak(micro) <= usable, "the plan leaves bf16 weights no micro batch of their own here"
+    config = tmp_path / "dp.json"
+    config.write_text(json.dumps({**json.loads((REPO / "ds_configs" / "dp.json").read_text()),
+                                  "train_micro_batch_size_per_gpu": micro}))
+    result = train("python", 1, "--max_steps", 2, "--output_dir", tmp_path / "run", "--deepspeed_config", config,
+                   "--model", "gpt2-124m", "--dataset", write_text_rows(tmp_path / "corpus.txt", 20000),  # 600 blocks
+                   "--block_size", 1024, "--compile", "off", base_env=cuda_env())
+    assert f'precision: bf16 (torch_autocast "auto" gave way to bf16 weights: the memory plan puts a micro batch of ' \
+           f'{micro} at ' in result.stdout, result.stdout[-3000:]
+    assert read_summary(tmp_path / "run")["precision"] == "bfloat16"

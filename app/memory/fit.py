@@ -1,0 +1,87 @@
+"""The memory plan of a model under DeepSpeed dicts, measured from its shape alone (for app.tools.plan and for
+precision "auto"), and precision "auto" weighed: on a GPU where the plan says bf16 autocast's fp32 weights do not
+fit and DeepSpeed's bf16 section's 16-bit weights do, a run takes bf16 weights and says so."""
+import dataclasses
+
+import torch
+
+from app.core import lora, models
+from app.data import DataInfo
+from app.ds.internals import torch_private
+from app.memory import plan
+from app.parallel import activations
+
+AUTOCAST_BY_AUTO = "bf16 autocast ("  # how precision's note starts when "auto" picked bf16 autocast
+
+
+def workload(task, seq_len: int = 0, image_size: int = 0):
+    """(build() of the model, inputs(micro) -> (inputs, labels), the task's loss) from the model's shape alone: a
+    transformers model from its config (no weights, no adapters), an image model at image_size."""
+    if task.name == "image_classification":
+        builtin = task.settings.model in models.BUILTIN
+        side, channels, classes = image_size or (8 if builtin else 224), 1 if builtin else 3, 10 if builtin else 1000
+        info = DataInfo(classes, channels, side)
+        return (lambda: task.build_model(info, {}),
+                lambda b: ([torch.randn(b, channels, side, side)], torch.randint(classes, (b,))), task.loss)
+    from app.data.tokenizers import byte_tokenizer
+    spec, tokenizer = dataclasses.replace(task.spec, pretrained=""), byte_tokenizer()  # a config.json is enough
+    vocab, seq = models.vocab_size(spec.config), seq_len or min(spec.max_positions or 1024, 1024)
+    classify = task.name == "sequence_classification"
+    info = DataInfo(2 if classify else 0, task="causal_lm" if not classify else task.name, vocab_size=vocab,
+                    seq_len=seq)
+
+    def inputs(b):
+        ids = torch.randint(min(vocab, 256), (b, seq))
+        return ([ids, torch.ones_like(ids)], torch.randint(2, (b,))) if classify else ([ids], ids)
+    return (lambda: models.build_hf(spec, info, tokenizer, {})), inputs, task.loss
+
+
+def plans(work, named: dict, ranks: int, adapters=None) -> dict:
+    """{name: MemoryPlan} of each DeepSpeed dict in named: the model built once on fake tensors for its sizes, one
+    fake forward and backward per precision and checkpointing asked; adapters: (rank, targets) of LoRA, or None."""
+    build, inputs, loss = work
+    with torch_private.fake_tensor_mode():
+        model = build()
+        sizes, kinds = [p.numel() for p in model.parameters()], plan.comm_kinds(model)
+        trainable = None
+        if adapters:  # the frozen base, then the adapters (whose activations, r values a token, are left out)
+            added = lora.adapter_sizes(model.hf, adapters[1], adapters[0])
+            sizes, trainable = sizes + added, [False] * len(sizes) + [True] * len(added)
+        largest = max((sum(p.numel() for p in b.parameters()) for b in activations.blocks(model)), default=0)
+    cache, found = {}, {}
+    for name, ds in named.items():
+        dtype = torch.bfloat16 if any((ds.get(s) or {}).get("enabled") is True
+                                      for s in ("torch_autocast", "bf16")) else None
+        key = (dtype, activations.SECTION in ds, (ds.get("bf16") or {}).get("enabled") is True)
+        if key not in cache:  # the slope from 2 to 4 samples; 1 sample's peak as measured (MemoryPlan.least)
+            one, two, four = (plan.activation_bytes(build, inputs, loss, micro, dtype, key[1], weights16=key[2])
+                              for micro in (1, 2, 4))
+            cache[key] = ((four - two) // 2, two - (four - two), one)
+        found[name] = plan.memory_plan(name, ds, ranks, sizes, largest, cache[key], kinds, trainable)
+        found[name].largest_layer = largest
+    return found
+
+
+def with_bf16_weights(ds: dict) -> dict:
+    """ds with DeepSpeed's bf16 section (16-bit weights, fp32 masters) in place of its torch_autocast."""
+    return {**{k: v for k, v in ds.items() if k != "torch_autocast"}, "bf16": {"enabled": True}}
+
+
+def weigh(ds: dict, note: str, task, settings, replicas: int, memory: int) -> tuple:
+    """(ds, note): where "auto" picked bf16 autocast on a GPU of memory bytes and its plan does not fit the micro
+    batch while bf16 weights do, the dict with bf16 weights and a note saying why; else both as they were. Only
+    transformers models, data parallel, a micro batch set in the JSON (an "auto" one is found at start)."""
+    micro = ds.get("train_micro_batch_size_per_gpu")
+    if not (memory and note.startswith(AUTOCAST_BY_AUTO) and isinstance(micro, int) and getattr(task, "spec", None)):
+        return ds, note
+    adapters = (settings.lora_rank, lora.targets_of(settings)) if settings.lora else None
+    work, usable, bf16 = workload(task, settings.block_size), plan.USABLE * memory, with_bf16_weights(ds)
+    autocast_peak = plans(work, {"autocast": ds}, replicas, adapters)["autocast"].peak(micro)
+    if autocast_peak <= usable:  # the usual case, measured once: autocast stays
+        return ds, note
+    bf16_peak = plans(work, {"bf16": bf16}, replicas, adapters)["bf16"].peak(micro)
+    if bf16_peak > usable:
+        return ds, note
+    return bf16, (f"bf16 (torch_autocast \"auto\" gave way to bf16 weights: the memory plan puts a micro batch of "
+                  f"{micro} at {autocast_peak / 1e9:.1f} GB a rank with autocast's fp32 weights and "
+                  f"{bf16_peak / 1e9:.1f} GB with bf16 weights, of {usable / 1e9:.1f} GB this GPU gives a run)")

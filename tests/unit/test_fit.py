@@ -1,0 +1,58 @@
+"""Precision "auto" weighed against a GPU's memory, worked out on fake tensors (no GPU needed): bf16 weights where
+bf16 autocast's fp32 weights do not fit the micro batch and bf16 weights do, else the precision "auto" picked."""
+import pytest
+
+from app.core import tasks
+from app.ds import precision
+from app.ds.config import DEFAULT_DS_CONFIG, load_ds_config
+from app.memory import fit, plan
+from app.settings import Settings
+
+SETTINGS = Settings(model="gpt2-tiny", block_size=128)
+
+
+def on_a_gpu(micro: int) -> tuple:
+    """dp.json as a GPU with bf16 resolves it, at a micro batch: (DeepSpeed dict, precision's note)."""
+    ds = load_ds_config(DEFAULT_DS_CONFIG, resolve=False)
+    ds, note = precision.resolve_precision({**ds, "train_micro_batch_size_per_gpu": micro}, "dp.json", cuda=True,
+                                           bf16_ok=True)
+    assert note.startswith(fit.AUTOCAST_BY_AUTO), note
+    return ds, note
+
+
+def peaks(micro: int) -> tuple:
+    """The plan's peaks of the micro batch under autocast and with bf16 weights, on 1 rank."""
+    ds, _ = on_a_gpu(micro)
+    task = tasks.build(SETTINGS)
+    found = fit.plans(fit.workload(task, 128), {"autocast": ds, "bf16": fit.with_bf16_weights(ds)}, 1)
+    return found["autocast"].peak(micro), found["bf16"].peak(micro)
+
+
+def test_bf16_weights_where_only_they_fit_and_the_first_line_says_why():
+    autocast, bf16 = peaks(64)
+    assert bf16 < autocast
+    memory = int((autocast + bf16) / 2 / plan.USABLE)
+    ds, note = fit.weigh(*on_a_gpu(64), tasks.build(SETTINGS), SETTINGS, 1, memory)
+    assert ds["bf16"] == {"enabled": True} and "torch_autocast" not in ds
+    assert note.startswith("bf16 (torch_autocast \"auto\" gave way to bf16 weights: the memory plan puts a micro "
+                           "batch of 64 at ") and "with bf16 weights, of " in note
+
+
+@pytest.mark.parametrize("share", [2.0, 0.5])
+def test_autocast_stays_where_it_fits_and_where_nothing_does(share):
+    """Room for autocast: it stays (the more precise). Room for neither: it stays too, and the run's own
+    out-of-memory handling says what to do."""
+    autocast, _ = peaks(64)
+    ds, note = on_a_gpu(64)
+    assert fit.weigh(ds, note, tasks.build(SETTINGS), SETTINGS, 1, int(share * autocast / plan.USABLE)) == (ds, note)
+
+
+def test_only_auto_on_a_gpu_with_a_set_micro_batch_is_weighed():
+    ds, note = on_a_gpu(64)
+    task = tasks.build(SETTINGS)
+    assert fit.weigh(ds, note, task, SETTINGS, 1, 0) == (ds, note), "no GPU"
+    assert fit.weigh({**ds, "train_micro_batch_size_per_gpu": "auto"}, note, task, SETTINGS, 1, 10**6)[1] == note
+    set_by_file = "bf16 autocast"  # torch_autocast enabled true in the file: the user chose
+    assert fit.weigh(ds, set_by_file, task, SETTINGS, 1, 10**6) == (ds, set_by_file)
+    image = tasks.build(Settings(model="cnn"))
+    assert fit.weigh(ds, note, image, Settings(model="cnn"), 1, 10**6) == (ds, note), "image models: not weighed"
