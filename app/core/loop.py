@@ -33,6 +33,7 @@ def build_engine(model, ds_config: dict):
     if plain and not engine.pipeline_parallelism and engine.autotp_size() <= 1:  # there, ranks hold parts of them
         ds_internals.lighten_plain_step(engine)
     ds_internals.skip_bad_steps_on_device(engine)  # ZeRO 1-3: no host sync to check the gradient norm
+    ds_internals.step_bf16_weights_on_device(engine)  # ZeRO 0 with bf16 weights: nor there
     ds_internals.step_without_host_waits(engine)  # nor to make constants or wait for streams
     return engine
 

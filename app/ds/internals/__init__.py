@@ -8,7 +8,8 @@ from app.ds.internals.parser import Recorder, parse_config, scalar_defaults, sec
 from app.ds.internals.engine import (config_saved_as, count_every_stage_in_grad_norm, drop_other_stages,
                                      engine_hooks_eager, forget_unfinished_forward,
                                      forget_parallel_groups, gathered_state_dict, lighten_plain_step,
-                                     replay_cpu_adam_steps, skip_bad_steps_on_device, uncompile)
+                                     replay_cpu_adam_steps, skip_bad_steps_on_device, step_bf16_weights_on_device,
+                                     uncompile)
 from app.ds.internals.host_waits import step_without_host_waits
 from app.ds.internals.launcher import (drop_shm_names, launcher_world_info, node_shell_line, op_loads_quiet,
                                       pdsh_exports, pdsh_words, pin_device, quiet_deepspeed, started_by_pdsh)
@@ -18,7 +19,8 @@ WRITTEN_FOR = "0.19.8"
 __all__ = ["Recorder", "parse_config", "scalar_defaults", "section_fields", "config_saved_as",
            "count_every_stage_in_grad_norm", "drop_other_stages", "engine_hooks_eager", "forget_parallel_groups",
            "forget_unfinished_forward", "gathered_state_dict",
-           "lighten_plain_step", "replay_cpu_adam_steps", "skip_bad_steps_on_device", "step_without_host_waits",
+           "lighten_plain_step", "replay_cpu_adam_steps", "skip_bad_steps_on_device", "step_bf16_weights_on_device",
+           "step_without_host_waits",
            "uncompile", "drop_shm_names", "launcher_world_info", "node_shell_line", "pdsh_exports", "pdsh_words",
            "started_by_pdsh", "op_loads_quiet", "pin_device", "quiet_deepspeed",
            "deepspeed_estimate", "module_states", "state_bytes", "storages", "zero_tensors", "version_note",

@@ -87,6 +87,46 @@ def _norm_check_on_device(original):
     return is_invalid_grad_norm
 
 
+def step_bf16_weights_on_device(engine) -> bool:
+    """ZeRO 0 with the bf16 section: DeepSpeed's step (FP16_UnfusedOptimizer, written for fp16's loss scaling)
+    reads an overflow flag per gradient, each group's norm and the clip factor on the host. bf16 has no loss
+    scale, so the same step runs on the device: fp32 gradients from the bf16 ones, their global norm, the clip
+    factor DeepSpeed would take (max_norm / (norm + 1e-6) when below 1), the fused optimizer told found_inf when
+    the norm is not finite (it then leaves everything as it was), the bf16 weights copied from the fp32 masters.
+    True if done."""
+    from deepspeed.runtime.fp16.unfused_optimizer import FP16_UnfusedOptimizer
+    optimizer = engine.optimizer
+    inner = getattr(optimizer, "optimizer", None)
+    plain = isinstance(optimizer, FP16_UnfusedOptimizer) and engine.bfloat16_enabled() and not engine.has_moe_layers
+    if not (plain and getattr(inner, "_step_supports_amp_scaling", False) and not optimizer.fused_lamb_legacy
+            and optimizer.loss_scale_config.cur_scale == 1):
+        return False
+
+    @torch.no_grad()
+    def step(closure=None):
+        masters = [p for group in optimizer.fp32_groups for p in group]
+        weights = [p for group in optimizer.fp16_groups for p in group]
+        for master, weight in zip(masters, weights):
+            master.grad = torch.zeros_like(master) if weight.grad is None else weight.grad.to(master.dtype)
+            weight.grad = None
+        grads = [master.grad for master in masters]
+        norm = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads)))
+        if optimizer.clip_grad > 0:
+            torch._foreach_mul_(grads, torch.clamp(optimizer.clip_grad / (norm + 1e-6), max=1.0))
+        inner.found_inf = (~torch.isfinite(norm)).to(torch.float32)
+        try:
+            inner.step()
+        finally:
+            inner.found_inf = None
+        torch._foreach_copy_(weights, masters)
+        for master in masters:
+            master.grad = None
+        optimizer._global_grad_norm, optimizer.overflow = norm, False
+        return False
+    optimizer.step = step
+    return True
+
+
 def count_every_stage_in_grad_norm(module):
     """Make gradient clipping on a pipeline use the norm of the whole model's gradients.
 
