@@ -117,12 +117,24 @@ def find(output_dir: Path, resume: str):
     return folder, verify(folder)
 
 
+def _weights_of(ds: dict) -> str:
+    """What the engine keeps its weights in: 16-bit ones behind DeepSpeed's bf16 or fp16 section, else fp32."""
+    return next((name for name in ("bf16", "fp16") if (ds.get(name) or {}).get("enabled") is True), "fp32")
+
+
 def check_compatible(saved: TrainerState, current: TrainerState, folder: Path):
-    """Refuse a checkpoint made for another model, dataset, ZeRO stage or pipeline split."""
+    """Refuse a checkpoint made for another model, dataset, ZeRO stage, pipeline split, weights' precision or
+    LoRA adapters."""
     for key in ("model", "dataset", "zero_stage", "pipeline_stages", "tensor_parallel_size"):
         if getattr(saved, key) != getattr(current, key):
             raise UserError(f"checkpoint {folder} was made with {key}={getattr(saved, key)!r} but this run has "
                             f"{key}={getattr(current, key)!r}; use the same settings or start a new --output_dir")
+    weights = [_weights_of(state.deepspeed_config) for state in (saved, current)]
+    if weights[0] != weights[1]:
+        raise UserError(f"checkpoint {folder} was trained with {weights[0]} weights and this run has {weights[1]} "
+                        f"ones (precision \"auto\" weighs this GPU's memory); set the JSON's precision sections to "
+                        f"what that run had (its trainer_state.json holds its DeepSpeed dict), or start a new "
+                        f"--output_dir")
     base, adapters = saved.lora.get("base"), {k: v for k, v in saved.lora.items() if k != "base"}
     if adapters != {k: v for k, v in current.lora.items() if k != "base"}:
         said = lambda lora: f"LoRA {lora}" if lora else "no LoRA"  # noqa: E731

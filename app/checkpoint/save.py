@@ -67,7 +67,8 @@ class TrainerState:
         saved = json.loads(text)
         if not isinstance(saved, dict):
             raise UserError(f"{where} holds no trainer state: it was not written by this app; start a new run")
-        missing = [f.name for f in fields(cls) if f.name not in saved and f.default is MISSING]
+        missing = [f.name for f in fields(cls) if f.name not in saved and f.default is MISSING
+                   and f.default_factory is MISSING]
         if missing:
             raise UserError(f"{where} lacks {', '.join(missing)}: it was not written by this app; start a new run")
         return cls(**{f.name: saved[f.name] for f in fields(cls) if f.name in saved})

@@ -118,7 +118,8 @@ def record(settings, spec) -> dict:
     if not settings.lora:
         return {}
     return {"rank": settings.lora_rank, "alpha": settings.lora_alpha, "dropout": settings.lora_dropout,
-            "targets": settings.lora_targets, "base": fingerprint(settings.model, spec.pretrained, settings.seed)}
+            "targets": settings.lora_targets,
+            "base": fingerprint(settings.model, spec.pretrained, settings.seed, spec.config)}
 
 
 def check_layout(lora: bool, ranks):
@@ -129,14 +130,14 @@ def check_layout(lora: bool, ranks):
                         "base model)")
 
 
-def fingerprint(model_name: str, pretrained: str, seed: int) -> str:
-    """What identifies the frozen base model: its config and weight files (their sizes and both ends), or, for a
-    model built from a preset's config, the preset and the seed that initialised it."""
+def fingerprint(model_name: str, pretrained: str, seed: int, config=None) -> str:
+    """What identifies the frozen base model: its config and weight files (their sizes and both ends), a hub model's
+    name and revision, or, for a model built from a preset's config, the preset and the seed that initialised it."""
     if not pretrained:
         return f"{model_name} initialised with seed {seed}"
     folder = Path(pretrained)
-    if not folder.is_dir():
-        return f"{pretrained} (hub)"
+    if not folder.is_dir():  # a hub model: the revision its config came from
+        return f"{pretrained} (hub, revision {getattr(config, '_commit_hash', None)})"
     digest = hashlib.sha256((folder / "config.json").read_bytes())
     for path in sorted(p for p in folder.iterdir() if p.suffix in (".safetensors", ".bin")):
         size = path.stat().st_size
@@ -167,10 +168,14 @@ def write_adapters(hf_files: Path, state: dict, out: Path):
     wrapped.save_pretrained(str(out))
 
 
-def merge(adapters: Path, base: str, task: str, out: Path):
-    """A transformers folder of the base model with the adapters folded into its weights."""
+def merge(adapters: Path, base: str, task: str, out: Path, hf_files: Path):
+    """A transformers folder of the base model with the adapters folded into its weights; the config is the run's
+    (hf_files: its classes, its padding token), so a classifier's new head fits."""
     from peft import PeftModel
+    from transformers import AutoConfig
     from app.core.models import hf_class
+    model = hf_class(task).from_pretrained(base, config=AutoConfig.from_pretrained(hf_files),
+                                           ignore_mismatched_sizes=task == "sequence_classification")
     with quiet():
-        merged = PeftModel.from_pretrained(hf_class(task).from_pretrained(base), str(adapters)).merge_and_unload()
+        merged = PeftModel.from_pretrained(model, str(adapters)).merge_and_unload()
     merged.save_pretrained(out)

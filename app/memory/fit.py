@@ -14,9 +14,10 @@ from app.parallel import activations
 AUTOCAST_BY_AUTO = "bf16 autocast ("  # how precision's note starts when "auto" picked bf16 autocast
 
 
-def workload(task, seq_len: int = 0, image_size: int = 0):
+def workload(task, seq_len: int = 0, image_size: int = 0, frozen: bool = False):
     """(build() of the model, inputs(micro) -> (inputs, labels), the task's loss) from the model's shape alone: a
-    transformers model from its config (no weights, no adapters), an image model at image_size."""
+    transformers model from its config (no weights, no adapters), an image model at image_size. frozen (LoRA): the
+    model's weights take no gradient, and the backward runs through it to the input as it does to the adapters."""
     if task.name == "image_classification":
         builtin = task.settings.model in models.BUILTIN
         side, channels, classes = image_size or (8 if builtin else 224), 1 if builtin else 3, 10 if builtin else 1000
@@ -33,7 +34,13 @@ def workload(task, seq_len: int = 0, image_size: int = 0):
     def inputs(b):
         ids = torch.randint(min(vocab, 256), (b, seq))
         return ([ids, torch.ones_like(ids)], torch.randint(2, (b,))) if classify else ([ids], ids)
-    return (lambda: models.build_hf(spec, info, tokenizer, {})), inputs, task.loss
+    def build():
+        model = models.build_hf(spec, info, tokenizer, {})
+        if frozen:
+            model.requires_grad_(False)
+            model.hf.enable_input_require_grads()
+        return model
+    return build, inputs, task.loss
 
 
 def plans(work, named: dict, ranks: int, adapters=None) -> dict:
@@ -74,8 +81,16 @@ def weigh(ds: dict, note: str, task, settings, replicas: int, memory: int) -> tu
     micro = ds.get("train_micro_batch_size_per_gpu")
     if not (memory and note.startswith(AUTOCAST_BY_AUTO) and isinstance(micro, int) and getattr(task, "spec", None)):
         return ds, note
+    try:
+        return _weighed(ds, note, task, settings, replicas, memory, micro)
+    except Exception as e:  # the plan advises; a model it cannot build on fake tensors keeps what "auto" picked
+        return ds, f"{note}; the memory plan could not weigh bf16 weights here ({type(e).__name__}: {e})"
+
+
+def _weighed(ds: dict, note: str, task, settings, replicas: int, memory: int, micro: int) -> tuple:
     adapters = (settings.lora_rank, lora.targets_of(settings)) if settings.lora else None
-    work, usable, bf16 = workload(task, settings.block_size), plan.USABLE * memory, with_bf16_weights(ds)
+    work = workload(task, settings.block_size, frozen=bool(adapters))
+    usable, bf16 = plan.USABLE * memory, with_bf16_weights(ds)
     autocast_peak = plans(work, {"autocast": ds}, replicas, adapters)["autocast"].peak(micro)
     if autocast_peak <= usable:  # the usual case, measured once: autocast stays
         return ds, note

@@ -70,12 +70,12 @@ def export_lora(folder: Path, saved, state: dict, out: Path, merged: bool):
             raise UserError(f"--merged folds the adapters into the base model's weights, and {base} was built from "
                             f"random weights the checkpoint does not hold; export the adapters alone (leave out "
                             f"--merged)")
-        if lora.fingerprint(base, spec.pretrained, saved.settings["seed"]) != saved.lora["base"]:
+        if lora.fingerprint(base, spec.pretrained, saved.settings["seed"], spec.config) != saved.lora["base"]:
             raise UserError(f"{base} is not the base model the adapters of {folder} were trained on (its config or "
                             f"weights differ); put that model back, or export the adapters alone")
         with tempfile.TemporaryDirectory() as adapters:
             lora.write_adapters(files, state, Path(adapters))
-            lora.merge(Path(adapters), spec.pretrained, task, out)
+            lora.merge(Path(adapters), spec.pretrained, task, out, files)
     AutoTokenizer.from_pretrained(files).save_pretrained(out)
 
 
@@ -83,6 +83,8 @@ def export(folder: Path, out: Path, merged: bool = False) -> dict:
     """Verify the checkpoint, then write its fp32 weights to out with the run's record as metadata (LoRA: the
     adapter folder, or the merged model)."""
     from safetensors.torch import save_file
+    if merged and out.suffix == ".safetensors":
+        raise UserError(f"--merged writes a transformers model folder; name a folder, not {out.name}")
     named, folder = folder, resume.checkpoint_folder(folder)
     if folder != named:
         print(f"exporting the newest complete checkpoint of {named}: {folder.name}", flush=True)

@@ -109,7 +109,8 @@ def measure(args, named: dict) -> dict:
     if args.lora and getattr(task, "spec", None) is None:
         raise UserError(f"--lora plans adapters on a transformers model; {args.model} is an image model")
     adapters = (args.lora_rank, lora.targets_of(args)) if args.lora else None
-    return fit.plans(fit.workload(task, args.seq_len, args.image_size), named, args.world_size, adapters)
+    work = fit.workload(task, args.seq_len, args.image_size, frozen=args.lora)
+    return fit.plans(work, named, args.world_size, adapters)
 
 
 def _gb(count) -> str:

@@ -56,3 +56,13 @@ def test_only_auto_on_a_gpu_with_a_set_micro_batch_is_weighed():
     assert fit.weigh(ds, set_by_file, task, SETTINGS, 1, 10**6) == (ds, set_by_file)
     image = tasks.build(Settings(model="cnn"))
     assert fit.weigh(ds, note, image, Settings(model="cnn"), 1, 10**6) == (ds, note), "image models: not weighed"
+
+
+def test_lora_plans_a_frozen_model_whose_backward_keeps_fewer_activations():
+    """Frozen weights take no gradient, so the forward keeps no input for one; the backward still reaches the
+    input, as it reaches the adapters."""
+    import torch
+    task = tasks.build(SETTINGS)
+    held = {frozen: plan.activation_bytes(*fit.workload(task, 128, frozen=frozen), 4, torch.bfloat16, False)
+            for frozen in (False, True)}
+    assert 0 < held[True] < held[False]

@@ -125,8 +125,36 @@ def test_the_adapter_folder_and_the_merged_model_hold_the_trained_adapters(tmp_p
     loaded = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base), tmp_path / "adapters")
     again = dict(loaded.named_parameters())
     assert all(torch.equal(again[name.removeprefix("hf.")], value) for name, value in state.items())
-    lora.merge(tmp_path / "adapters", str(base), "causal_lm", tmp_path / "merged")
+    lora.merge(tmp_path / "adapters", str(base), "causal_lm", tmp_path / "merged", files)
     merged = AutoModelForCausalLM.from_pretrained(tmp_path / "merged")
     ids = torch.randint(64, (2, 8))
     with torch.no_grad():
         assert torch.allclose(merged(ids).logits, wrapped(input_ids=ids).logits, atol=1e-4)
+
+
+def test_a_checkpoint_written_before_lora_existed_still_loads():
+    """Trainer states saved without the lora field are whole runs: resume and export read them as such."""
+    import json
+    from dataclasses import asdict
+    saved = asdict(state())
+    del saved["lora"]
+    assert TrainerState.from_json(json.dumps(saved), "old").lora == {}
+
+
+@pytest.mark.parametrize("saved_ds, current_ds, message", [
+    ({"bf16": {"enabled": True}}, {"torch_autocast": {"enabled": True}}, "trained with bf16 weights and this run has "
+                                                                         "fp32 ones"),
+    ({}, {"bf16": {"enabled": True}}, "trained with fp32 weights and this run has bf16 ones")])
+def test_a_checkpoint_of_other_weights_precision_is_one_line(tmp_path, saved_ds, current_ds, message):
+    """Precision "auto" weighs the GPU's memory, so a resumed run could land on the other kind of weights."""
+    saved, current = replace(state(), deepspeed_config=saved_ds), replace(state(), deepspeed_config=current_ds)
+    with pytest.raises(UserError, match=message):
+        resume.check_compatible(saved, current, tmp_path)
+    autocast_then_fp32 = replace(state(), deepspeed_config={"torch_autocast": {"enabled": True}})
+    resume.check_compatible(autocast_then_fp32, replace(state(), deepspeed_config={}), tmp_path)
+
+
+def test_merged_into_a_safetensors_file_is_one_line(tmp_path):
+    from app.tools import export
+    with pytest.raises(UserError, match="--merged writes a transformers model folder; name a folder, not m.safetensors"):
+        export.export(tmp_path, tmp_path / "m.safetensors", merged=True)

@@ -97,7 +97,8 @@ def step_bf16_weights_on_device(engine) -> bool:
     from deepspeed.runtime.fp16.unfused_optimizer import FP16_UnfusedOptimizer
     optimizer = engine.optimizer
     inner = getattr(optimizer, "optimizer", None)
-    plain = isinstance(optimizer, FP16_UnfusedOptimizer) and engine.bfloat16_enabled() and not engine.has_moe_layers
+    plain = isinstance(optimizer, FP16_UnfusedOptimizer) and engine.bfloat16_enabled() and not engine.has_moe_layers \
+        and optimizer.mpu is None  # pipelines and tensor parallelism sum the norm over their model-parallel group
     if not (plain and getattr(inner, "_step_supports_amp_scaling", False) and not optimizer.fused_lamb_legacy
             and optimizer.loss_scale_config.cur_scale == 1):
         return False
