@@ -135,13 +135,12 @@ def check_compatible(saved: TrainerState, current: TrainerState, folder: Path):
                         f"ones (precision \"auto\" weighs this GPU's memory); set the JSON's precision sections to "
                         f"what that run had (its trainer_state.json holds its DeepSpeed dict), or start a new "
                         f"--output_dir")
-    base, adapters = saved.lora.get("base"), {k: v for k, v in saved.lora.items() if k != "base"}
-    if adapters != {k: v for k, v in current.lora.items() if k != "base"}:
+    then, now = ({k: v for k, v in state.lora.items() if k != "base"} for state in (saved, current))
+    if then != now:
         said = lambda lora: f"LoRA {lora}" if lora else "no LoRA"  # noqa: E731
-        raise UserError(f"checkpoint {folder} was made with {said(adapters)} but this run has "
-                        f"{said({k: v for k, v in current.lora.items() if k != 'base'})}; pass the same --lora "
-                        f"flags or start a new --output_dir")
-    if base != current.lora.get("base"):
+        raise UserError(f"checkpoint {folder} was made with {said(then)} but this run has {said(now)}; pass the "
+                        f"same --lora flags or start a new --output_dir")
+    if saved.lora.get("base") != current.lora.get("base"):
         raise UserError(f"checkpoint {folder} holds LoRA adapters trained on another base model than {current.model} "
                         f"has now (its config or weights differ); resume on the base model they were trained on, "
                         f"or start a new --output_dir")

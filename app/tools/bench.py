@@ -74,11 +74,7 @@ def _checked(args):
         raise UserError("--steps, --seq_len and --ranks must be at least 1, --warmup and --batch 0 or more")
     args.configs = {name: ds_config.load_ds_config(ds_config.REPO / "ds_configs" / f"{name}.json")
                     for name in args.configs.split(",") if name and "app" in args.modes}
-    task = tasks.build(Settings(model=args.model))
-    if args.lora and getattr(task, "spec", None) is None:
-        raise UserError(f"--lora trains adapters on a transformers model; {args.model} is an image model: pass a "
-                        f"preset such as llama-tiny or gpt2-124m, or leave --lora out")
-    args.batch = args.batch or task.bench_batch
+    args.batch = args.batch or tasks.build(Settings(model=args.model, lora=args.lora)).bench_batch  # as train.py
     if args.batch % args.ranks:
         raise UserError(f"--batch {args.batch} is not divisible by --ranks {args.ranks}; each rank takes an equal share")
     args.output_dir = Path(args.output_dir or f"runs/bench-{args.model}-{time.strftime('%Y%m%d-%H%M%S')}")

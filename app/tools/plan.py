@@ -105,9 +105,7 @@ def _speed_rank(name: str) -> tuple:
 
 def measure(args, named: dict) -> dict:
     """{name: MemoryPlan} of each config, from the model's shape alone."""
-    task = tasks.build(Settings(model=args.model))
-    if args.lora and getattr(task, "spec", None) is None:
-        raise UserError(f"--lora plans adapters on a transformers model; {args.model} is an image model")
+    task = tasks.build(Settings(model=args.model, lora=args.lora))  # LoRA on an image model: the task says no
     adapters = (args.lora_rank, lora.targets_of(args)) if args.lora else None
     work = fit.workload(task, args.seq_len, args.image_size, frozen=args.lora)
     return fit.plans(work, named, args.world_size, adapters)
