@@ -15,7 +15,7 @@ $(STAMP): requirements.txt
 	touch $(STAMP)
 
 # DeepSpeed compiles its ops on first use (about a minute each); do it once here, not in a run.
-$(OPS): $(STAMP)
+$(OPS): $(STAMP) app/tools/build_ops.py
 	$(PY) -m app.tools.build_ops
 	touch $(OPS)
 

@@ -19,6 +19,8 @@ from pathlib import Path
 
 import pytest
 
+from helpers import forks
+
 os.environ["HF_HUB_OFFLINE"] = "1"  # tests never reach a model hub or dataset host
 # The CPU tests pin themselves (and every process they start) to the CPU, so the suite runs the same on a
 # machine with GPUs; tests/e2e/test_cuda.py gets the machine's own devices back through cuda_env().
@@ -86,6 +88,8 @@ def run(cmd, timeout=600, base_env=None, **env) -> subprocess.CompletedProcess:
     full_env = {**(os.environ if base_env is None else base_env), "PYTHONUNBUFFERED": "1", **env}
     started = time.perf_counter()
     try:
+        if str(cmd[0]) == sys.executable and base_env is None:  # one CPU process: a fork of a preloaded python
+            return forks.run_python(cmd[1:], full_env, REPO, timeout)
         return subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=timeout, env=full_env)
     finally:
         _log_launch(cmd, time.perf_counter() - started)
@@ -221,17 +225,21 @@ def write_text_rows(path: Path, n: int, seed: int = 0, labelled: bool = False) -
     return path
 
 
-def _rank_main(rank, world, port, fn, args):
-    from app.distributed.launch import rank_env
-    os.environ.update(rank_env(rank, world, port))
+def _rank_main(rank, world, port, env, fn, args):
+    from app.distributed.launch import prepare_environment, rank_env
+    os.environ.clear()
+    os.environ.update({**env, **rank_env(rank, world, port)})
+    prepare_environment()  # as app/train.py's ranks: this Python's ninja, or a JIT op is rebuilt (docs/tests.md)
     fn(rank, world, *args)
 
 
 def spawn_ranks(world: int, fn, *args):
-    """Run fn(rank, world, *args) in `world` fresh processes that see launcher variables; raise if one fails."""
+    """Run fn(rank, world, *args) in `world` fresh processes (forks of a preloaded python: helpers/forks.py) that
+    see launcher variables; raise if one fails."""
     import torch.multiprocessing as mp
-    mp.start_processes(_rank_main, args=(world, free_port(), fn, args), nprocs=world, join=True,
-                       start_method="spawn")
+    forks.context()
+    mp.start_processes(_rank_main, args=(world, free_port(), dict(os.environ), fn, args), nprocs=world, join=True,
+                       start_method="forkserver")
 
 
 def _main_each(rank, world, cases, report):

@@ -18,7 +18,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from app.distributed import wire
+from app.distributed import faults, wire
 from app.distributed.dist import many as dist_many
 from app.ds.internals import torch_private
 from app.errors import RankAlone, SaidByAnotherRank, UserError, deepspeed_failure
@@ -124,7 +124,7 @@ def gather_outcomes(mine, failed_after_s: float = None, patience_s: float = 30):
         if failed_after_s is None:
             store.wait(keys)  # as long as the group's timeout
         else:
-            deadline = time.monotonic() + patience_s + 10 * failed_after_s
+            deadline = time.monotonic() + faults.patience_s(patience_s) + 10 * failed_after_s
             while not store.check(keys):  # polled: a wait that times out has the store log warnings
                 if time.monotonic() > deadline:
                     return None

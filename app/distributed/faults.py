@@ -5,6 +5,8 @@
     APP_OOM_AT=<micro batch>[:<rank>[:backward]]   raise torch.OutOfMemoryError in a forward (or backward) of that
                                               many samples or more
     APP_FAIL_COMPILE=<forward|backward>[:<rank>]   make inductor refuse the model's forward or backward graph
+    APP_PATIENCE_S=<seconds>                  how long a rank that failed alone waits for the others to say
+                                              theirs (instead of the 5 to 300 s each agreement sets)
 
 Unset (as for every user), each is a no-op.
 """
@@ -49,6 +51,11 @@ def out_of_memory_at(micro_batch: int, output: torch.Tensor = None):
         raise error
     if output.requires_grad:
         output.register_hook(refuse)
+
+
+def patience_s(default: float) -> float:
+    """The bounded wait of a rank that failed alone: default, or APP_PATIENCE_S (so a test waits seconds)."""
+    return float(os.environ.get("APP_PATIENCE_S") or default)
 
 
 def compile_backend():

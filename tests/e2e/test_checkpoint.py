@@ -39,12 +39,13 @@ KILLS = {
 @pytest.fixture(scope="module")
 def killed_then_resumed(tmp_path_factory):
     """name -> ((exit code, complete checkpoints, latest) when killed, resumed run's stdout, output_dir): each
-    config's run killed by itself, then every killed run resumed, one after another in one deepspeed launch."""
+    config's run killed by itself, then every killed run resumed, one after another in one deepspeed launch. The
+    rank left alone waits 1 s, not 5, for the dead one's outcome (APP_PATIENCE_S): its death is certain here."""
     root, killed = tmp_path_factory.mktemp("killed"), {}
     for name, (moment, _) in sorted(KILLS.items()):
         config = REPO / "ds_configs" / f"{name}.json"
         result = run(train_command("deepspeed", 2, "--deepspeed_config", config, *TWO_RANK_ARGS,
-                                   "--output_dir", root / name), APP_KILL_AT=moment)
+                                   "--output_dir", root / name), APP_KILL_AT=moment, APP_PATIENCE_S="1")
         complete = sorted(p.parent.name for p in (root / name / "checkpoints").glob("step*/manifest.json"))
         killed[name] = result.returncode, complete, (root / name / "checkpoints" / "latest").read_text()
     resumed = train_jobs("deepspeed", 2, [["--deepspeed_config", REPO / "ds_configs" / f"{name}.json", *TWO_RANK_ARGS,

@@ -1,13 +1,15 @@
-"""Set-up builds the DeepSpeed ops the shipped configs load, and no other (each is a minute of compiling)."""
+"""Set-up builds the DeepSpeed ops the shipped configs load and the fused Adam of the configs people bring, and no
+other (each is a minute of compiling)."""
 import json
 
-from app.tools.build_ops import ops_for, shipped_ops
+from app.tools.build_ops import ops_for, setup_ops, shipped_ops
 from conftest import REPO
 
 
 def test_the_shipped_configs_need_cpu_adam_and_on_a_cpu_the_shared_memory_all_reduce():
     assert shipped_ops("cpu") == {"CPUAdamBuilder", "ShareMemCommBuilder"}
     assert shipped_ops("cuda") == {"CPUAdamBuilder"}, "torch's fused AdamW needs no DeepSpeed kernel"
+    assert setup_ops("cpu") == {"CPUAdamBuilder", "ShareMemCommBuilder", "FusedAdamBuilder"}
 
 
 def test_which_config_loads_which_op():

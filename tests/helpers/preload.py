@@ -1,0 +1,11 @@
+"""What the forkserver of helpers/forks.py imports once, before it forks each command: every heavy import of a
+short run (torch's compiler stack, which torch.optim's first optimizer imports; DeepSpeed; transformers; datasets;
+matplotlib for loss.png; the app)."""
+import importlib
+
+import matplotlib
+
+matplotlib.use("Agg")  # as app/observe/runlog.py sets it
+for name in ("torch", "torch._dynamo", "deepspeed", "transformers", "datasets", "matplotlib.pyplot", "app.train",
+             "app.tools.export"):
+    importlib.import_module(name)
