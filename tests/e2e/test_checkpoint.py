@@ -37,10 +37,10 @@ KILLS = {
 
 
 @pytest.fixture(scope="module")
-def killed_then_resumed(tmp_path_factory):
-    """name -> ((exit code, complete checkpoints, latest) when killed, resumed run's stdout, output_dir): each
-    config's run killed by itself, then every killed run resumed, one after another in one deepspeed launch. The
-    rank left alone waits 1 s, not 5, for the dead one's outcome (APP_PATIENCE_S): its death is certain here."""
+def killed_before(tmp_path_factory):
+    """(name -> (exit code, complete checkpoints, latest) when killed, name -> the job resuming it, root): each
+    config's run killed by itself (the rank left alone waits 1 s, not 5, for the dead one's outcome:
+    APP_PATIENCE_S); the resumptions run in the launch of two_rank_runs."""
     root, killed = tmp_path_factory.mktemp("killed"), {}
     for name, (moment, _) in sorted(KILLS.items()):
         config = REPO / "ds_configs" / f"{name}.json"
@@ -48,9 +48,41 @@ def killed_then_resumed(tmp_path_factory):
                                    "--output_dir", root / name), APP_KILL_AT=moment, APP_PATIENCE_S="1")
         complete = sorted(p.parent.name for p in (root / name / "checkpoints").glob("step*/manifest.json"))
         killed[name] = result.returncode, complete, (root / name / "checkpoints" / "latest").read_text()
-    resumed = train_jobs("deepspeed", 2, [["--deepspeed_config", REPO / "ds_configs" / f"{name}.json", *TWO_RANK_ARGS,
-                                           "--output_dir", root / name, "--resume", "auto"] for name in killed])
-    return {name: (killed[name], stdout, root / name) for name, stdout in zip(killed, resumed)}
+    resumed = {name: ["--deepspeed_config", REPO / "ds_configs" / f"{name}.json", *TWO_RANK_ARGS, "--output_dir",
+                      root / name, "--resume", "auto"] for name in killed}
+    return killed, resumed, root
+
+
+def _ten_steps(name: str, out, steps: int = 10, *resume) -> list:
+    return ["--deepspeed_config", REPO / "ds_configs" / f"{name}.json", "--max_steps", steps, "--log_interval", 1,
+            "--output_dir", out, *resume]
+
+
+@pytest.fixture(scope="module")
+def world_size_runs(tmp_path_factory):
+    """(2-rank jobs, output folders) of the world-size changes: zero2's first 10 steps on 2 ranks; zero3's first
+    10 on one process (run here), resumed to 20 on 2 ranks."""
+    root = tmp_path_factory.mktemp("world-size")
+    train("python", 1, *_ten_steps("zero3", root / "zero3"))
+    jobs = {"zero2": _ten_steps("zero2", root / "zero2"),
+            "zero3": _ten_steps("zero3", root / "zero3", 20, "--resume", "auto")}
+    return jobs, {name: root / name for name in jobs}
+
+
+@pytest.fixture(scope="module")
+def two_rank_runs(killed_before, world_size_runs):
+    """The 2-rank runs of this file that need no launch of their own, one after another in one deepspeed launch:
+    tag -> stdout ("resumed <name>" for the killed runs, "world <name>" for the world-size changes)."""
+    jobs = {**{f"resumed {name}": job for name, job in killed_before[1].items()},
+            **{f"world {name}": job for name, job in world_size_runs[0].items()}}
+    return dict(zip(jobs, train_jobs("deepspeed", 2, list(jobs.values()))))
+
+
+@pytest.fixture(scope="module")
+def killed_then_resumed(killed_before, two_rank_runs):
+    """name -> ((exit code, complete checkpoints, latest) when killed, resumed run's stdout, output_dir)."""
+    killed, _, root = killed_before
+    return {name: (killed[name], two_rank_runs[f"resumed {name}"], root / name) for name in killed}
 
 
 @pytest.mark.parametrize("name", sorted(KILLS))
@@ -155,16 +187,13 @@ def test_resume_auto_without_checkpoints_starts_fresh(saved_run):
 
 
 @pytest.mark.parametrize("name, before, after", [("zero2", 2, 1), ("zero3", 1, 2)])
-def test_resume_at_another_world_size(name, before, after, tmp_path):
+def test_resume_at_another_world_size(name, before, after, world_size_runs, two_rank_runs):
     """ZeRO state saved by N ranks continues on M ranks through a universal checkpoint."""
-    config, out = REPO / "ds_configs" / f"{name}.json", tmp_path / "run"
-    launcher = {1: "python", 2: "deepspeed"}
-    train(launcher[before], before, "--deepspeed_config", config, "--max_steps", 10, "--log_interval", 1,
-          "--output_dir", out)
-    result = train(launcher[after], after, "--deepspeed_config", config, "--max_steps", 20, "--log_interval", 1,
-                   "--output_dir", out, "--resume", "auto")
-    assert f"saved by {before} rank(s), this run has {after}: converting it to a universal checkpoint" in result.stdout
-    assert "at step 10" in result.stdout
+    out = world_size_runs[1][name]
+    stdout = train("python", 1, *_ten_steps(name, out, 20, "--resume", "auto")).stdout if after == 1 else \
+        two_rank_runs[f"world {name}"]
+    assert f"saved by {before} rank(s), this run has {after}: converting it to a universal checkpoint" in stdout
+    assert "at step 10" in stdout
     rows = read_metrics(out)[0]
     assert [r["step"] for r in rows] == list(range(1, 21))
     assert rows[-1]["loss"] < rows[9]["loss"] < rows[0]["loss"], "training goes on from where it was"

@@ -68,13 +68,27 @@ def one_process_reference(tmp, *extra) -> list:
 STAGES = ["dp", "zero1", "zero2", "zero3"]
 
 
-def two_rank_runs(tmp, *extra) -> dict:
-    """name -> (per-step losses, stdout) of 2 ranks x micro batch 4 under each ZeRO stage's config, the 12-step runs
-    made one after another in one deepspeed launch."""
-    jobs = [["--deepspeed_config", config_variant(tmp, name, train_micro_batch_size_per_gpu=4), "--max_steps", 12,
-             "--log_interval", 1, "--output_dir", tmp / name, *extra] for name in STAGES]
-    stdouts = train_jobs("deepspeed", 2, jobs)
-    return {name: ([r["loss"] for r in read_metrics(tmp / name)[0]], out) for name, out in zip(STAGES, stdouts)}
+def equivalence_jobs(tmp) -> dict:
+    """name -> the 12-step run of 2 ranks x micro batch 4 under each ZeRO stage's config."""
+    tmp.mkdir(parents=True)
+    return {name: ["--deepspeed_config", config_variant(tmp, name, train_micro_batch_size_per_gpu=4), "--max_steps",
+                   12, "--log_interval", 1, "--output_dir", tmp / name] for name in STAGES}
+
+
+@pytest.fixture(scope="module")
+def two_rank(tmp_path_factory):
+    """(group, name) -> (output_dir, stdout) of every 2-rank run of this file, one after another in one deepspeed
+    launch: the equivalence runs, bf16 autocast's and the bf16 section's."""
+    root = tmp_path_factory.mktemp("two")
+    groups = {"equivalence": equivalence_jobs(root / "equivalence"), "autocast": autocast_jobs(root / "autocast"),
+              "bf16": bf16_weight_jobs(root / "bf16")}
+    tags = [(group, name) for group, jobs in groups.items() for name in jobs]
+    outputs = train_jobs("deepspeed", 2, [groups[group][name] for group, name in tags])
+    return {tag: (Path(groups[tag[0]][tag[1]][-1]), output) for tag, output in zip(tags, outputs)}
+
+
+def two_rank_losses_of(two_rank, group: str, name: str) -> list:
+    return [r["loss"] for r in read_metrics(two_rank[(group, name)][0])[0]]
 
 
 def assert_two_ranks_match(one: list, two: list):
@@ -89,15 +103,10 @@ def one_process_losses(tmp_path_factory):
     return one_process_reference(tmp_path_factory.mktemp("one"))
 
 
-@pytest.fixture(scope="module")
-def two_rank_losses(tmp_path_factory):
-    return two_rank_runs(tmp_path_factory.mktemp("two"))
-
-
 @pytest.mark.parametrize("name", STAGES)
-def test_two_ranks_compute_what_one_process_does(name, one_process_losses, two_rank_losses):
+def test_two_ranks_compute_what_one_process_does(name, one_process_losses, two_rank):
     """Synchronous data parallelism: 2 ranks x micro batch 4 under each ZeRO stage == 1 process x micro batch 8."""
-    assert_two_ranks_match(one_process_losses, two_rank_losses[name][0])
+    assert_two_ranks_match(one_process_losses, two_rank_losses_of(two_rank, "equivalence", name))
 
 
 def test_gradient_accumulation_counts_optimizer_steps(tmp_path):
@@ -109,18 +118,21 @@ def test_gradient_accumulation_counts_optimizer_steps(tmp_path):
     assert json.loads((out / "summary.json").read_text())["samples"] == 4 * 32
 
 
-def test_under_bf16_autocast_every_zero_stage_reduces_gradients_in_fp32(tmp_path):
+def autocast_jobs(tmp) -> dict:
+    """name -> 6 steps of 2 ranks under each ZeRO stage with bf16 autocast on."""
+    autocast = {"enabled": True, "dtype": "bfloat16", "lower_precision_safe_modules": []}
+    for name in STAGES:
+        (tmp / name).mkdir(parents=True)
+    return {name: ["--deepspeed_config", config_variant(tmp / name, name, torch_autocast=autocast), "--max_steps", 6,
+                   "--log_interval", 1, "--output_dir", tmp / name / "run"] for name in STAGES}
+
+
+def test_under_bf16_autocast_every_zero_stage_reduces_gradients_in_fp32(two_rank):
     """The shipped configs' "lower_precision_safe_modules": [] keeps DeepSpeed's torch_autocast from reducing
     Linear and Conv gradients in bf16 under ZeRO 1-3 (ZeRO 0 reduces in fp32): with bf16 autocast on, 2 ranks
     train the same losses under every stage, as the raw loop's recipe does."""
-    autocast = {"enabled": True, "dtype": "bfloat16", "lower_precision_safe_modules": []}
-    for name in STAGES:
-        (tmp_path / name).mkdir()
-    jobs = [["--deepspeed_config", config_variant(tmp_path / name, name, torch_autocast=autocast), "--max_steps", 6,
-             "--log_interval", 1, "--output_dir", tmp_path / name / "run"] for name in STAGES]
-    outputs = train_jobs("deepspeed", 2, jobs)
-    assert all("precision: bf16 autocast" in output for output in outputs)
-    losses = {name: [r["loss"] for r in read_metrics(tmp_path / name / "run")[0]] for name in STAGES}
+    assert all("precision: bf16 autocast" in two_rank[("autocast", name)][1] for name in STAGES)
+    losses = {name: two_rank_losses_of(two_rank, "autocast", name) for name in STAGES}
     for name in STAGES[1:]:
         assert losses[name] == pytest.approx(losses["dp"], abs=1e-6), (name, losses)
 
@@ -135,23 +147,31 @@ def bf16_weights(tmp, name: str, micro: int) -> Path:
     return path
 
 
-def test_bf16_weights_train_alike_on_one_and_two_ranks_and_resume_exactly(tmp_path):
+def bf16_weight_jobs(tmp) -> dict:
+    """name -> 6 steps of 2 ranks x micro 4 with the bf16 section under each ZeRO stage; for ZeRO 0 and 2, the
+    same cut at step 3 ("<name>-cut") and resumed ("<name>-resumed")."""
+    tmp.mkdir(parents=True)
+    common = ["--log_interval", 1]
+    jobs = {name: ["--deepspeed_config", bf16_weights(tmp, name, 4), "--max_steps", 6, *common, "--output_dir",
+                   tmp / name] for name in STAGES}
+    for name in ("dp", "zero2"):
+        cut = ["--deepspeed_config", bf16_weights(tmp, name, 4), *common]
+        jobs[f"{name}-cut"] = [*cut, "--max_steps", 3, "--output_dir", tmp / f"{name}-cut"]
+        jobs[f"{name}-resumed"] = [*cut, "--max_steps", 6, "--resume", "auto", "--output_dir", tmp / f"{name}-cut"]
+    return jobs
+
+
+def test_bf16_weights_train_alike_on_one_and_two_ranks_and_resume_exactly(tmp_path, two_rank):
     """DeepSpeed's bf16 section, whose steps the app runs without a host sync (docs/gpu.md): 2 ranks x micro 4
     under every ZeRO stage against 1 process x micro 8 (losses of about 2.3), within bf16's rounding (8e-4 under
     ZeRO 0, 1.5e-2 under ZeRO 1-3 when measured); a run cut at step 3 and resumed gives the unbroken run's losses
     exactly."""
-    common = ["--log_interval", 1]
-    jobs = [["--deepspeed_config", bf16_weights(tmp_path, name, 4), "--max_steps", 6, *common, "--output_dir",
-             tmp_path / name] for name in STAGES]
-    for name in ("dp", "zero2"):
-        cut = ["--deepspeed_config", bf16_weights(tmp_path, name, 4), *common, "--output_dir", tmp_path / f"{name}-cut"]
-        jobs += [[*cut, "--max_steps", 3], [*cut, "--max_steps", 6, "--resume", "auto"]]
-    outputs = train_jobs("deepspeed", 2, jobs)
+    outputs = [output for (group, _), (_, output) in two_rank.items() if group == "bf16"]
     assert all("precision: bf16" in output and "autocast" not in output for output in outputs), outputs[0]
     one = losses("python", 1, bf16_weights(tmp_path, "dp", 8), tmp_path / "one", "--max_steps", 6)[0]
-    two = {name: [r["loss"] for r in read_metrics(tmp_path / name)[0]] for name in STAGES}
+    two = {name: two_rank_losses_of(two_rank, "bf16", name) for name in STAGES}
     for name in STAGES:  # ZeRO 1-3 reduce bf16 gradients in bf16 (DeepSpeed's default): more rounding than ZeRO 0
         worst = max(abs(a - b) for a, b in zip(one, two[name]))
         assert len(two[name]) == 6 and worst < (2e-3 if name == "dp" else 2e-2), (name, one, two[name])
     for name in ("dp", "zero2"):
-        assert [r["loss"] for r in read_metrics(tmp_path / f"{name}-cut")[0]] == two[name], name
+        assert two_rank_losses_of(two_rank, "bf16", f"{name}-resumed") == two[name], name
