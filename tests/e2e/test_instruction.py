@@ -31,12 +31,11 @@ def weights(output_dir) -> dict:
     return saved["module"]
 
 
-@pytest.fixture(scope="module")
-def one_step(tmp_path_factory):
-    """Chats of unequal lengths (llama-tiny, answers only), the same packed into blocks, and labelled sentences
-    of unequal lengths (bert-tiny): one SGD step under each split of a global batch of 8, and the chats' weights
-    before it (lr 0). The 2-rank launch also tries packing under pipeline stages, refused in one line."""
-    tmp = tmp_path_factory.mktemp("split")
+def one_step_jobs(tmp) -> dict:
+    """{ranks: jobs} of the split runs: chats of unequal lengths (llama-tiny, answers only), the same packed into
+    blocks, and labelled sentences of unequal lengths (bert-tiny): one SGD step under each split of a global batch
+    of 8, and the chats' weights before it (lr 0); the last 2-rank job tries packing under pipeline stages, refused
+    in one line (exit 2)."""
     from app.tools.instructions import write
     chats = write(tmp / "chats", 64, seed=3)
     labelled = write_text_rows(tmp / "labelled.jsonl", 64, labelled=True)
@@ -52,10 +51,35 @@ def one_step(tmp_path_factory):
                     "--packing", "off", *common, "--output_dir", tmp / "before"])
     jobs[2].append(["--model", "gpt2-tiny", "--dataset", chats, "--deepspeed_config", REPO / "ds_configs" /
                     "pipeline.json", *common, "--output_dir", tmp / "pipeline"])
-    outputs = train_jobs("deepspeed", 2, jobs[2], codes=[0] * (len(jobs[2]) - 1) + [2])
+    return jobs
+
+
+def learnt_job(tmp) -> list:
+    """The worked example (app/tools/instructions.py): a tiny Llama folder fine-tuned on chats, 2 ranks, ZeRO-3,
+    evaluated with 20 answers every 20 steps."""
+    from app.tools.instructions import write, write_model
+    chats, model = write(tmp, 2000, seed=0), write_model(tmp, seed=0)
+    return ["--model", model, "--dataset", chats, "--deepspeed_config", REPO / "ds_configs" / "zero3.json",
+            "--max_steps", 80, "--eval_interval", 20, "--log_interval", 10, "--eval_answers", 20, "--output_dir",
+            tmp / "run"]
+
+
+@pytest.fixture(scope="module")
+def launched(tmp_path_factory):
+    """(split folder, worked example folder, the worked example's output): every 2-rank job of this file in one
+    deepspeed launch, the split runs' one-process jobs in one process."""
+    split, example = tmp_path_factory.mktemp("split"), tmp_path_factory.mktemp("learnt")
+    jobs = one_step_jobs(split)
+    two = [*jobs[2], learnt_job(example)]
+    outputs = train_jobs("deepspeed", 2, two, codes=[0] * (len(jobs[2]) - 1) + [2, 0])
     train_jobs("python", 1, jobs[1])
-    (tmp / "pipeline.txt").write_text(outputs[-1])
-    return tmp
+    (split / "pipeline.txt").write_text(outputs[-2])
+    return split, example, outputs[-1]
+
+
+@pytest.fixture(scope="module")
+def one_step(launched):
+    return launched[0]
 
 
 def test_packing_under_pipeline_stages_is_one_line(one_step):
@@ -115,16 +139,10 @@ def test_the_step_is_the_mean_over_every_answer_token_of_the_global_batch(one_st
 
 
 @pytest.fixture(scope="module")
-def learnt(tmp_path_factory):
-    """The worked example (app/tools/instructions.py): a tiny Llama folder fine-tuned on chats, 2 ranks, ZeRO-3,
-    evaluated with 20 answers every 20 steps, then exported as a transformers folder."""
-    tmp = tmp_path_factory.mktemp("learnt")
-    from app.tools.instructions import write, write_model
-    chats, model = write(tmp, 2000, seed=0), write_model(tmp, seed=0)
+def learnt(launched):
+    """The worked example's run, then exported as a transformers folder."""
+    _, tmp, output = launched
     out = tmp / "run"
-    output = train_jobs("deepspeed", 2, [["--model", model, "--dataset", chats, "--deepspeed_config",
-                                          REPO / "ds_configs" / "zero3.json", "--max_steps", 80, "--eval_interval",
-                                          20, "--log_interval", 10, "--eval_answers", 20, "--output_dir", out]])[0]
     result = run([sys.executable, "-m", "app.tools.export", out, tmp / "exported"])
     assert result.returncode == 0, result.stdout + result.stderr
     return out, tmp / "exported", output

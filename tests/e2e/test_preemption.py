@@ -7,7 +7,7 @@ import time
 import psutil
 import pytest
 
-from conftest import REPO, TWO_RANK_ARGS, read_metrics, train, train_command, two_rank_steps
+from conftest import REPO, TWO_RANK_ARGS, read_metrics, train_command, train_jobs, two_rank_steps
 
 
 STEPS = 200  # long enough that the signal lands mid-run on this machine
@@ -54,24 +54,48 @@ def _saved_step(out) -> int:
     return int((out / "checkpoints" / "latest").read_text()[4:])
 
 
-@pytest.mark.parametrize("name", ["dp", "pipeline"])
-def test_sigterm_to_one_rank_saves_and_resumes_exactly(name, tmp_path, two_rank_run):
-    whole, _ = two_rank_run(name)
-    stopped, steps = tmp_path / "stopped", two_rank_steps(name)
-    config = ["--deepspeed_config", REPO / "ds_configs" / f"{name}.json", *TWO_RANK_ARGS]
-    launcher = _start(stopped, *config)
+SIGNALLED = ("dp", "pipeline")
+
+
+def _config(name: str) -> list:
+    return ["--deepspeed_config", REPO / "ds_configs" / f"{name}.json", *TWO_RANK_ARGS]
+
+
+def _sigterm_to_rank_1(out, name: str) -> tuple:
+    """(exit code, output) of the standard 2-rank run of a config, rank 1 sent SIGTERM after step 10."""
+    launcher = _start(out, *_config(name))
     ranks = _ranks(launcher)
-    _wait_for_step(stopped, 10, launcher)
+    _wait_for_step(out, 10, launcher)
     # Hold rank 1 while the signal is queued, so it lands mid-run however fast the steps are.
     ranks[1].suspend()
     ranks[1].send_signal(signal.SIGTERM)
     ranks[1].resume()
     output = launcher.communicate(timeout=60)[0]
-    assert launcher.returncode == 0, output[-3000:]
-    step = _saved_step(stopped)
+    return launcher.returncode, output
+
+
+@pytest.fixture(scope="module")
+def signalled(tmp_path_factory):
+    """name -> (exit code, output, the step saved, output_dir) of each config's run stopped by SIGTERM to rank 1,
+    each in a launch of its own; then every stopped run resumed, one after another in one deepspeed launch."""
+    root = tmp_path_factory.mktemp("signalled")
+    stopped = {}
+    for name in SIGNALLED:
+        code, output = _sigterm_to_rank_1(root / name, name)
+        stopped[name] = code, output, _saved_step(root / name), root / name
+    train_jobs("deepspeed", 2, [[*_config(name), "--output_dir", root / name, "--resume", "auto"]
+                                for name in SIGNALLED])
+    return stopped
+
+
+@pytest.mark.parametrize("name", SIGNALLED)
+def test_sigterm_to_one_rank_saves_and_resumes_exactly(name, signalled, two_rank_run):
+    whole, _ = two_rank_run(name)
+    code, output, step, stopped = signalled[name]
+    steps = two_rank_steps(name)
+    assert code == 0, output[-3000:]
     assert 10 < step < steps and f"stopped at step {step} on request" in output, output[-3000:]
     assert output.count("stopped at step") == 1, "only rank 0 speaks"
-    train("deepspeed", 2, *config, "--output_dir", stopped, "--resume", "auto")
     expected, got = read_metrics(whole)[0], read_metrics(stopped)[0]
     assert [r["step"] for r in got] == list(range(1, steps + 1))
     assert [r["loss"] for r in got] == [r["loss"] for r in expected], "per-step losses identical"

@@ -214,15 +214,14 @@ def check_report(name, report):
 
 
 def count_in_launch(nproc: int, jobs: list, *flags, base_env=None) -> list:
-    """Each job's report from one launch of this script with nproc ranks (deepspeed's; python's for one): {"code", "output",
+    """Each job's report from one deepspeed launch of this script with nproc ranks: {"code", "output",
     "ranks": [{window: {source: count}}]} (for the tests)."""
     import tempfile
     from conftest import run, train_command
     with tempfile.TemporaryDirectory() as folder:
         jobs_file = Path(folder) / "jobs.json"
         jobs_file.write_text(json.dumps([[str(a) for a in job] for job in jobs]))
-        launcher = "deepspeed" if nproc > 1 else "python"  # one rank: a process of its own, no launcher
-        result = run(train_command(launcher, nproc, jobs_file, folder, *flags, script="tests/helpers/host_syncs.py"),
+        result = run(train_command("deepspeed", nproc, jobs_file, folder, *flags, script="tests/helpers/host_syncs.py"),
                      timeout=900, base_env=base_env)
         assert result.returncode == 0, f"exit {result.returncode}\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}"
         return [json.loads((Path(folder) / f"{i}.json").read_text()) for i in range(len(jobs))]

@@ -8,6 +8,7 @@ and stderr, to <report folder>/<i>.rank<r>.txt and its exit code to <i>.rank<r>.
 own launch: a job that ends in a user error says its one line and exits 2, and the next job runs.
 """
 import contextlib
+import gc
 import io
 import json
 import os
@@ -39,6 +40,7 @@ def variables(env: dict):
 
 
 def main(jobs_file: str, report: str):
+    gc.freeze()  # as app/train.py's main: the imports' objects stay out of every job's collections
     launch.prepare_environment()
     jobs = [job if isinstance(job, dict) else {"argv": job} for job in json.loads(Path(jobs_file).read_text())]
     parsed = [(config.parse([str(a) for a in job["argv"]]), job.get("env", {})) for job in jobs]

@@ -1,6 +1,7 @@
 """What the forkserver of helpers/forks.py imports once, before it forks each command: every heavy import of a
 short run (torch's compiler stack, which torch.optim's first optimizer imports; DeepSpeed; transformers; datasets;
 matplotlib for loss.png; the app)."""
+import gc
 import importlib
 
 import matplotlib
@@ -9,3 +10,4 @@ matplotlib.use("Agg")  # as app/observe/runlog.py sets it
 for name in ("torch", "torch._dynamo", "deepspeed", "transformers", "datasets", "matplotlib.pyplot", "app.train",
              "app.tools.export"):
     importlib.import_module(name)
+gc.freeze()  # every fork's collections skip what was imported here, and leave its pages shared
