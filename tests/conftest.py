@@ -112,16 +112,31 @@ def train(launcher="python", nproc=1, *args, timeout=600, base_env=None):
     return result
 
 
+def launch_script(nproc: int, script: str, *args, timeout=900, base_env=None) -> subprocess.CompletedProcess:
+    """`deepspeed --num_gpus nproc script args` for the tests' own launch scripts (tests/helpers/jobs.py,
+    host_syncs.py). On the CPU its ranks are forks of the preloaded python (helpers/forks.py), which saves the
+    launcher's start-up and each rank's imports; with base_env (the CUDA tests) it is the deepspeed launcher."""
+    if base_env is not None:
+        return run(train_command("deepspeed", nproc, *args, script=script), timeout=timeout, base_env=base_env)
+    started = time.perf_counter()
+    try:
+        return forks.run_ranks(nproc, [script, *args], {**os.environ, "PYTHONUNBUFFERED": "1"}, REPO, timeout)
+    finally:
+        _log_launch([f"{nproc} ranks:", script, *args], time.perf_counter() - started)
+
+
 def train_jobs(launcher: str, nproc: int, jobs: list, timeout=900, base_env=None, codes=None) -> list:
     """The output of each of several training jobs (argument lists, or {"argv": [...], "env": {...}}) run one
-    after another in one launch (tests/helpers/jobs.py): every rank's, rank 0's first. Fails the test with the output
+    after another in one process group (tests/helpers/jobs.py): every rank's, rank 0's first. launcher: "ranks"
+    (nproc ranks as launch_script starts them) or "python" (one process, no launcher). Fails the test with the output
     if a job's ranks did not exit with its code in codes (default: 0 for every job)."""
     with tempfile.TemporaryDirectory() as folder:
         jobs_file = Path(folder) / "jobs.json"
         jobs_file.write_text(json.dumps([{"argv": [str(a) for a in job["argv"]], "env": job.get("env", {})}
                                          if isinstance(job, dict) else [str(a) for a in job] for job in jobs]))
-        result = run(train_command(launcher, nproc, jobs_file, folder, script="tests/helpers/jobs.py"), timeout=timeout,
-                     base_env=base_env)
+        script = "tests/helpers/jobs.py"
+        result = run(train_command("python", 1, jobs_file, folder, script=script), timeout=timeout, base_env=base_env) \
+            if launcher == "python" else launch_script(nproc, script, jobs_file, folder, timeout=timeout, base_env=base_env)
         assert result.returncode == 0, f"exit {result.returncode}\n{result.stdout[-4000:]}\n{result.stderr[-4000:]}"
         outputs = []
         for i in range(len(jobs)):
@@ -129,6 +144,8 @@ def train_jobs(launcher: str, nproc: int, jobs: list, timeout=900, base_env=None
             got = [(Path(folder) / f"{i}.rank{r}.code").read_text() for r in range(nproc)]
             assert got == [str(codes[i] if codes else 0)] * nproc, f"job {i} exited {got}\n{output[-3000:]}"
             outputs.append(output)
+            argv = jobs[i]["argv"] if isinstance(jobs[i], dict) else jobs[i]  # one log line per job too
+            _log_launch([f"job {i}:", *argv], float((Path(folder) / f"{i}.rank0.seconds").read_text()))
         return outputs
 
 
@@ -167,7 +184,7 @@ def two_rank_steps(name: str) -> int:
 @pytest.fixture(scope="session")
 def two_rank_run(tmp_path_factory):
     """name -> (output_dir, stdout) of the standard 2-rank run of ds_configs/<name>.json: every config's run,
-    made at the first call, one after another in one deepspeed launch."""
+    made at the first call, one after another in one launch."""
     root = tmp_path_factory.mktemp("two-rank")
     names = sorted(p.stem for p in (REPO / "ds_configs").glob("*.json") if p.stem not in NOT_FOR_THE_CNN)
     jobs = [["--deepspeed_config", REPO / "ds_configs" / f"{name}.json", *TWO_RANK_ARGS, "--output_dir", root / name]
@@ -176,7 +193,7 @@ def two_rank_run(tmp_path_factory):
 
     def get(name):
         if not done:
-            done.update({n: (root / n, out) for n, out in zip(names, train_jobs("deepspeed", 2, jobs))})
+            done.update({n: (root / n, out) for n, out in zip(names, train_jobs("ranks", 2, jobs))})
         return done[name]
     return get
 

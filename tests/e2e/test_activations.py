@@ -23,7 +23,7 @@ def runs(tmp_path_factory):
         config = config.rename(tmp / f"{model}-{stage}-{on}.json")
         jobs.append(["--deepspeed_config", config, "--model", model, *models_[model], "--log_interval", 1,
                      "--output_dir", tmp / f"{model}-{stage}-{on}"])
-    outputs = train_jobs("deepspeed", 2, jobs)
+    outputs = train_jobs("ranks", 2, jobs)
     return {case: ([r["loss"] for r in read_metrics(tmp / f"{case[0]}-{case[1]}-{case[2]}")[0]], output)
             for case, output in zip(cases, outputs)}
 

@@ -50,7 +50,7 @@ def runs(tmp_path_factory):
     out["dp resumed"] = out["dp"]
     job_list = [{"argv": [*argv, "--output_dir", out[name]], "env": {"APP_OOM_AT": fault} if fault else {}}
                 for name, (argv, fault) in jobs.items()]
-    outputs = train_jobs("deepspeed", 2, job_list, codes=[2 if name in ("nothing fits", "out of memory in training") else 0
+    outputs = train_jobs("ranks", 2, job_list, codes=[2 if name in ("nothing fits", "out of memory in training") else 0
                                                       for name in jobs])
     return {name: (output, out[name]) for name, output in zip(jobs, outputs)}
 

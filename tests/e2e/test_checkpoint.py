@@ -71,11 +71,11 @@ def world_size_runs(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def two_rank_runs(killed_before, world_size_runs):
-    """The 2-rank runs of this file that need no launch of their own, one after another in one deepspeed launch:
+    """The 2-rank runs of this file that need no launch of their own, one after another in one launch:
     tag -> stdout ("resumed <name>" for the killed runs, "world <name>" for the world-size changes)."""
     jobs = {**{f"resumed {name}": job for name, job in killed_before[1].items()},
             **{f"world {name}": job for name, job in world_size_runs[0].items()}}
-    return dict(zip(jobs, train_jobs("deepspeed", 2, list(jobs.values()))))
+    return dict(zip(jobs, train_jobs("ranks", 2, list(jobs.values()))))
 
 
 @pytest.fixture(scope="module")

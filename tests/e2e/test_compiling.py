@@ -26,13 +26,13 @@ FAULTS = {"backward-on-rank-1": ("zero2", {"APP_FAIL_COMPILE": "backward:1"}, 0)
 @pytest.fixture(scope="module")
 def compiled_two_ranks(tmp_path_factory):
     """name -> (per-step losses, output) of 2 compiled ranks x micro batch 4, 12 steps, under each ZeRO stage
-    and each fault of FAULTS, one after another in one deepspeed launch."""
+    and each fault of FAULTS, one after another in one launch."""
     tmp = tmp_path_factory.mktemp("compiled-two")
     runs = {**{name: (name, {}, 0) for name in STAGES}, **FAULTS}
     jobs = [{"argv": ["--deepspeed_config", config_variant(tmp, config, train_micro_batch_size_per_gpu=4),
                       "--max_steps", 12, "--log_interval", 1, "--output_dir", tmp / name, *COMPILE], "env": env}
             for name, (config, env, _) in runs.items()]
-    outputs = train_jobs("deepspeed", 2, jobs, codes=[code for _, _, code in runs.values()])
+    outputs = train_jobs("ranks", 2, jobs, codes=[code for _, _, code in runs.values()])
     return {name: ([r["loss"] for r in read_metrics(tmp / name)[0]] if code == 0 else [], out)
             for (name, (_, _, code)), out in zip(runs.items(), outputs)}
 

@@ -126,7 +126,7 @@ def test_two_ranks_share_one_gpu_behind_a_device_only_group(tmp_path):
     jobs = [["--deepspeed_config", REPO / "ds_configs" / f"{name}.json", "--model", "gpt2-tiny", "--dataset", corpus,
              "--max_steps", 8, "--log_interval", 2, "--save_interval", 4, "--output_dir", tmp_path / name]
             for name in names]
-    outputs = train_jobs("deepspeed", 2, jobs, base_env={**cuda_env(), **SHARED})
+    outputs = train_jobs("ranks", 2, jobs, base_env={**cuda_env(), **SHARED})
     for name, output in zip(names, outputs):
         assert "cuda:gloo on cuda" in output, output[-2000:]
         summary = read_summary(tmp_path / name)

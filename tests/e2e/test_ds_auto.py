@@ -23,7 +23,7 @@ def test_configs_people_bring_train_on_a_cpu_and_resume_exactly(tmp_path):
     resumed = tmp_path / "resumed"
     cases.append(["--deepspeed_config", files["hf_zero2"], *run, "--output_dir", resumed, "--resume",
                   tmp_path / "hf_zero2" / "checkpoints" / "step00000002"])
-    outputs = train_jobs("deepspeed", 1, cases)
+    outputs = train_jobs("ranks", 1, cases)
     assert "fp32 (" in outputs[4] and "sets fp16.enabled true, which needs a CUDA device" in outputs[4]
     assert outputs[0].count("filled in (saved in deepspeed_auto.json):") == 1
     for name in files:

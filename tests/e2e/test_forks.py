@@ -8,7 +8,7 @@ from conftest import REPO
 from helpers.forks import run_python
 
 SCRIPT = """import os, signal, sys
-print("argv", sys.argv, "main", __name__, "path0", sys.path[0])
+print("argv", sys.argv, "main", __name__, "path0", sys.path[0], "file", __file__)
 print("env", sorted(k for k in os.environ if k.startswith("FORK_")), os.getcwd())
 print("to stderr", file=sys.stderr)
 how = sys.argv[1]
@@ -31,12 +31,12 @@ def script(tmp_path):
 
 @pytest.mark.parametrize("how, code", [("0", 0), ("2", 2), ("kill", -9), ("raise", 1)])
 def test_a_fork_ends_as_the_python_command_would(how, code, script, tmp_path):
-    got = run_python([script, how], {"FORK_A": "1", "PYTHONUNBUFFERED": "1"}, tmp_path, timeout=60)
-    want = subprocess.run([sys.executable, script, how], cwd=tmp_path, capture_output=True, text=True,
+    got = run_python([script.name, how], {"FORK_A": "1", "PYTHONUNBUFFERED": "1"}, tmp_path, timeout=60)
+    want = subprocess.run([sys.executable, script.name, how], cwd=tmp_path, capture_output=True, text=True,
                           env={"FORK_A": "1", "PYTHONUNBUFFERED": "1"})
     assert got.returncode == want.returncode == code
-    assert got.stdout == want.stdout and got.stdout.startswith(f"argv ['{script}', '{how}'] main __main__ path0 "
-                                                               f"{tmp_path}")
+    assert got.stdout == want.stdout and got.stdout.startswith(f"argv ['{script.name}', '{how}'] main __main__ path0 "
+                                                               f"{tmp_path} file {script}")
     assert ("Traceback" in got.stderr and "ValueError: boom" in got.stderr) == (how == "raise")
     assert "to stderr" in got.stderr
 
@@ -47,3 +47,22 @@ def test_a_module_runs_as_main_and_a_fork_that_outlives_its_timeout_is_killed(tm
     (tmp_path / "probe.py").write_text(SCRIPT)
     with pytest.raises(subprocess.TimeoutExpired):
         run_python([tmp_path / "probe.py", "hang"], {}, tmp_path, timeout=2)
+
+
+def test_ranks_see_the_launcher_variables_and_one_failing_ends_the_others(tmp_path):
+    """run_ranks starts each rank as the deepspeed launcher would (its variables, --local_rank=N); when a rank exits
+    non-zero, the ones still running are ended and the run returns that code, as the launcher does."""
+    from helpers.forks import run_ranks
+    (tmp_path / "ranks.py").write_text("""import os, signal, sys
+print("rank", os.environ["RANK"], "of", os.environ["WORLD_SIZE"], "local", os.environ["LOCAL_RANK"], sys.argv[1:])
+sys.stdout.flush()
+if sys.argv[1] == "fail" and os.environ["RANK"] == "1":
+    sys.exit(3)
+if sys.argv[1] == "fail":
+    signal.pause()
+""")
+    got = run_ranks(2, [tmp_path / "ranks.py", "ok"], {"PYTHONUNBUFFERED": "1"}, tmp_path, timeout=60)
+    assert got.returncode == 0
+    assert got.stdout == "rank 0 of 2 local 0 ['ok', '--local_rank=0']\nrank 1 of 2 local 1 ['ok', '--local_rank=1']\n"
+    got = run_ranks(2, [tmp_path / "ranks.py", "fail"], {"PYTHONUNBUFFERED": "1"}, tmp_path, timeout=60)
+    assert got.returncode == 3 and "rank 0 of 2" in got.stdout, "rank 0, paused, was ended when rank 1 failed"

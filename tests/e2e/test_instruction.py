@@ -67,11 +67,11 @@ def learnt_job(tmp) -> list:
 @pytest.fixture(scope="module")
 def launched(tmp_path_factory):
     """(split folder, worked example folder, the worked example's output): every 2-rank job of this file in one
-    deepspeed launch, the split runs' one-process jobs in one process."""
+    launch, the split runs' one-process jobs in one process."""
     split, example = tmp_path_factory.mktemp("split"), tmp_path_factory.mktemp("learnt")
     jobs = one_step_jobs(split)
     two = [*jobs[2], learnt_job(example)]
-    outputs = train_jobs("deepspeed", 2, two, codes=[0] * (len(jobs[2]) - 1) + [2, 0])
+    outputs = train_jobs("ranks", 2, two, codes=[0] * (len(jobs[2]) - 1) + [2, 0])
     train_jobs("python", 1, jobs[1])
     (split / "pipeline.txt").write_text(outputs[-2])
     return split, example, outputs[-1]

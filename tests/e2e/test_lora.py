@@ -43,7 +43,7 @@ def runs(tmp_path_factory):
              "--output_dir", tmp / "zero0"]]
     jobs += [[*common, "--deepspeed_config", REPO / "ds_configs" / f"{name}.json", "--max_steps", 1, "--output_dir",
               tmp / name] for name in ("zero1", "zero2_offload")]
-    outputs = train_jobs("deepspeed", 2, jobs)
+    outputs = train_jobs("ranks", 2, jobs)
     for args in (["whole", "adapters"], ["whole", "merged", "--merged"]):
         result = run([sys.executable, "-m", "app.tools.export", tmp / args[0], tmp / args[1], *args[2:]])
         assert result.returncode == 0, result.stdout + result.stderr

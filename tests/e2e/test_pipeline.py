@@ -34,7 +34,7 @@ def variant(root, tag: str, **changes):
 
 @pytest.fixture(scope="module")
 def pipelined(tmp_path_factory):
-    """tag -> (output_dir, stdout) of the pipelined runs, one after another in one 2-rank deepspeed launch."""
+    """tag -> (output_dir, stdout) of the pipelined runs, one after another in one 2-rank launch."""
     root = tmp_path_factory.mktemp("pipelined")
     corpus = write_text_rows(root / "corpus.txt", 600)
     steps = ["--max_steps", 12, "--log_interval", 1]
@@ -52,7 +52,7 @@ def pipelined(tmp_path_factory):
                          pipeline={"stages": 2, "activation_checkpoint_interval": interval})
         jobs[tag] = ["--deepspeed_config", config, "--model", "gpt2-tiny", "--dataset", corpus, "--block_size", 32,
                      "--max_steps", 30, "--log_interval", 1, "--eval_interval", 15]
-    outputs = train_jobs("deepspeed", 2, [[*args, "--output_dir", root / tag] for tag, args in jobs.items()])
+    outputs = train_jobs("ranks", 2, [[*args, "--output_dir", root / tag] for tag, args in jobs.items()])
     return {tag: (root / tag, out) for tag, out in zip(jobs, outputs)}
 
 
@@ -77,7 +77,7 @@ def test_two_stages_give_the_losses_of_one_process(tag, pipelined, reference):
 def test_three_stages_on_three_ranks_give_the_losses_of_one_process(tmp_path, reference):
     config = config_variant(tmp_path, "pipeline", train_micro_batch_size_per_gpu=8,
                             pipeline={"stages": 3, "partition": "type:Conv2d|Linear"})
-    out, = train_jobs("deepspeed", 3, [["--deepspeed_config", config, "--max_steps", 12, "--log_interval", 1,
+    out, = train_jobs("ranks", 3, [["--deepspeed_config", config, "--max_steps", 12, "--log_interval", 1,
                                         "--output_dir", tmp_path / "run"]])
     assert "pipeline: 3 stages x 1 data-parallel replica(s)" in out and "layers by stage 0: 0-5, 1: 6-7, 2: 8-8" in out
     losses = [r["loss"] for r in read_metrics(tmp_path / "run")[0]]

@@ -77,13 +77,13 @@ def _sigterm_to_rank_1(out, name: str) -> tuple:
 @pytest.fixture(scope="module")
 def signalled(tmp_path_factory):
     """name -> (exit code, output, the step saved, output_dir) of each config's run stopped by SIGTERM to rank 1,
-    each in a launch of its own; then every stopped run resumed, one after another in one deepspeed launch."""
+    each in a launch of its own; then every stopped run resumed, one after another in one launch."""
     root = tmp_path_factory.mktemp("signalled")
     stopped = {}
     for name in SIGNALLED:
         code, output = _sigterm_to_rank_1(root / name, name)
         stopped[name] = code, output, _saved_step(root / name), root / name
-    train_jobs("deepspeed", 2, [[*_config(name), "--output_dir", root / name, "--resume", "auto"]
+    train_jobs("ranks", 2, [[*_config(name), "--output_dir", root / name, "--resume", "auto"]
                                 for name in SIGNALLED])
     return stopped
 

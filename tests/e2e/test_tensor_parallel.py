@@ -19,7 +19,7 @@ def runs(tmp_path_factory):
     configs = {"zero0": config_variant(root, "tensor_parallel", train_micro_batch_size_per_gpu=8),
                "zero1": config_variant(root / "zero1", "tensor_parallel", train_micro_batch_size_per_gpu=8,
                                        zero_optimization={"stage": 1})}
-    outputs = train_jobs("deepspeed", 2, [["--deepspeed_config", config, "--dataset", corpus, *LLAMA,
+    outputs = train_jobs("ranks", 2, [["--deepspeed_config", config, "--dataset", corpus, *LLAMA,
                                            "--output_dir", root / tag] for tag, config in configs.items()])
     return {"one": root / "one", **{tag: (root / tag, out) for tag, out in zip(configs, outputs)}}
 

@@ -11,7 +11,7 @@ from unit.test_train import CONFIGS, STAGE
 
 @pytest.mark.parametrize("name", CONFIGS)
 def test_config_trains_with_two_ranks(name, two_rank_run):
-    """Every ds_config trains the digits CNN with 2 gloo ranks through the deepspeed launcher."""
+    """Every ds_config trains the digits CNN with 2 gloo ranks (the deepspeed launcher itself: test_launchers.py)."""
     out, stdout = two_rank_run(name)
     train_rows, eval_rows = read_metrics(out)
     summary = read_summary(out)
@@ -83,7 +83,7 @@ def two_rank(tmp_path_factory):
     groups = {"equivalence": equivalence_jobs(root / "equivalence"), "autocast": autocast_jobs(root / "autocast"),
               "bf16": bf16_weight_jobs(root / "bf16")}
     tags = [(group, name) for group, jobs in groups.items() for name in jobs]
-    outputs = train_jobs("deepspeed", 2, [groups[group][name] for group, name in tags])
+    outputs = train_jobs("ranks", 2, [groups[group][name] for group, name in tags])
     return {tag: (Path(groups[tag[0]][tag[1]][-1]), output) for tag, output in zip(tags, outputs)}
 
 

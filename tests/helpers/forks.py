@@ -8,15 +8,19 @@ subprocess.run returns them. multiprocessing's forkserver starts the interpreter
 environment of the first call; what it imports is tests/helpers/preload.py.
 """
 import atexit
+import builtins
 import contextlib
 import io
 import multiprocessing
+import multiprocessing.connection
 import multiprocessing.forkserver
 import os
 import runpy
 import subprocess
 import sys
 import tempfile
+import time
+import types
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
@@ -43,6 +47,14 @@ def _output_to(out: str, err: str):
     sys.stderr = sys.__stderr__ = io.TextIOWrapper(io.FileIO(2, "w", closefd=False), write_through=True)
 
 
+def _exit_code(value) -> int:
+    """The exit code python gives sys.exit(value): an int as it is, None as 0, anything else printed and 1."""
+    if value is None or isinstance(value, int):
+        return value or 0
+    print(value, file=sys.stderr)
+    return 1
+
+
 def _as_python(argv: list, env: dict, cwd: str, out: str, err: str):
     """In the fork: run argv as `python *argv` would, then exit with its code."""
     os.chdir(cwd)
@@ -59,9 +71,9 @@ def _as_python(argv: list, env: dict, cwd: str, out: str, err: str):
         else:
             sys.argv = list(argv)
             sys.path.insert(0, str(Path(cwd, argv[0]).resolve().parent))
-            runpy.run_path(argv[0], run_name="__main__")
+            _run_script(os.path.abspath(argv[0]))
     except SystemExit as e:
-        code = e.code if isinstance(e.code, int) else (0 if e.code is None else (print(e.code, file=sys.stderr), 1)[1])
+        code = _exit_code(e.code)
     except BaseException:
         import traceback
         traceback.print_exc()
@@ -72,18 +84,70 @@ def _as_python(argv: list, env: dict, cwd: str, out: str, err: str):
     os._exit(code)
 
 
+def _run_script(path: str):
+    """Run the file at path as __main__ as python does: its code and __file__ carry the absolute path, while
+    sys.argv[0] stays as typed (runpy.run_path would set it to the path)."""
+    main = types.ModuleType("__main__")
+    main.__file__, main.__builtins__ = path, builtins
+    sys.modules["__main__"] = main
+    exec(compile(Path(path).read_bytes(), path, "exec"), main.__dict__)
+
+
 def run_python(argv: list, env: dict, cwd: Path, timeout: float) -> subprocess.CompletedProcess:
     """`python *argv` in cwd with exactly env, as a fork of the preloaded interpreter; like subprocess.run with
     capture_output=True and text=True (an exit by signal N is returncode -N)."""
+    return run_together([argv], [env], cwd, timeout)
+
+
+def run_ranks(nproc: int, argv: list, env: dict, cwd: Path, timeout: float) -> subprocess.CompletedProcess:
+    """`deepspeed --num_gpus nproc *argv` on this CPU without the launcher's own start-up: nproc forks each running
+    `python *argv` with the variables the launcher gives its rank (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_PORT...) and
+    its `--local_rank=N`. Like the launcher, it ends the other ranks when one exits non-zero and returns that code."""
+    from app.distributed.launch import free_port, rank_env
+    port = free_port()
+    return run_together([[*argv, f"--local_rank={rank}"] for rank in range(nproc)],
+                        [{**env, **rank_env(rank, nproc, port)} for rank in range(nproc)], cwd, timeout)
+
+
+def run_together(argvs: list, envs: list, cwd: Path, timeout: float) -> subprocess.CompletedProcess:
+    """One fork per (argv, env) pair, each `python *argv` with exactly env, in cwd; their outputs joined in that order
+    (the first argv stands for the command). The first non-zero exit ends the others (SIGTERM, SIGKILL 5 s later)
+    and is the returncode; past timeout every fork is killed and TimeoutExpired raised."""
+    deadline = time.monotonic() + timeout
     with tempfile.TemporaryDirectory(prefix="fork-") as folder:
-        out, err = Path(folder) / "stdout", Path(folder) / "stderr"
-        process = context().Process(target=_as_python, args=([str(a) for a in argv], dict(env), str(cwd), str(out),
-                                                              str(err)))
-        process.start()
-        process.join(timeout)
+        command = [sys.executable, *argvs[0]]
+        outputs = [(Path(folder) / f"{i}.out", Path(folder) / f"{i}.err") for i in range(len(envs))]
+        processes = [context().Process(target=_as_python, args=([str(a) for a in argv], dict(env), str(cwd), str(out),
+                                                                 str(err)))
+                     for argv, env, (out, err) in zip(argvs, envs, outputs)]
+        for process in processes:
+            process.start()
+        failed = _wait(processes, deadline)
+        stdout, stderr = ("".join(o.read_text(errors="replace") if o.exists() else "" for o in files)
+                          for files in zip(*outputs))  # a fork that died before its first line has no file
+        if failed is None:
+            raise subprocess.TimeoutExpired(command, timeout, stdout, stderr)
+        return subprocess.CompletedProcess(command, failed, stdout, stderr)
+
+
+def _wait(processes: list, deadline: float):
+    """The first non-zero exit code among processes, else 0, once all have ended; None if the deadline came first.
+    Whatever is still running then is ended."""
+    code, running = 0, list(processes)
+    while running and code == 0:
+        ended = multiprocessing.connection.wait([p.sentinel for p in running], max(0.0, deadline - time.monotonic()))
+        if not ended:
+            code = None
+            break
+        for process in [p for p in running if p.sentinel in ended]:
+            process.join()
+            running.remove(process)
+            code = code or process.exitcode
+    for process in running:
+        process.terminate() if code is not None else process.kill()
+    for process in running:
+        process.join(5)
         if process.exitcode is None:
             process.kill()
             process.join()
-            raise subprocess.TimeoutExpired([sys.executable, *argv], timeout, out.read_text(), err.read_text())
-        return subprocess.CompletedProcess([sys.executable, *argv], process.exitcode,
-                                           out.read_text(errors="replace"), err.read_text(errors="replace"))
+    return code

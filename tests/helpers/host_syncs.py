@@ -214,15 +214,14 @@ def check_report(name, report):
 
 
 def count_in_launch(nproc: int, jobs: list, *flags, base_env=None) -> list:
-    """Each job's report from one deepspeed launch of this script with nproc ranks: {"code", "output",
+    """Each job's report from one launch of this script with nproc ranks (conftest.launch_script): {"code", "output",
     "ranks": [{window: {source: count}}]} (for the tests)."""
     import tempfile
-    from conftest import run, train_command
+    from conftest import launch_script
     with tempfile.TemporaryDirectory() as folder:
         jobs_file = Path(folder) / "jobs.json"
         jobs_file.write_text(json.dumps([[str(a) for a in job] for job in jobs]))
-        result = run(train_command("deepspeed", nproc, jobs_file, folder, *flags, script="tests/helpers/host_syncs.py"),
-                     timeout=900, base_env=base_env)
+        result = launch_script(nproc, "tests/helpers/host_syncs.py", jobs_file, folder, *flags, base_env=base_env)
         assert result.returncode == 0, f"exit {result.returncode}\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}"
         return [json.loads((Path(folder) / f"{i}.json").read_text()) for i in range(len(jobs))]
 

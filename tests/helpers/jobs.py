@@ -1,11 +1,12 @@
-"""Several app/train.py jobs in one process group, started once by a real launcher (the tests share its start-up).
+"""Several app/train.py jobs in one process group, started once (the tests share its start-up): by
+conftest.launch_script, as forks with the deepspeed launcher's variables on the CPU, or by the launcher itself:
 
     deepspeed --num_gpus 2 tests/helpers/jobs.py <jobs.json> <report folder>
 
 jobs.json holds a list of train.py argument lists, or of {"argv": [...], "env": {...}} for a job that needs
 variables of its own (the fault points of app/distributed/faults.py). For job i each rank writes what it printed, stdout
-and stderr, to <report folder>/<i>.rank<r>.txt and its exit code to <i>.rank<r>.code, as if it had been its
-own launch: a job that ends in a user error says its one line and exits 2, and the next job runs.
+and stderr, to <report folder>/<i>.rank<r>.txt, its exit code to <i>.rank<r>.code and its seconds to
+<i>.rank<r>.seconds, as if it had been its own launch: a job that ends in a user error says its one line and exits 2, and the next job runs.
 """
 import contextlib
 import gc
@@ -47,7 +48,7 @@ def main(jobs_file: str, report: str):
     world = launch.setup(timeout_s=300)
     try:
         for i, ((settings, ds), env) in enumerate(parsed):
-            printed = io.StringIO()
+            printed, started = io.StringIO(), time.perf_counter()
             with contextlib.redirect_stdout(printed), contextlib.redirect_stderr(printed), variables(env):
                 try:
                     code = train.run(settings, ds, world, time.perf_counter())
@@ -55,6 +56,7 @@ def main(jobs_file: str, report: str):
                     code = say(e)
             (Path(report) / f"{i}.rank{world.rank}.txt").write_text(printed.getvalue())
             (Path(report) / f"{i}.rank{world.rank}.code").write_text(str(code))
+            (Path(report) / f"{i}.rank{world.rank}.seconds").write_text(f"{time.perf_counter() - started:.2f}")
             torch._dynamo.reset()  # a compiled job starts from an empty compile cache, as in its own process
     finally:
         dist.teardown()
