@@ -27,7 +27,7 @@ train: setup
 # The whole suite; the multi-node tests need pdsh, sshd, OpenMPI, Slurm and munge: installed when missing as root,
 # skipped (saying how to install them) for another user.
 test: setup cluster-packages
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q --durations=15 tests
 
 cluster-packages:
 	bash scripts/cluster-packages.sh
