@@ -112,15 +112,16 @@ def train(launcher="python", nproc=1, *args, timeout=600, base_env=None):
     return result
 
 
-def launch_script(nproc: int, script: str, *args, timeout=900, base_env=None) -> subprocess.CompletedProcess:
-    """`deepspeed --num_gpus nproc script args` for the tests' own launch scripts (tests/helpers/jobs.py,
-    host_syncs.py). On the CPU its ranks are forks of the preloaded python (helpers/forks.py), which saves the
-    launcher's start-up and each rank's imports; with base_env (the CUDA tests) it is the deepspeed launcher."""
+def launch_script(nproc: int, script: str, *args, timeout=900, base_env=None, **env) -> subprocess.CompletedProcess:
+    """`deepspeed --num_gpus nproc script args` where what is tested is not the launcher: the tests' own launch
+    scripts (tests/helpers/jobs.py, host_syncs.py), runs killed on purpose. On the CPU its ranks are forks of the
+    preloaded python (helpers/forks.py), which saves the launcher's start-up and each rank's imports; with
+    base_env (the CUDA tests) it is the deepspeed launcher."""
     if base_env is not None:
-        return run(train_command("deepspeed", nproc, *args, script=script), timeout=timeout, base_env=base_env)
+        return run(train_command("deepspeed", nproc, *args, script=script), timeout=timeout, base_env=base_env, **env)
     started = time.perf_counter()
     try:
-        return forks.run_ranks(nproc, [script, *args], {**os.environ, "PYTHONUNBUFFERED": "1"}, REPO, timeout)
+        return forks.run_ranks(nproc, [script, *args], {**os.environ, "PYTHONUNBUFFERED": "1", **env}, REPO, timeout)
     finally:
         _log_launch([f"{nproc} ranks:", script, *args], time.perf_counter() - started)
 

@@ -10,8 +10,8 @@ import torch
 
 from app.checkpoint.save import sha256_of
 from app.tools.export import fp32_state_dict
-from conftest import (REPO, TWO_RANK_ARGS, TWO_RANK_STEPS, assert_one_error_line, read_metrics, run, train,
-                      train_command, train_jobs, two_rank_steps)
+from conftest import (REPO, TWO_RANK_ARGS, TWO_RANK_STEPS, assert_one_error_line, launch_script, read_metrics, run,
+                      train, train_command, train_jobs, two_rank_steps)
 
 
 def assert_same_run(expected, got, steps=TWO_RANK_STEPS):
@@ -39,13 +39,14 @@ KILLS = {
 @pytest.fixture(scope="module")
 def killed_before(tmp_path_factory):
     """(name -> (exit code, complete checkpoints, latest) when killed, name -> the job resuming it, root): each
-    config's run killed by itself (the rank left alone waits 1 s, not 5, for the dead one's outcome:
-    APP_PATIENCE_S); the resumptions run in the launch of two_rank_runs."""
+    config's run killed by itself, its ranks started as launch_script starts them (a kill through the deepspeed
+    launcher: test_preemption.py), the rank left alone waiting 1 s, not 5, for the dead one's outcome
+    (APP_PATIENCE_S); the resumptions run in the launch of two_rank_runs."""
     root, killed = tmp_path_factory.mktemp("killed"), {}
     for name, (moment, _) in sorted(KILLS.items()):
         config = REPO / "ds_configs" / f"{name}.json"
-        result = run(train_command("deepspeed", 2, "--deepspeed_config", config, *TWO_RANK_ARGS,
-                                   "--output_dir", root / name), APP_KILL_AT=moment, APP_PATIENCE_S="1")
+        result = launch_script(2, "app/train.py", "--deepspeed_config", config, *TWO_RANK_ARGS, "--output_dir",
+                               root / name, APP_KILL_AT=moment, APP_PATIENCE_S="1")
         complete = sorted(p.parent.name for p in (root / name / "checkpoints").glob("step*/manifest.json"))
         killed[name] = result.returncode, complete, (root / name / "checkpoints" / "latest").read_text()
     resumed = {name: ["--deepspeed_config", REPO / "ds_configs" / f"{name}.json", *TWO_RANK_ARGS, "--output_dir",

@@ -55,12 +55,12 @@ def one_step_jobs(tmp) -> dict:
 
 
 def learnt_job(tmp) -> list:
-    """The worked example (app/tools/instructions.py): a tiny Llama folder fine-tuned on chats, 2 ranks, ZeRO-3,
-    evaluated with 20 answers every 20 steps."""
+    """The worked example of docs/instruction-tuning.md (app/tools/instructions.py): a tiny Llama folder fine-tuned
+    on chats, 2 ranks, ZeRO-3, 60 steps, evaluated with 20 answers every 15 steps."""
     from app.tools.instructions import write, write_model
     chats, model = write(tmp, 2000, seed=0), write_model(tmp, seed=0)
     return ["--model", model, "--dataset", chats, "--deepspeed_config", REPO / "ds_configs" / "zero3.json",
-            "--max_steps", 80, "--eval_interval", 20, "--log_interval", 10, "--eval_answers", 20, "--output_dir",
+            "--max_steps", 60, "--eval_interval", 15, "--log_interval", 15, "--eval_answers", 20, "--output_dir",
             tmp / "run"]
 
 
@@ -158,12 +158,12 @@ def test_a_tiny_llama_learns_the_answers_of_chats_under_zero3_on_two_ranks(learn
     out, _, output = learnt
     assert "chat template: the tokenizer has none; using the default" in output
     assert "ZeRO stage 3" in output and "2 rank(s)" in output
-    assert "step 80 answers: " in output, "rank 0 shows the answers"
+    assert "step 60 answers: " in output, "rank 0 shows the answers"
     _, evals = read_metrics(out)
-    assert [r["step"] for r in evals] == [20, 40, 60, 80]
+    assert [r["step"] for r in evals] == [15, 30, 45, 60]
     assert evals[-1]["eval_loss"] < evals[0]["eval_loss"] / 4, evals
-    scores = [exact(out / "answers" / f"step{step:08d}.jsonl") for step in (20, 40, 60, 80)]
-    assert scores[-1] >= 0.8 and scores[-1] > scores[0], f"exact answers {scores}; a guess is right 1 in 20"
+    scores = [exact(out / "answers" / f"step{step:08d}.jsonl") for step in (15, 30, 45, 60)]
+    assert scores[-1] >= 0.7 and scores[-1] > scores[0], f"exact answers {scores}; a guess is right 1 in 20"
 
 
 def test_the_exported_model_answers_as_the_run_did(learnt):
@@ -173,7 +173,7 @@ def test_the_exported_model_answers_as_the_run_did(learnt):
     from app.data.text import load_splits
     out, exported, _ = learnt
     model, tokenizer = AutoModelForCausalLM.from_pretrained(exported).eval(), AutoTokenizer.from_pretrained(exported)
-    shown = [json.loads(line) for line in (out / "answers" / "step00000080.jsonl").read_text().splitlines()]
+    shown = [json.loads(line) for line in (out / "answers" / "step00000060.jsonl").read_text().splitlines()]
     _, held = load_splits(str(out.parent / "chats.jsonl"), "", "", 0.1, seed=42)
     for row, said in zip(held, shown):
         prompt = tokenizer.apply_chat_template(row["messages"][:-1], tokenize=False, add_generation_prompt=True)
