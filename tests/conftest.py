@@ -136,8 +136,10 @@ def train_jobs(launcher: str, nproc: int, jobs: list, timeout=900, base_env=None
         jobs_file.write_text(json.dumps([{"argv": [str(a) for a in job["argv"]], "env": job.get("env", {})}
                                          if isinstance(job, dict) else [str(a) for a in job] for job in jobs]))
         script = "tests/helpers/jobs.py"
-        result = run(train_command("python", 1, jobs_file, folder, script=script), timeout=timeout, base_env=base_env) \
-            if launcher == "python" else launch_script(nproc, script, jobs_file, folder, timeout=timeout, base_env=base_env)
+        if launcher == "python":
+            result = run(train_command("python", 1, jobs_file, folder, script=script), timeout=timeout, base_env=base_env)
+        else:
+            result = launch_script(nproc, script, jobs_file, folder, timeout=timeout, base_env=base_env)
         assert result.returncode == 0, f"exit {result.returncode}\n{result.stdout[-4000:]}\n{result.stderr[-4000:]}"
         outputs = []
         for i in range(len(jobs)):
