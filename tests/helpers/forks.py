@@ -143,8 +143,11 @@ def _wait(processes: list, deadline: float):
             process.join()
             running.remove(process)
             code = code or process.exitcode
-    for process in running:
-        process.terminate() if code is not None else process.kill()
+    for process in running:  # after a failure, SIGTERM as the launcher sends; past the deadline, SIGKILL
+        if code is None:
+            process.kill()
+        else:
+            process.terminate()
     for process in running:
         process.join(5)
         if process.exitcode is None:
