@@ -10,7 +10,6 @@ import io
 import json
 import os
 import random
-import socket
 import subprocess
 import sys
 import tempfile
@@ -28,6 +27,9 @@ VISIBLE_DEVICES = os.environ.get("CUDA_VISIBLE_DEVICES")
 os.environ.update(CUDA_VISIBLE_DEVICES="", DS_ACCELERATOR="cpu")
 # datasets' cache of loaded and tokenized files, fresh for each session (read when datasets is imported)
 os.environ["HF_DATASETS_CACHE"] = tempfile.mkdtemp(prefix="hf-datasets-")
+
+from app.distributed.launch import free_port  # noqa: E402 (after the variables above; the tests' ports too)
+
 REPO = Path(__file__).resolve().parent.parent
 BIN = Path(sys.executable).parent
 
@@ -58,12 +60,6 @@ def assert_one_error_line(output: str, *fragments, anywhere: bool = False) -> st
     return errors[0]
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def train_command(launcher: str, nproc: int, *args, script: str = "app/train.py") -> list:
     """The command a user would type for this launcher."""
     args = [str(a) for a in args]
@@ -92,10 +88,10 @@ def run(cmd, timeout=600, base_env=None, **env) -> subprocess.CompletedProcess:
             return forks.run_python(cmd[1:], full_env, REPO, timeout)
         return subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=timeout, env=full_env)
     finally:
-        _log_launch(cmd, time.perf_counter() - started)
+        log_launch(cmd, time.perf_counter() - started)
 
 
-def _log_launch(cmd, seconds: float):
+def log_launch(cmd, seconds: float):
     """With TEST_LAUNCH_LOG=<file>, one JSON line per command a test starts: the test, the seconds, the command
     (where the suite's time goes: docs/tests.md)."""
     log = os.environ.get("TEST_LAUNCH_LOG")
@@ -123,7 +119,7 @@ def launch_script(nproc: int, script: str, *args, timeout=900, base_env=None, **
     try:
         return forks.run_ranks(nproc, [script, *args], {**os.environ, "PYTHONUNBUFFERED": "1", **env}, REPO, timeout)
     finally:
-        _log_launch([f"{nproc} ranks:", script, *args], time.perf_counter() - started)
+        log_launch([f"{nproc} ranks:", script, *args], time.perf_counter() - started)
 
 
 def train_jobs(launcher: str, nproc: int, jobs: list, timeout=900, base_env=None, codes=None) -> list:
@@ -148,7 +144,7 @@ def train_jobs(launcher: str, nproc: int, jobs: list, timeout=900, base_env=None
             assert got == [str(codes[i] if codes else 0)] * nproc, f"job {i} exited {got}\n{output[-3000:]}"
             outputs.append(output)
             argv = jobs[i]["argv"] if isinstance(jobs[i], dict) else jobs[i]  # one log line per job too
-            _log_launch([f"job {i}:", *argv], float((Path(folder) / f"{i}.rank0.seconds").read_text()))
+            log_launch([f"job {i}:", *argv], float((Path(folder) / f"{i}.rank0.seconds").read_text()))
         return outputs
 
 
@@ -245,21 +241,18 @@ def write_text_rows(path: Path, n: int, seed: int = 0, labelled: bool = False) -
     return path
 
 
-def _rank_main(rank, world, port, env, fn, args):
-    from app.distributed.launch import prepare_environment, rank_env
-    os.environ.clear()
-    os.environ.update({**env, **rank_env(rank, world, port)})
+def _prepared(rank, world, fn, args):
+    from app.distributed.launch import prepare_environment
     prepare_environment()  # as app/train.py's ranks: this Python's ninja, or a JIT op is rebuilt (docs/tests.md)
     fn(rank, world, *args)
 
 
-def spawn_ranks(world: int, fn, *args):
-    """Run fn(rank, world, *args) in `world` fresh processes (forks of a preloaded python: helpers/forks.py) that
-    see launcher variables; raise if one fails."""
-    import torch.multiprocessing as mp
-    forks.context()
-    mp.start_processes(_rank_main, args=(world, free_port(), dict(os.environ), fn, args), nprocs=world, join=True,
-                       start_method="forkserver")
+def spawn_ranks(world: int, fn, *args, timeout=300):
+    """Run fn(rank, world, *args) on `world` ranks (forks of the preloaded python, helpers/forks.py, with the
+    launcher's variables; fn a module's top-level function); fail the test with their output if one fails, and
+    end them all past timeout."""
+    result = forks.call_ranks(world, _prepared, (fn, args), dict(os.environ), os.getcwd(), timeout)
+    assert result.returncode == 0, f"exit {result.returncode}\n{result.stdout[-4000:]}\n{result.stderr[-4000:]}"
 
 
 def _main_each(rank, world, cases, report):

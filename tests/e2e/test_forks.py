@@ -66,3 +66,25 @@ if sys.argv[1] == "fail":
     assert got.stdout == "rank 0 of 2 local 0 ['ok', '--local_rank=0']\nrank 1 of 2 local 1 ['ok', '--local_rank=1']\n"
     got = run_ranks(2, [tmp_path / "ranks.py", "fail"], {"PYTHONUNBUFFERED": "1"}, tmp_path, timeout=60)
     assert got.returncode == 3 and "rank 0 of 2" in got.stdout, "rank 0, paused, was ended when rank 1 failed"
+
+
+def _rank_probe(rank, world, fail_on):
+    import os
+    import signal
+    print("rank", rank, "of", world, "sees", os.environ["RANK"], os.environ["WORLD_SIZE"], os.environ["LOCAL_RANK"],
+          flush=True)
+    if rank == fail_on:
+        raise ValueError(f"boom on rank {rank}")
+    if fail_on is not None:
+        signal.pause()
+
+
+def test_a_function_on_ranks_sees_their_variables_and_one_raising_ends_the_others(tmp_path):
+    """call_ranks runs a function on each rank with the launcher's variables; one that raises prints its traceback
+    and exits 1, and the ranks still running are ended, as run_ranks does for a script."""
+    from helpers.forks import call_ranks
+    got = call_ranks(2, _rank_probe, (None,), {}, tmp_path, timeout=60)
+    assert got.returncode == 0 and got.stdout == "rank 0 of 2 sees 0 2 0\nrank 1 of 2 sees 1 2 1\n"
+    got = call_ranks(2, _rank_probe, (1,), {}, tmp_path, timeout=60)
+    assert got.returncode == 1 and "rank 0 of 2" in got.stdout, "rank 0, paused, was ended when rank 1 raised"
+    assert "Traceback" in got.stderr and "ValueError: boom on rank 1" in got.stderr

@@ -10,6 +10,7 @@ environment of the first call; what it imports is tests/helpers/preload.py.
 import atexit
 import builtins
 import contextlib
+import functools
 import io
 import multiprocessing
 import multiprocessing.connection
@@ -55,23 +56,16 @@ def _exit_code(value) -> int:
     return 1
 
 
-def _as_python(argv: list, env: dict, cwd: str, out: str, err: str):
-    """In the fork: run argv as `python *argv` would, then exit with its code."""
+def _in_fork(body, env: dict, cwd: str, out: str, err: str):
+    """In the fork: in cwd with exactly env and its output to out and err, run body() as python runs a program
+    (an uncaught exception printed, SystemExit's code kept, atexit handlers at the end), then exit with its code."""
     os.chdir(cwd)
     os.environ.clear()
     os.environ.update(env)
     _output_to(out, err)
     code = 0
     try:
-        if argv[0] == "-m":
-            sys.argv = [argv[1], *argv[2:]]
-            sys.path.insert(0, cwd)
-            sys.modules.pop(argv[1], None)  # imported by the preload: run afresh as __main__
-            runpy.run_module(argv[1], run_name="__main__", alter_sys=True)
-        else:
-            sys.argv = list(argv)
-            sys.path.insert(0, str(Path(cwd, argv[0]).resolve().parent))
-            _run_script(os.path.abspath(argv[0]))
+        body()
     except SystemExit as e:
         code = _exit_code(e.code)
     except BaseException:
@@ -82,6 +76,20 @@ def _as_python(argv: list, env: dict, cwd: str, out: str, err: str):
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
+
+
+def _as_python(argv: list):
+    """What `python *argv` runs, in the fork's working folder."""
+    cwd = os.getcwd()
+    if argv[0] == "-m":
+        sys.argv = [argv[1], *argv[2:]]
+        sys.path.insert(0, cwd)
+        sys.modules.pop(argv[1], None)  # imported by the preload: run afresh as __main__
+        runpy.run_module(argv[1], run_name="__main__", alter_sys=True)
+    else:
+        sys.argv = list(argv)
+        sys.path.insert(0, str(Path(cwd, argv[0]).resolve().parent))
+        _run_script(os.path.abspath(argv[0]))
 
 
 def _run_script(path: str):
@@ -96,30 +104,46 @@ def _run_script(path: str):
 def run_python(argv: list, env: dict, cwd: Path, timeout: float) -> subprocess.CompletedProcess:
     """`python *argv` in cwd with exactly env, as a fork of the preloaded interpreter; like subprocess.run with
     capture_output=True and text=True (an exit by signal N is returncode -N)."""
-    return run_together([argv], [env], cwd, timeout)
+    return run_together([_python(argv)], [env], cwd, timeout)
 
 
 def run_ranks(nproc: int, argv: list, env: dict, cwd: Path, timeout: float) -> subprocess.CompletedProcess:
     """`deepspeed --num_gpus nproc *argv` on this CPU without the launcher's own start-up: nproc forks each running
     `python *argv` with the variables the launcher gives its rank (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_PORT...) and
     its `--local_rank=N`. Like the launcher, it ends the other ranks when one exits non-zero and returns that code."""
+    return run_together([_python([*argv, f"--local_rank={rank}"]) for rank in range(nproc)], _rank_envs(nproc, env),
+                        cwd, timeout)
+
+
+def call_ranks(nproc: int, fn, args: tuple, env: dict, cwd: Path, timeout: float) -> subprocess.CompletedProcess:
+    """fn(rank, nproc, *args) on nproc forks, each with the launcher's variables for its rank, as run_ranks starts a
+    script; fn and args are pickled to the forks (fn a module's top-level function). A rank whose fn raises prints
+    the traceback and exits 1."""
+    return run_together([functools.partial(fn, rank, nproc, *args) for rank in range(nproc)], _rank_envs(nproc, env),
+                        cwd, timeout, command=[f"{nproc} ranks:", f"{fn.__module__}.{fn.__qualname__}"])
+
+
+def _python(argv: list):
+    return functools.partial(_as_python, [str(a) for a in argv])
+
+
+def _rank_envs(nproc: int, env: dict) -> list:
     from app.distributed.launch import free_port, rank_env
     port = free_port()
-    return run_together([[*argv, f"--local_rank={rank}"] for rank in range(nproc)],
-                        [{**env, **rank_env(rank, nproc, port)} for rank in range(nproc)], cwd, timeout)
+    return [{**env, **rank_env(rank, nproc, port)} for rank in range(nproc)]
 
 
-def run_together(argvs: list, envs: list, cwd: Path, timeout: float) -> subprocess.CompletedProcess:
-    """One fork per (argv, env) pair, each `python *argv` with exactly env, in cwd; their outputs joined in that order
-    (the first argv stands for the command). The first non-zero exit ends the others (SIGTERM, SIGKILL 5 s later)
-    and is the returncode; past timeout every fork is killed and TimeoutExpired raised."""
+def run_together(bodies: list, envs: list, cwd: Path, timeout: float, command=None) -> subprocess.CompletedProcess:
+    """One fork per (body, env) pair, each running body() as a program in cwd with exactly env; their outputs joined
+    in that order. command names the whole (default: `python` and the first body's argv). The first non-zero exit
+    ends the others (SIGTERM, SIGKILL 5 s later) and is the returncode; past timeout every fork is killed and
+    TimeoutExpired raised."""
     deadline = time.monotonic() + timeout
+    command = command or [sys.executable, *bodies[0].args[0]]
     with tempfile.TemporaryDirectory(prefix="fork-") as folder:
-        command = [sys.executable, *argvs[0]]
         outputs = [(Path(folder) / f"{i}.out", Path(folder) / f"{i}.err") for i in range(len(envs))]
-        processes = [context().Process(target=_as_python, args=([str(a) for a in argv], dict(env), str(cwd), str(out),
-                                                                 str(err)))
-                     for argv, env, (out, err) in zip(argvs, envs, outputs)]
+        processes = [context().Process(target=_in_fork, args=(body, dict(env), str(cwd), str(out), str(err)))
+                     for body, env, (out, err) in zip(bodies, envs, outputs)]
         for process in processes:
             process.start()
         failed = _wait(processes, deadline)

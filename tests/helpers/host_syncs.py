@@ -217,13 +217,16 @@ def count_in_launch(nproc: int, jobs: list, *flags, base_env=None) -> list:
     """Each job's report from one launch of this script with nproc ranks (conftest.launch_script): {"code", "output",
     "ranks": [{window: {source: count}}]} (for the tests)."""
     import tempfile
-    from conftest import launch_script
+    from conftest import launch_script, log_launch
     with tempfile.TemporaryDirectory() as folder:
         jobs_file = Path(folder) / "jobs.json"
         jobs_file.write_text(json.dumps([[str(a) for a in job] for job in jobs]))
         result = launch_script(nproc, "tests/helpers/host_syncs.py", jobs_file, folder, *flags, base_env=base_env)
         assert result.returncode == 0, f"exit {result.returncode}\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}"
-        return [json.loads((Path(folder) / f"{i}.json").read_text()) for i in range(len(jobs))]
+        reports = [json.loads((Path(folder) / f"{i}.json").read_text()) for i in range(len(jobs))]
+    for job, report in zip(jobs, reports):  # one log line per job too
+        log_launch(["job:", *job], report["seconds"])
+    return reports
 
 
 def main(jobs_file: str, report: str, *flags):
@@ -244,14 +247,15 @@ def main(jobs_file: str, report: str, *flags):
             counter = HostSyncs(world.device)
             steps = settings.max_steps
             cuda = cuda_errors_between(counter, 2, steps) if "--cuda_errors" in flags else contextlib.nullcontext()
-            printed = io.StringIO()
+            printed, started = io.StringIO(), time.perf_counter()
             with contextlib.redirect_stdout(printed), counter, cuda:
                 code = train.run(settings, ds, world, time.perf_counter())
             windows = counter.per_step(steps, 2)
             counts = dist.gather_objects({k: dict(v) for k, v in windows.items()})
             if world.rank == 0:
                 Path(report, f"{i}.json").write_text(json.dumps({"code": code, "output": printed.getvalue(),
-                                                                 "ranks": counts}))
+                                                                 "ranks": counts,
+                                                                 "seconds": time.perf_counter() - started}))
             torch._dynamo.reset()
     finally:
         dist.teardown()
