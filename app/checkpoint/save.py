@@ -141,6 +141,11 @@ def save(engine, output_dir: Path, state: TrainerState, keep_last: int, extra=No
             problem = _before_save(root, folder, int(estimate))
         except OSError as e:
             problem = f"cannot save a checkpoint in {root}: {e}; fix the folder or pick another --output_dir"
+        try:
+            if not problem:
+                _start(folder)
+        except OSError as e:  # a read-only folder, say: every rank hears it here, none waits in the save
+            problem = _cannot_write(root, e, estimate)
     problem = dist.broadcast_object(problem)
     if problem == "saved":  # resumed at this step and stopped before the next: the checkpoint is this state
         return
@@ -152,9 +157,7 @@ def save(engine, output_dir: Path, state: TrainerState, keep_last: int, extra=No
         if isinstance(e, torch.distributed.DistError):
             raise UserError(f"rank {dist.rank()}: another rank stopped while saving {folder} (its line says "
                             f"why)") from None
-        done = complete_checkpoints(root)
-        raise UserError(disk.write_failure(root, e, disk.folder_bytes(done[-1]) if done else int(estimate),
-                                           done[-1].name if done else "")) from None
+        raise UserError(_cannot_write(root, e, estimate)) from None
     if dist.is_main():
         for old in complete_checkpoints(root)[:-keep_last] if keep_last else []:
             remove_checkpoint(old)
@@ -175,13 +178,22 @@ def _before_save(root: Path, folder: Path, estimate: int) -> str:
     return disk.shortfall(root, needed, done[-1].name if done else "")
 
 
+def _start(folder: Path):
+    """Rank 0: the save's folder, marked as the app's to clear while it is written."""
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / SAVING).write_text(json.dumps({"pid": os.getpid()}))
+
+
+def _cannot_write(root: Path, error: BaseException, estimate) -> str:
+    """The line for a save the folder refused, with the size of the last whole checkpoint (else the estimate)."""
+    done = complete_checkpoints(root)
+    return disk.write_failure(root, error, disk.folder_bytes(done[-1]) if done else int(estimate),
+                              done[-1].name if done else "")
+
+
 def _write(engine, root: Path, folder: Path, state: TrainerState, extra, every_rank):
-    """The save itself: shards, RNG states, every file on the disk, then (rank 0) state, extra files, manifest and
-    the latest pointer."""
-    if dist.is_main():
-        folder.mkdir(parents=True, exist_ok=True)
-        (folder / SAVING).write_text(json.dumps({"pid": os.getpid()}))  # marks the folder as the app's to clear
-    dist.barrier()
+    """The save itself, in the folder rank 0 started: shards, RNG states, every file on the disk, then (rank 0)
+    state, extra files, manifest and the latest pointer."""
     with ds_internals.config_saved_as(engine, redacted(engine.config)):  # its files keep a copy of the dict
         engine.save_checkpoint(str(root), tag=folder.name, save_latest=False,
                                exclude_frozen_parameters=has_frozen(engine))

@@ -130,6 +130,7 @@ def gather_outcomes(mine, failed_after_s: float = None, patience_s: float = 30):
                     return None
                 time.sleep(0.05)
         said = [_outcome(store.get(key), key) for key in keys]
+        _read_by_all(store, [f"{key}/read" for key in keys])
     except dist.DistError:  # the store went with rank 0
         said = None
         if failed_after_s is None and _known.note is None:
@@ -138,6 +139,17 @@ def gather_outcomes(mine, failed_after_s: float = None, patience_s: float = 30):
     if note is not None:
         raise SaidByAnotherRank(note)
     return said  # None: a failed rank says its own error, alone
+
+
+def _read_by_all(store, keys: list, wait_s: float = 10):
+    """Every rank marks the outcomes read; rank 0, whose process serves the store, then waits for all the marks
+    (bounded; not for a rank that gave up waiting and left), so that an outcome that ends the run does not take
+    the store with it before a rank has read it (that rank would then end alone, with a line of its own)."""
+    store.set(keys[dist.get_rank()], b"1")
+    deadline = time.monotonic() + wait_s
+    while dist.get_rank() == 0 and not store.check(keys) and not store.check([_LEFT]) and \
+            time.monotonic() < deadline:
+        time.sleep(0.005)
 
 
 def another_rank_left() -> bool:

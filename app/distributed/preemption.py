@@ -18,8 +18,7 @@ class StopRequest:
     def __init__(self, grace_s: float, watch_launcher: bool):
         self.grace_s, self.reason, self.timer = grace_s, "", None
         self.vote, self.closed, self.watcher = dist.HostVote(), threading.Event(), None
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            signal.signal(sig, self._on_signal)
+        self.previous = {sig: signal.signal(sig, self._on_signal) for sig in (signal.SIGTERM, signal.SIGINT)}
         if watch_launcher:
             launchers = _launcher_ancestors()
             if launchers:
@@ -59,8 +58,13 @@ class StopRequest:
         self.close()
 
     def close(self):
-        """Stop and join this object's threads: a thread still alive at interpreter exit can abort the process."""
+        """Stop and join this object's threads (a thread still alive at interpreter exit can abort the process), and
+        give the signals back: past the run, a launcher's SIGTERM ends the rank at once."""
         self.closed.set()
+        if threading.current_thread() is threading.main_thread():
+            for sig, handler in self.previous.items():
+                signal.signal(sig, handler)
+            self.previous = {}
         for thread in (self.timer, self.watcher):
             if thread is not None and thread is not threading.current_thread():
                 if thread is self.timer:
