@@ -57,13 +57,24 @@ class Throughput:
         return rates
 
 
+_measured = {}  # (device, dtype, threads) -> FLOP/s: a process measures once, however many jobs it runs
+
+
 def matmul_flops(device: torch.device, dtype: torch.dtype, seconds: float = 0.5) -> float:
-    """FLOP/s of square matmuls in dtype on device with this process's threads, measured for about `seconds`.
+    """FLOP/s of square matmuls in dtype on device with this process's threads, measured for about `seconds` the
+    first time this process asks (the machine's peak is the same for its later jobs).
 
     It times F.linear, the kernel nn.Linear layers run: on CPU, bf16 torch.matmul takes a path ten
     times slower than the one linear layers get, which would make utilisation look above 1. On a GPU
     the products are queued in chunks and the device synchronised once per chunk, not per product.
     """
+    key = (str(device), dtype, torch.get_num_threads())
+    if key not in _measured:
+        _measured[key] = _matmul_flops(device, dtype, seconds)
+    return _measured[key]
+
+
+def _matmul_flops(device: torch.device, dtype: torch.dtype, seconds: float) -> float:
     cuda = device.type == "cuda"
     n, chunk = (4096, 20) if cuda else (1024, 1)
     a, b = (torch.randn(n, n, device=device).to(dtype) for _ in range(2))

@@ -80,3 +80,15 @@ def test_datasheet_peaks_by_exact_part(name, bf16, tf32):
     assert metrics.datasheet_peak(name, torch.bfloat16) == bf16
     assert metrics.datasheet_peak(name, torch.float16) == bf16
     assert metrics.datasheet_peak(name, torch.float32) == tf32
+
+
+def test_the_matmul_peak_is_measured_once_per_process_for_each_dtype():
+    """jobs of one process (the tests' shared launches, the bench's modes) share one measurement per device, dtype
+    and thread count; another dtype is measured afresh."""
+    import time
+    first = metrics.matmul_flops(torch.device("cpu"), torch.float64, seconds=0.05)
+    started = time.perf_counter()
+    assert metrics.matmul_flops(torch.device("cpu"), torch.float64, seconds=0.05) == first
+    assert time.perf_counter() - started < 0.01, "not measured again"
+    other = metrics.matmul_flops(torch.device("cpu"), torch.float16, seconds=0.05)
+    assert other > 0 and other != first
