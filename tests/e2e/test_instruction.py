@@ -56,12 +56,12 @@ def one_step_jobs(tmp) -> dict:
 
 def learnt_job(tmp) -> list:
     """The worked example of docs/instruction-tuning.md (app/tools/instructions.py): a tiny Llama folder fine-tuned
-    on chats, 2 ranks, ZeRO-3, 60 steps, evaluated with 20 answers every 15 steps."""
+    on chats, 2 ranks, ZeRO-3, 60 steps of 128-token blocks, evaluated with 20 answers every 15 steps."""
     from app.tools.instructions import write, write_model
     chats, model = write(tmp, 2000, seed=0), write_model(tmp, seed=0)
     return ["--model", model, "--dataset", chats, "--deepspeed_config", REPO / "ds_configs" / "zero3.json",
-            "--max_steps", 60, "--eval_interval", 15, "--log_interval", 15, "--eval_answers", 20, "--output_dir",
-            tmp / "run"]
+            "--max_steps", 60, "--eval_interval", 15, "--log_interval", 15, "--eval_answers", 20, "--block_size", 128,
+            "--output_dir", tmp / "run"]
 
 
 @pytest.fixture(scope="module")
