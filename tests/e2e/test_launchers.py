@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from helpers.cluster import DOWN_HOST, HOSTS, TWO_HOSTS, cluster  # noqa: F401 (a fixture)
-from conftest import BIN, REPO, assert_one_error_line, free_port, read_metrics, read_summary, run, train
+from conftest import BIN, REPO, assert_one_error_line, free_port, launch_script, read_metrics, read_summary, run
 
 
 ARGS = ["--max_steps", "4", "--log_interval", "1"]
@@ -22,9 +22,11 @@ def shm_segments() -> set:
 
 @pytest.fixture(scope="session")
 def reference(tmp_path_factory):
-    """metrics.csv rows of the same run on one node: deepspeed --num_gpus 2."""
+    """metrics.csv rows of the same run on one node: 2 ranks as the deepspeed launcher starts them (its start is
+    not what this run is for: conftest.launch_script)."""
     out = tmp_path_factory.mktemp("reference") / "run"
-    train("deepspeed", 2, *ARGS, "--output_dir", out)
+    result = launch_script(2, "app/train.py", *ARGS, "--output_dir", out)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     return read_metrics(out)
 
 
