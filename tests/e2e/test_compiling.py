@@ -3,7 +3,7 @@ import pytest
 
 from e2e.test_checkpoint import assert_same_run
 from e2e.test_train import STAGES, assert_two_ranks_match, one_process_reference
-from conftest import (REPO, assert_one_error_line, config_variant, read_metrics, run, train, train_command,
+from conftest import (assert_one_error_line, config_variant, read_metrics, run, train, train_command,
                       train_jobs)
 
 
