@@ -104,7 +104,7 @@ def _run_script(path: str):
 def run_python(argv: list, env: dict, cwd: Path, timeout: float) -> subprocess.CompletedProcess:
     """`python *argv` in cwd with exactly env, as a fork of the preloaded interpreter; like subprocess.run with
     capture_output=True and text=True (an exit by signal N is returncode -N)."""
-    return run_together([_python(argv)], [env], cwd, timeout)
+    return run_together([_python(argv)], [env], cwd, timeout, [sys.executable, *argv])
 
 
 def run_ranks(nproc: int, argv: list, env: dict, cwd: Path, timeout: float) -> subprocess.CompletedProcess:
@@ -112,7 +112,7 @@ def run_ranks(nproc: int, argv: list, env: dict, cwd: Path, timeout: float) -> s
     `python *argv` with the variables the launcher gives its rank (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_PORT...) and
     its `--local_rank=N`. Like the launcher, it ends the other ranks when one exits non-zero and returns that code."""
     return run_together([_python([*argv, f"--local_rank={rank}"]) for rank in range(nproc)], _rank_envs(nproc, env),
-                        cwd, timeout)
+                        cwd, timeout, [f"{nproc} ranks:", *argv])
 
 
 def call_ranks(nproc: int, fn, args: tuple, env: dict, cwd: Path, timeout: float) -> subprocess.CompletedProcess:
@@ -120,7 +120,7 @@ def call_ranks(nproc: int, fn, args: tuple, env: dict, cwd: Path, timeout: float
     script; fn and args are pickled to the forks (fn a module's top-level function). A rank whose fn raises prints
     the traceback and exits 1."""
     return run_together([functools.partial(fn, rank, nproc, *args) for rank in range(nproc)], _rank_envs(nproc, env),
-                        cwd, timeout, command=[f"{nproc} ranks:", f"{fn.__module__}.{fn.__qualname__}"])
+                        cwd, timeout, [f"{nproc} ranks:", f"{fn.__module__}.{fn.__qualname__}"])
 
 
 def _python(argv: list):
@@ -133,13 +133,12 @@ def _rank_envs(nproc: int, env: dict) -> list:
     return [{**env, **rank_env(rank, nproc, port)} for rank in range(nproc)]
 
 
-def run_together(bodies: list, envs: list, cwd: Path, timeout: float, command=None) -> subprocess.CompletedProcess:
+def run_together(bodies: list, envs: list, cwd: Path, timeout: float, command: list) -> subprocess.CompletedProcess:
     """One fork per (body, env) pair, each running body() as a program in cwd with exactly env; their outputs joined
-    in that order. command names the whole (default: `python` and the first body's argv). The first non-zero exit
+    in that order, under command (what the whole stands for). The first non-zero exit
     ends the others (SIGTERM, SIGKILL 5 s later) and is the returncode; past timeout every fork is killed and
     TimeoutExpired raised."""
     deadline = time.monotonic() + timeout
-    command = command or [sys.executable, *bodies[0].args[0]]
     with tempfile.TemporaryDirectory(prefix="fork-") as folder:
         outputs = [(Path(folder) / f"{i}.out", Path(folder) / f"{i}.err") for i in range(len(envs))]
         processes = [context().Process(target=_in_fork, args=(body, dict(env), str(cwd), str(out), str(err)))
