@@ -41,6 +41,15 @@ def test_a_fork_ends_as_the_python_command_would(how, code, script, tmp_path):
     assert "to stderr" in got.stderr
 
 
+@pytest.mark.parametrize("threads", [None, "1"])
+def test_a_fork_takes_its_threads_from_omp_num_threads_as_python_would(threads, tmp_path):
+    (tmp_path / "threads.py").write_text("import torch\nprint(torch.get_num_threads())\n")
+    env = {"OMP_NUM_THREADS": threads} if threads else {}
+    got = run_python(["threads.py"], env, tmp_path, timeout=60)
+    want = subprocess.run([sys.executable, "threads.py"], cwd=tmp_path, capture_output=True, text=True, env=env)
+    assert got.returncode == want.returncode == 0 and got.stdout == want.stdout, (got.stderr, want.stderr)
+
+
 def test_a_module_runs_as_main_and_a_fork_that_outlives_its_timeout_is_killed(tmp_path):
     got = run_python(["-m", "app.tools.export", "--help"], {}, REPO, timeout=60)
     assert got.returncode == 0 and "usage:" in got.stdout and "RuntimeWarning" not in got.stderr

@@ -62,6 +62,7 @@ def _in_fork(body, env: dict, cwd: str, out: str, err: str):
     os.chdir(cwd)
     os.environ.clear()
     os.environ.update(env)
+    _threads_from(env)
     _output_to(out, err)
     code = 0
     try:
@@ -76,6 +77,14 @@ def _in_fork(body, env: dict, cwd: str, out: str, err: str):
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
+
+
+def _threads_from(env: dict):
+    """A python started afresh takes torch's CPU threads from OMP_NUM_THREADS; the preload's torch was imported
+    under the forkserver's environment, so a fork given OMP_NUM_THREADS sets them as that start would."""
+    if env.get("OMP_NUM_THREADS", "").isdigit():
+        import torch
+        torch.set_num_threads(int(env["OMP_NUM_THREADS"]))
 
 
 def _as_python(argv: list):

@@ -213,15 +213,16 @@ def check_report(name, report):
         assert counts == [per_step[ranks][rank]] * (STEPS - 2), f"{name}, rank {rank} of {ranks}: {counts}"
 
 
-def count_in_launch(nproc: int, jobs: list, *flags, base_env=None) -> list:
-    """Each job's report from one launch of this script with nproc ranks (conftest.launch_script): {"code", "output",
-    "ranks": [{window: {source: count}}]} (for the tests)."""
+def count_in_launch(nproc: int, jobs: list, *flags, base_env=None, **env) -> list:
+    """Each job's report from one launch of this script with nproc ranks (conftest.launch_script, with env added):
+    {"code", "output", "ranks": [{window: {source: count}}]} (for the tests)."""
     import tempfile
     from conftest import launch_script, log_launch
     with tempfile.TemporaryDirectory() as folder:
         jobs_file = Path(folder) / "jobs.json"
         jobs_file.write_text(json.dumps([[str(a) for a in job] for job in jobs]))
-        result = launch_script(nproc, "tests/helpers/host_syncs.py", jobs_file, folder, *flags, base_env=base_env)
+        result = launch_script(nproc, "tests/helpers/host_syncs.py", jobs_file, folder, *flags, base_env=base_env,
+                               **env)
         assert result.returncode == 0, f"exit {result.returncode}\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}"
         reports = [json.loads((Path(folder) / f"{i}.json").read_text()) for i in range(len(jobs))]
     for job, report in zip(jobs, reports):  # one log line per job too

@@ -1,14 +1,15 @@
 """What the forkserver of helpers/forks.py imports once, before it forks each command: every heavy import of a
-short run (torch's compiler stack, which torch.optim's first optimizer imports; DeepSpeed and the Muon optimizer its
-ZeRO check imports; transformers and the tiny models' classes; datasets; matplotlib for loss.png; the app)."""
+short run (torch's compiler stack, which torch.optim's first optimizer imports, and inductor's, which a compiled run
+imports; DeepSpeed and the Muon optimizer its ZeRO check imports; transformers and the tiny models' classes;
+datasets; matplotlib for loss.png; the app)."""
 import gc
 import importlib
 
 import matplotlib
 
 matplotlib.use("Agg")  # as app/observe/runlog.py sets it
-for name in ("torch", "torch._dynamo", "deepspeed", "transformers", "datasets", "matplotlib.pyplot", "app.train",
-             "app.tools.export",
+for name in ("torch", "torch._dynamo", "torch._inductor.compile_fx", "torch._dynamo.repro.after_dynamo", "deepspeed",
+             "transformers", "datasets", "matplotlib.pyplot", "app.train", "app.tools.export",
              # what a run imports on its way: DeepSpeed's Muon (its ZeRO optimizer check), the tiny models' classes
              "deepspeed.runtime.zero.muon.muon_optimizer", "transformers.models.gpt2.modeling_gpt2",
              "transformers.models.llama.modeling_llama", "transformers.models.bert.modeling_bert"):
