@@ -163,6 +163,7 @@ def prepare_environment():
     # Name DeepSpeed's accelerator when there is no GPU, sparing every rank its detection warning.
     if "DS_ACCELERATOR" not in os.environ and not torch.cuda.is_available():
         os.environ["DS_ACCELERATOR"] = "cpu"
+    ds_internals.cpu_info_once()  # each CPU optimizer DeepSpeed builds would ask three times, 1.1 s apiece
 
 
 # Tests only (a machine here has one GPU at most): every local rank takes cuda:0, and the device group is gloo

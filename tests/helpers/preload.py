@@ -1,7 +1,7 @@
 """What the forkserver of helpers/forks.py imports once, before it forks each command: every heavy import of a
 short run (torch's compiler stack, which torch.optim's first optimizer imports, and inductor's, which a compiled run
 imports; DeepSpeed and the Muon optimizer its ZeRO check imports; transformers and the tiny models' classes;
-datasets; matplotlib for loss.png; the app)."""
+datasets; matplotlib for loss.png; the app) and what it asks on its way (the CPU, for DeepSpeed's CPU ops)."""
 import gc
 import importlib
 
@@ -14,4 +14,7 @@ for name in ("torch", "torch._dynamo", "torch._inductor.compile_fx", "torch._dyn
              "deepspeed.runtime.zero.muon.muon_optimizer", "transformers.models.gpt2.modeling_gpt2",
              "transformers.models.llama.modeling_llama", "transformers.models.bert.modeling_bert"):
     importlib.import_module(name)
+# what DeepSpeed's CPU optimizers ask of the CPU (py-cpuinfo, a Python process per question): asked once, here
+importlib.import_module("app.ds.internals").cpu_info_once()
+importlib.import_module("cpuinfo").get_cpu_info()
 gc.freeze()  # every fork's collections skip what was imported here, and leave its pages shared

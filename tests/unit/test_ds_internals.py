@@ -34,3 +34,20 @@ def test_a_wrapped_function_is_wrapped_once():
     once = _constants_on_device(norm)
     assert _constants_on_device(once) is once and once.deepspeed_original is norm
     assert torch.equal(once(torch.zeros(1)), torch.tensor(-1.0))
+
+
+def test_the_cpu_is_read_once_per_process_and_each_caller_gets_its_own_answer():
+    """py-cpuinfo starts a Python process per question (about a second); DeepSpeed asks three times per CPU
+    optimizer it builds. After cpu_info_once, the second question costs nothing and returns the same answer."""
+    import time
+    import cpuinfo
+    from app.ds.internals import cpu_info_once
+    cpu_info_once()
+    cpu_info_once()  # patched once: the cache is not wrapped in another
+    first = cpuinfo.get_cpu_info()
+    first["flags"].append("changed by a caller")
+    started = time.perf_counter()
+    second = cpuinfo.get_cpu_info()
+    assert time.perf_counter() - started < 0.05, "asked again"
+    assert "changed by a caller" not in second["flags"] and second["arch"] == first["arch"]
+    assert second == cpuinfo.get_cpu_info()
