@@ -43,6 +43,8 @@ def out_of_memory(error: BaseException) -> str:
 
 
 _LEFT = "app/left"
+_READ = "app/left/read"  # how many other ranks have read the note
+LINGER_S = 2.5  # the most a rank that left waits for the others to read its note (they look each second)
 
 
 class _Leavers:
@@ -50,6 +52,7 @@ class _Leavers:
     def __init__(self):
         self.rounds = 0  # outcomes gathered so far: each round has keys of its own
         self.left = False  # this rank left (leave())
+        self.acknowledged = False  # this rank read a leaver's note and said so (_READ)
         self.note = None  # why another rank left, read from the store each second: the store may go with rank 0
         self.foreign = None  # the UserError of a store value no rank of this run wrote, as the watcher met it
 
@@ -91,13 +94,17 @@ def _watch(store, stop: threading.Event):
 
 
 def _read_note(store):
-    """The note a rank that left put in the store, or None; one line when it is not one the app wrote."""
+    """The note a rank that left put in the store, or None; one line when it is not one the app wrote. A note
+    read is acknowledged once (_READ), so the rank that left need not linger longer."""
     if not store.check([_LEFT]):
         return None
     note = wire.decode(store.get(_LEFT), f"the rendezvous store's key {_LEFT}")
     if not isinstance(note, str):
         raise UserError(f"the rendezvous store's key {_LEFT} holds a value this run's ranks did not write; "
                         f"firewall the store's port (docs/trust.md)")
+    if not _known.acknowledged:
+        store.add(_READ, 1)
+        _known.acknowledged = True
     return note
 
 
@@ -181,11 +188,16 @@ def leave(why: str) -> RankAlone:
 
 
 def close():
-    """At the run's end: a rank that left lingers while the others' watchers read its note (rank 0 serves the
-    store, which goes with its process); what was known of leavers is forgotten (another job may follow)."""
+    """At the run's end: a rank that left lingers until every other rank has read its note, or LINGER_S (rank 0
+    serves the store, which goes with its process; a rank that died never reads it); what was known of leavers
+    is forgotten (another job may follow)."""
     global _known
-    if _known.left:
-        time.sleep(2.5)
+    if _known.left and dist.is_initialized():
+        deadline = time.monotonic() + LINGER_S
+        with contextlib.suppress(dist.DistError):
+            store, others = torch_private.default_store(), dist.get_world_size() - 1
+            while store.add(_READ, 0) < others and time.monotonic() < deadline:
+                time.sleep(0.02)
     _known = _Leavers()
 
 

@@ -103,6 +103,9 @@ def _outcomes(rank, world):
                 time.sleep(0.1)
         assert endings._known.note == "rank left: why" and endings.another_rank_left()
     dist.barrier()  # the store lives with rank 0: every rank has read it before any leaves
+    started = time.monotonic()
+    endings.close()  # the leaver lingers until every other rank has read its note: here, they all have
+    assert time.monotonic() - started < endings.LINGER_S / 2
 
 
 def _votes(rank, world):
