@@ -41,15 +41,15 @@ def write(folder: Path, rows: int, seed: int) -> Path:
     return path
 
 
-def write_model(folder: Path, seed: int) -> Path:
-    """folder/model: a randomly initialised LlamaForCausalLM of SHAPE and the byte-level tokenizer, as
-    save_pretrained writes them."""
+def write_model(folder: Path, seed: int, layers: int = SHAPE["num_hidden_layers"]) -> Path:
+    """folder/model: a randomly initialised LlamaForCausalLM of SHAPE (with that many layers) and the byte-level
+    tokenizer, as save_pretrained writes them."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
     from app.data.tokenizers import byte_tokenizer
     tokenizer = byte_tokenizer()
     torch.manual_seed(seed)
-    config = LlamaConfig(**SHAPE, bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+    config = LlamaConfig(**{**SHAPE, "num_hidden_layers": layers}, bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
                          pad_token_id=tokenizer.pad_token_id)
     LlamaForCausalLM(config).save_pretrained(folder / "model")
     tokenizer.save_pretrained(folder / "model")
