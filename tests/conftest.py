@@ -4,12 +4,14 @@ tests/unit/ holds the tests that run in this process alone; tests/e2e/ those tha
 or ranks, or build a DeepSpeed engine, all marked `slow` here; tests/helpers/ what several of them share. The
 markers are registered in pytest.ini; `pytest tests/unit` (make test-fast) runs in under a minute.
 """
+import atexit
 import contextlib
 import csv
 import io
 import json
 import os
 import random
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -25,8 +27,10 @@ os.environ["HF_HUB_OFFLINE"] = "1"  # tests never reach a model hub or dataset h
 # machine with GPUs; tests/e2e/test_cuda.py gets the machine's own devices back through cuda_env().
 VISIBLE_DEVICES = os.environ.get("CUDA_VISIBLE_DEVICES")
 os.environ.update(CUDA_VISIBLE_DEVICES="", DS_ACCELERATOR="cpu")
-# datasets' cache of loaded and tokenized files, fresh for each session (read when datasets is imported)
+# datasets' cache of loaded and tokenized files, fresh for each session (read when datasets is imported), removed
+# at its end
 os.environ["HF_DATASETS_CACHE"] = tempfile.mkdtemp(prefix="hf-datasets-")
+atexit.register(shutil.rmtree, os.environ["HF_DATASETS_CACHE"], True)
 
 from app.distributed.launch import free_port  # noqa: E402 (after the variables above; the tests' ports too)
 
