@@ -49,8 +49,8 @@ def write_model(folder: Path, seed: int, layers: int = SHAPE["num_hidden_layers"
     from app.data.tokenizers import byte_tokenizer
     tokenizer = byte_tokenizer()
     torch.manual_seed(seed)
-    config = LlamaConfig(**{**SHAPE, "num_hidden_layers": layers}, bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
-                         pad_token_id=tokenizer.pad_token_id)
+    config = LlamaConfig(**{**SHAPE, "num_hidden_layers": layers}, bos_token_id=tokenizer.bos_token_id,
+                         eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
     LlamaForCausalLM(config).save_pretrained(folder / "model")
     tokenizer.save_pretrained(folder / "model")
     return folder / "model"

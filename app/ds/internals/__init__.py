@@ -22,7 +22,8 @@ __all__ = ["Recorder", "parse_config", "scalar_defaults", "section_fields", "con
            "forget_unfinished_forward", "gathered_state_dict",
            "lighten_plain_step", "replay_cpu_adam_steps", "skip_bad_steps_on_device", "step_bf16_weights_on_device",
            "step_without_host_waits",
-           "uncompile", "cpu_info_once", "drop_shm_names", "launcher_world_info", "node_shell_line", "pdsh_exports", "pdsh_words",
+           "uncompile", "cpu_info_once", "drop_shm_names", "launcher_world_info", "node_shell_line", "pdsh_exports",
+           "pdsh_words",
            "started_by_pdsh", "op_loads_quiet", "pin_device", "quiet_deepspeed",
            "deepspeed_estimate", "module_states", "state_bytes", "storages", "zero_tensors", "version_note",
            "WRITTEN_FOR"]
