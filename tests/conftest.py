@@ -105,9 +105,9 @@ def log_launch(cmd, seconds: float):
                                 "command": " ".join(str(part) for part in cmd)}) + "\n")
 
 
-def train(launcher="python", nproc=1, *args, timeout=600, base_env=None):
-    """Run a training job and fail the test with its output if it did not exit 0."""
-    result = run(train_command(launcher, nproc, *args), timeout=timeout, base_env=base_env)
+def train(launcher="python", nproc=1, *args, timeout=600, base_env=None, **env):
+    """Run a training job (with env added) and fail the test with its output if it did not exit 0."""
+    result = run(train_command(launcher, nproc, *args), timeout=timeout, base_env=base_env, **env)
     assert result.returncode == 0, f"exit {result.returncode}\n{result.stdout[-4000:]}\n{result.stderr[-4000:]}"
     return result
 
