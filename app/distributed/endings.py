@@ -18,7 +18,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from app.distributed import faults, wire
+from app.distributed import faults, preemption, wire
 from app.distributed.dist import many as dist_many
 from app.ds.internals import torch_private
 from app.errors import RankAlone, SaidByAnotherRank, UserError, deepspeed_failure
@@ -119,8 +119,9 @@ def gather_outcomes(mine, failed_after_s: float = None, patience_s: float = 30):
 
     failed_after_s: this rank's part failed that many seconds in. It then waits for the others at most
     patience_s + 10x that (their part is the same work) and gets None if they have not all said theirs: they are
-    blocked where it left them, and it should end the run with leave(). A rank that finds another has left
-    ends quietly (SaidByAnotherRank): that rank said why."""
+    blocked where it left them, and it should end the run with leave(). It waits no longer once a stop is asked of
+    it (a launcher ends every rank when one dies). A rank that finds another has left ends quietly
+    (SaidByAnotherRank): that rank said why."""
     if not dist_many():
         return [mine]
     _known.rounds += 1
@@ -133,7 +134,7 @@ def gather_outcomes(mine, failed_after_s: float = None, patience_s: float = 30):
         else:
             deadline = time.monotonic() + faults.patience_s(patience_s) + 10 * failed_after_s
             while not store.check(keys):  # polled: a wait that times out has the store log warnings
-                if time.monotonic() > deadline:
+                if time.monotonic() > deadline or preemption.asked():
                     return None
                 time.sleep(0.05)
         said = [_outcome(store.get(key), key) for key in keys]
@@ -189,14 +190,14 @@ def leave(why: str) -> RankAlone:
 
 def close():
     """At the run's end: a rank that left lingers until every other rank has read its note, or LINGER_S (rank 0
-    serves the store, which goes with its process; a rank that died never reads it); what was known of leavers
-    is forgotten (another job may follow)."""
+    serves the store, which goes with its process; a rank that died never reads it), and not once a stop is asked
+    of it (its launcher is ending every rank); what was known of leavers is forgotten (another job may follow)."""
     global _known
     if _known.left and dist.is_initialized():
         deadline = time.monotonic() + LINGER_S
         with contextlib.suppress(dist.DistError):
             store, others = torch_private.default_store(), dist.get_world_size() - 1
-            while store.add(_READ, 0) < others and time.monotonic() < deadline:
+            while store.add(_READ, 0) < others and time.monotonic() < deadline and not preemption.asked():
                 time.sleep(0.02)
     _known = _Leavers()
 

@@ -11,12 +11,21 @@ from app.distributed import dist
 # Ancestors whose command line names one of these are launchers: if one exits, nobody will wait for us.
 LAUNCHER_WORDS = ("deepspeed", "torchrun", "torch.distributed.run", "mpirun", "srun")
 
+_ASKED = threading.Event()  # a stop was asked of this process's current run (a signal, or its launcher went)
+
+
+def asked() -> bool:
+    """Whether a stop was asked of the current run: a rank that is ending on a failure then waits for no other
+    (app/distributed/endings.py); the launcher that signalled is ending them all."""
+    return _ASKED.is_set()
+
 
 class StopRequest:
     """Catches stop signals on this rank and agrees with the other ranks on when to stop."""
 
     def __init__(self, grace_s: float, watch_launcher: bool):
         self.grace_s, self.reason, self.timer = grace_s, "", None
+        _ASKED.clear()  # a run before this one in the process may have been asked to stop
         self.vote, self.closed, self.watcher = dist.HostVote(), threading.Event(), None
         self.previous = {sig: signal.signal(sig, self._on_signal) for sig in (signal.SIGTERM, signal.SIGINT)}
         if watch_launcher:
@@ -33,6 +42,7 @@ class StopRequest:
         if self.reason or self.closed.is_set():
             return
         self.reason = reason
+        _ASKED.set()
         self.timer = threading.Timer(self.grace_s, _force_exit, args=(reason, self.grace_s))
         self.timer.daemon = True
         self.timer.start()

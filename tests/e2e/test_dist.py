@@ -2,6 +2,7 @@
 travel on the host group (gloo, CPU tensors) beside the device group, tested across real gloo ranks."""
 import datetime
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -11,7 +12,7 @@ import psutil
 import pytest
 import torch
 
-from app.distributed import dist, endings
+from app.distributed import dist, endings, preemption
 from app.distributed import launch
 from app.errors import RankAlone, SaidByAnotherRank, UserError
 from app.observe.metrics import Meter
@@ -106,6 +107,30 @@ def _outcomes(rank, world):
     started = time.monotonic()
     endings.close()  # the leaver lingers until every other rank has read its note: here, they all have
     assert time.monotonic() - started < endings.LINGER_S / 2
+
+
+def _a_stop_ends_the_waits(rank, world):
+    """A rank ending on a failure that its launcher then signals (as the deepspeed launcher SIGTERMs every rank when
+    one dies) waits neither for the others' outcomes nor for them to read its note: it ends at once."""
+    launch.prepare_environment()
+    launch.setup(timeout_s=60)
+    if rank == 1:
+        stop = preemption.StopRequest(60, watch_launcher=False)
+        try:
+            os.kill(os.getpid(), signal.SIGTERM)
+            started = time.monotonic()
+            assert endings.gather_outcomes(("error", "why"), 0.0, patience_s=30) is None
+            endings.leave("why")
+            endings.close()
+            assert time.monotonic() - started < endings.LINGER_S / 2
+        finally:
+            stop.close()
+    dist.barrier()  # rank 0: elsewhere all along, as if blocked in a collective
+    dist.teardown()
+
+
+def test_a_rank_asked_to_stop_while_ending_on_a_failure_waits_for_nobody():
+    spawn_ranks(2, _a_stop_ends_the_waits)
 
 
 def _votes(rank, world):
