@@ -47,12 +47,12 @@ def pipelined(tmp_path_factory):
                                                              "activation_checkpoint_interval": 1}),
                      "--model", "resnet18", "--dataset", "synthetic", "--max_steps", 4, "--log_interval", 1],
     }
-    # activations recomputed in the backward pass, 30 steps; or kept, for the first 10 (the warm-up's: the same lr)
-    for tag, interval, max_steps in (("gpt2", 1, 30), ("gpt2-plain", 0, 10)):
+    # activations recomputed in the backward pass, 20 steps; or kept, for the first 10 (the warm-up's: the same lr)
+    for tag, interval, max_steps in (("gpt2", 1, 20), ("gpt2-plain", 0, 10)):
         config = variant(root, tag, train_micro_batch_size_per_gpu=8, gradient_accumulation_steps=2,
                          pipeline={"stages": 2, "activation_checkpoint_interval": interval})
         jobs[tag] = ["--deepspeed_config", config, "--model", "gpt2-tiny", "--dataset", corpus, "--block_size", 32,
-                     "--max_steps", max_steps, "--log_interval", 1, "--eval_interval", 15]
+                     "--max_steps", max_steps, "--log_interval", 1, "--eval_interval", 10]
     outputs = train_jobs("ranks", 2, [[*args, "--output_dir", root / tag] for tag, args in jobs.items()])
     return {tag: (root / tag, out) for tag, out in zip(jobs, outputs)}
 
