@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 
 from helpers.cluster import DOWN_HOST, HOSTS, TWO_HOSTS, cluster  # noqa: F401 (a fixture)
-from conftest import BIN, REPO, assert_one_error_line, free_port, launch_script, read_metrics, read_summary, run
+from conftest import (BIN, REPO, assert_one_error_line, free_port, launch_script, log_launch, read_metrics,
+                      read_summary, run)
 
 
 ARGS = ["--max_steps", "4", "--log_interval", "1"]
@@ -54,7 +55,7 @@ def launch(cmd, env, timeout=300):
 
 def launch_per_node(cmds, env, timeout=300):
     """Start one command per "node" at once (as on separate machines) and wait for all of them."""
-    full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **env}
+    full_env, started = {**os.environ, "PYTHONUNBUFFERED": "1", **env}, time.perf_counter()
     processes = [subprocess.Popen(cmd, cwd=REPO, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                   text=True) for cmd in cmds]
     try:
@@ -63,6 +64,7 @@ def launch_per_node(cmds, env, timeout=300):
         for p in processes:
             if p.poll() is None:
                 p.kill()
+    log_launch([*cmds[0], f"(the first of {len(cmds)} nodes' commands)"], time.perf_counter() - started)
     for p, output in zip(processes, outputs):
         assert p.returncode == 0, output[-4000:]
     return "\n".join(outputs)

@@ -7,7 +7,7 @@ import time
 import psutil
 import pytest
 
-from conftest import REPO, TWO_RANK_ARGS, read_metrics, train_command, train_jobs, two_rank_steps
+from conftest import REPO, TWO_RANK_ARGS, log_launch, read_metrics, train_command, train_jobs, two_rank_steps
 
 
 STEPS = 200  # long enough that the signal lands mid-run on this machine
@@ -17,8 +17,17 @@ LONG_RUN = ["--max_steps", STEPS, "--log_interval", 1]
 def _start(out, *args):
     cmd = train_command("deepspeed", 2, *args, "--output_dir", out)
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    return subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True, env=env)
+    launcher = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                start_new_session=True, env=env)
+    launcher.started = time.perf_counter()
+    return launcher
+
+
+def _output(launcher, timeout: float) -> str:
+    """The launcher's output once it has exited (its run logged as conftest.log_launch logs commands)."""
+    output = launcher.communicate(timeout=timeout)[0]
+    log_launch(launcher.args, time.perf_counter() - launcher.started)
+    return output
 
 
 def _ranks(launcher):
@@ -70,7 +79,7 @@ def _sigterm_to_rank_1(out, name: str) -> tuple:
     ranks[1].suspend()
     ranks[1].send_signal(signal.SIGTERM)
     ranks[1].resume()
-    output = launcher.communicate(timeout=60)[0]
+    output = _output(launcher, 60)
     return launcher.returncode, output
 
 
@@ -114,7 +123,7 @@ def test_signal_to_the_launcher_saves_within_the_grace_period(how, tmp_path):
         os.killpg(launcher.pid, signal.SIGINT)  # what Ctrl-C in a terminal does
     _, alive = psutil.wait_procs(list(ranks.values()), timeout=30)
     assert not alive and time.time() - sent < 20, "every rank exits within the grace period"
-    output = launcher.communicate(timeout=30)[0]
+    output = _output(launcher, 30)
     step = _saved_step(out)
     assert 20 < step < STEPS and f"stopped at step {step} on request" in output, output[-3000:]
     assert (out / "checkpoints" / f"step{step:08d}" / "manifest.json").is_file()
@@ -129,7 +138,7 @@ def test_kill_9_of_one_rank_ends_the_run_fast(tmp_path):
     _wait_for_step(out, 20, launcher)
     killed = time.time()
     ranks[1].kill()
-    launcher.communicate(timeout=30)
+    _output(launcher, 30)
     survivors_gone, alive = psutil.wait_procs([ranks[0]], timeout=10)
     assert not alive, "the other rank does not hang in a collective"
     assert launcher.returncode != 0 and time.time() - killed < 10, launcher.returncode
