@@ -23,7 +23,7 @@ def load_ds_config(path, cuda=None, bf16_ok=None, resolve: bool = True, say=prin
     CUDA device, bf16_ok: whether that device has bf16; default: the current device), and refuse anything
     DeepSpeed would silently ignore. resolve=False leaves "auto" precision to resolve_precision once the rank's
     device is set (the training run: asking before would open a CUDA context on GPU 0 in every rank). say: how
-    a warning is printed (a run passes its main rank's print)."""
+    a warning or note is printed (a run passes its main rank's print)."""
     path = Path(path)
     if not path.is_file():
         raise UserError(f"DeepSpeed config {path} not found; pass --deepspeed_config with one of "
@@ -38,9 +38,7 @@ def load_ds_config(path, cuda=None, bf16_ok=None, resolve: bool = True, say=prin
         raise UserError(f"{path}: {e}") from None
     if not isinstance(ds, dict):
         raise UserError(f"{path} must hold a JSON object at the top level")
-    ds = without_comments(ds)
-    if "bfloat16" in ds and "bf16" not in ds:  # DeepSpeed's older name for the section, read the same
-        ds["bf16"] = ds.pop("bfloat16")
+    ds = ds_auto.older_keys(without_comments(ds), str(path), say)  # before the checks, which today's keys pass
     resolved, _ = resolve_precision(ds, str(path), cuda, bf16_ok) if resolve else \
         resolve_precision(ds, str(path), cuda=False)  # checked as on a CPU: the same keys
     ds_auto.check(resolved, str(path))

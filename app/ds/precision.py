@@ -36,9 +36,7 @@ def resolve_precision(ds: dict, where: str, cuda=None, bf16_ok=None, device=None
     allocating on it.
     """
     import torch
-    for name in PRECISIONS:  # DeepSpeed reads the word as set (even "false"); take it as meant
-        if isinstance(ds.get(name), dict) and ds[name].get("enabled") in ("true", "false"):
-            ds = {**ds, name: {**ds[name], "enabled": ds[name]["enabled"] == "true"}}
+    ds = _switches_as_meant(ds, where)
     ds, cpu_note = _sixteen_bit_on_a_cpu(ds, where, device, cuda)
     if device is not None:
         cuda = device.type == "cuda"
@@ -66,6 +64,19 @@ def resolve_precision(ds: dict, where: str, cuda=None, bf16_ok=None, device=None
     why = "no CUDA device" if not cuda else "the CUDA device supports bf16" if bf16_ok else \
         "the CUDA device has no native bf16"
     return ds, f"{_label(ds, pick) if pick else 'fp32'} ({'/'.join(autos)} \"auto\": {why})"
+
+
+def _switches_as_meant(ds: dict, where: str) -> dict:
+    """ds with "enabled": "true"/"false" made booleans, and one line for "bf16" and "fp16" both set true."""
+    for name in PRECISIONS:  # DeepSpeed reads the word as set (even "false"); take it as meant
+        if isinstance(ds.get(name), dict) and ds[name].get("enabled") in ("true", "false"):
+            ds = {**ds, name: {**ds[name], "enabled": ds[name]["enabled"] == "true"}}
+    # both true leaves open the dtype the weights are kept in; refused before a CPU run would drop fp16, so the file
+    # fails alike on every device. "auto" in both (transformers' files) is no contradiction: the device picks one
+    if all(isinstance(ds.get(name), dict) and ds[name].get("enabled") is True for name in ("bf16", "fp16")):
+        raise UserError(f"{where}: bf16.enabled and fp16.enabled are both true, and a run keeps its weights in one "
+                        f"of them: set one to false, or both to \"auto\" to let the device pick")
+    return ds
 
 
 def _sixteen_bit_on_a_cpu(ds: dict, where: str, device, cuda) -> tuple:
