@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 OPS := $(VENV)/.ops-built
 
-.PHONY: setup train test test-fast cluster-packages clean
+.PHONY: setup train test test-fast cluster-packages wheelhouse clean
 
 $(STAMP): requirements.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -35,6 +35,15 @@ cluster-packages:
 # The fast tier: tests/unit, no subprocess, launcher, spawned ranks nor DeepSpeed engine (under a minute).
 test-fast: setup
 	$(PY) -m pytest -q tests/unit
+
+# For machines without internet: wheels of requirements.txt and all it needs for Python $(WHEEL_PYTHON) on
+# manylinux x86_64, less torch, torchvision, triton and the CUDA libraries. Needs internet, not the .venv. pip
+# runs under make's PYTHON=... when given, else python$(WHEEL_PYTHON) if there is one, else python3.
+# On the machine: python3 scripts/install_missing.py $(WHEELHOUSE) [--target DIR]
+WHEELHOUSE ?= wheelhouse
+WHEEL_PYTHON ?= 3.12
+wheelhouse:
+	bash scripts/wheelhouse.sh $(WHEELHOUSE) $(WHEEL_PYTHON)
 
 clean:
 	rm -rf $(VENV) runs
