@@ -83,6 +83,9 @@ class Settings:
     """Save a checkpoint every N optimizer steps (0: only at the end, which always saves)."""
     keep_last: int = 3
     """Keep the newest K complete checkpoints (0 keeps all)."""
+    max_nonfinite_steps: int = 10
+    """Optimizer steps in a row whose loss or gradient norm is not finite that end the run in one line (0: never);
+    no checkpoint is ever written from weights that are not finite."""
     resume: str = ""
     """'auto': continue from the newest complete checkpoint in output_dir (fresh if none); or a checkpoint path."""
     seed: int = 42
@@ -111,7 +114,7 @@ class Settings:
             if getattr(self, name) < 1:
                 raise UserError(f"--{name} must be at least 1, got {getattr(self, name)}")
         for name in ("max_steps", "eval_interval", "save_interval", "keep_last", "block_size", "peak_flops",
-                     "eval_answers", "answer_tokens"):
+                     "eval_answers", "answer_tokens", "max_nonfinite_steps"):
             if getattr(self, name) < 0:
                 raise UserError(f"--{name} must be 0 or more, got {getattr(self, name)}")
         if self.num_workers < -1:

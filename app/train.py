@@ -147,7 +147,8 @@ def run(settings: Settings, ds: dict, world: World, started: float) -> int:  # l
         save = lambda *at: checkpoint.save(engine, output_dir, state.at(*at), settings.keep_last,  # noqa: E731
                                            save_files, every_rank)
         step = ranks.train_step(engine, task, compiling.wanted(settings.compile, engine.device))
-        schedule = loop.Schedule(steps, settings.log_interval, settings.eval_interval, settings.save_interval)
+        schedule = loop.Schedule(steps, settings.log_interval, settings.eval_interval, settings.save_interval,
+                                 settings.max_nonfinite_steps)
         with log.discarded_on_user_error(lambda: checkpoint.complete_checkpoints(checkpoint_root(output_dir))):
             answers = sample_answers.for_run(engine, task, output_dir, settings.eval_answers, settings.answer_tokens)
             result = loop.Loop(step, train_loader, eval_loader, schedule, log, save, stop, answers).fit(start)

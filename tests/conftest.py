@@ -129,20 +129,21 @@ def launch_script(nproc: int, script: str, *args, timeout=900, base_env=None, **
         log_launch([f"{nproc} ranks:", script, *args], time.perf_counter() - started)
 
 
-def train_jobs(launcher: str, nproc: int, jobs: list, timeout=900, base_env=None, codes=None) -> list:
+def train_jobs(launcher: str, nproc: int, jobs: list, timeout=900, base_env=None, codes=None, wrapper=()) -> list:
     """The output of each of several training jobs (argument lists, or {"argv": [...], "env": {...}}) run one
     after another in one process group (tests/helpers/jobs.py): every rank's, rank 0's first. launcher: "ranks"
     (nproc ranks as launch_script starts them) or "python" (one process, no launcher). Fails the test with the output
-    if a job's ranks did not exit with its code in codes (default: 0 for every job)."""
+    if a job's ranks did not exit with its code in codes (default: 0 for every job). wrapper: a script and its
+    arguments that run jobs.py (tests/helpers/nan_grads.py)."""
     with tempfile.TemporaryDirectory() as folder:
         jobs_file = Path(folder) / "jobs.json"
         jobs_file.write_text(json.dumps([{"argv": [str(a) for a in job["argv"]], "env": job.get("env", {})}
                                          if isinstance(job, dict) else [str(a) for a in job] for job in jobs]))
-        script = "tests/helpers/jobs.py"
+        script, *args = [*wrapper, "tests/helpers/jobs.py", jobs_file, folder]
         if launcher == "python":
-            result = run(train_command("python", 1, jobs_file, folder, script=script), timeout=timeout, base_env=base_env)
+            result = run(train_command("python", 1, *args, script=script), timeout=timeout, base_env=base_env)
         else:
-            result = launch_script(nproc, script, jobs_file, folder, timeout=timeout, base_env=base_env)
+            result = launch_script(nproc, script, *args, timeout=timeout, base_env=base_env)
         assert result.returncode == 0, f"exit {result.returncode}\n{result.stdout[-4000:]}\n{result.stderr[-4000:]}"
         outputs = []
         for i in range(len(jobs)):

@@ -3,6 +3,7 @@ runs is app/core/step.py's."""
 import time
 from dataclasses import dataclass
 
+from app.core.divergence import Divergence
 from app.distributed import endings
 from app.ds import internals as ds_internals
 from app.ds.config import fit_buckets
@@ -32,9 +33,11 @@ def build_engine(model, ds_config: dict):
     plain = engine.zero_optimization_stage() == 0 and not (engine.fp16_enabled() or engine.bfloat16_enabled())
     if plain and not engine.pipeline_parallelism and engine.autotp_size() <= 1:  # there, ranks hold parts of them
         ds_internals.lighten_plain_step(engine)
+    elif plain:
+        ds_internals.note_clip_norms(engine)  # the norm's verdict for app/core/divergence.py
     ds_internals.skip_bad_steps_on_device(engine)  # ZeRO 1-3: no host sync to check the gradient norm
     ds_internals.step_bf16_weights_on_device(engine)  # ZeRO 0 with bf16 weights: nor there
-    ds_internals.step_without_host_waits(engine)  # nor to make constants or wait for streams
+    ds_internals.constants_on_device()  # nor to copy DeepSpeed's constants from the host
     return engine
 
 
@@ -56,6 +59,8 @@ class Schedule:
     """0: evaluate at the end of each epoch. Always at the last step."""
     save_interval: int = 0
     """0: save only at the last step (or when stopped early)."""
+    max_nonfinite_steps: int = 10
+    """Steps in a row whose loss or gradient norm is not finite that end the run (0: never)."""
 
     def log_now(self, step: int, stopping: bool) -> bool:
         return step % self.log_interval == 0 or step >= self.total_steps or stopping
@@ -87,6 +92,7 @@ class Loop:
         self.train_loader, self.eval_loader, self.schedule, self.log = train_loader, eval_loader, schedule, log
         self.save, self.stop, self.answers = save, stop, answers
         self.meter, self.clock = Meter(["loss"], self.engine.device), Stopwatch()
+        self.divergence = Divergence(self.engine, schedule.max_nonfinite_steps)
         self.samples, self.seconds, self.last_eval, self.stopped = 0.0, 0.0, {}, False
         self.began = time.perf_counter()  # when the micro step under way began
 
@@ -115,7 +121,7 @@ class Loop:
                 self.stop.finish()
         return {"steps": self.engine.global_steps, "epochs": epoch, "samples": self.samples,
                 "train_s": self.seconds, **self.log.rates(self.samples, self.seconds),
-                "stopped_early": self.stopped, **self.last_eval}
+                "skipped_steps": self.engine.skipped_steps, "stopped_early": self.stopped, **self.last_eval}
 
     def _done(self) -> bool:
         return self.schedule.finished(self.engine.global_steps) or self.stopped
@@ -124,15 +130,19 @@ class Loop:
         """What the schedule asks for after an optimizer step: a log row, an evaluation, a checkpoint."""
         step, schedule = self.engine.global_steps, self.schedule
         self.log.advance(1)
+        self.divergence.stepped(self.meter.take_not_finite())
         self.stopped = self.stop is not None and self.stop.agreed()
         if schedule.log_now(step, self.stopped):
+            skipped = self.divergence.check()
             result, elapsed = self.meter.reduce(), self.clock.lap()
             self.samples, self.seconds = self.samples + result["count"], self.seconds + elapsed
-            self.log.train_row(step, epoch, result["loss"], self.engine.get_lr()[0], result["count"], elapsed)
+            self.log.train_row(step, epoch, result["loss"], self.engine.get_lr()[0], result["count"], elapsed,
+                               skipped)
         if schedule.eval_now(step):
             self._evaluate(epoch)
         if self.save is not None and schedule.save_now(step, self.stopped):
             with self.clock.paused():  # saving does not count against training throughput
+                self.divergence.before_save()
                 done = batch_index == len(self.train_loader)
                 self.save(step, epoch + done, 0 if done else batch_index)
 

@@ -19,6 +19,7 @@ class Meter:
     def __init__(self, names, device):
         self.names = list(names)
         self.totals = torch.zeros(len(self.names) + 2, dtype=torch.float64, device=device)
+        self.not_finite = torch.zeros((), dtype=torch.bool, device=device)  # a sum added since take_not_finite()
 
     def add(self, count: torch.Tensor, weight: torch.Tensor = None, **sums: torch.Tensor):
         """Add per-batch sums (tensors, each value times its weight), the weight they carry in all (default: count)
@@ -27,6 +28,13 @@ class Meter:
         self.totals[-2] += count if weight is None else weight
         for i, name in enumerate(self.names):
             self.totals[i] += sums[name]
+            self.not_finite |= ~torch.isfinite(sums[name])
+
+    def take_not_finite(self) -> torch.Tensor:
+        """Whether a sum added since the last call was not finite (a device bool); cleared."""
+        flag = self.not_finite.clone()
+        self.not_finite.zero_()
+        return flag
 
     def reduce(self) -> dict:
         """Global weighted means over every rank since the last reset, plus the global 'count'; then reset."""

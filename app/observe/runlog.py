@@ -12,9 +12,10 @@ from app.checkpoint.save import atomic_write
 from app.errors import UserError
 from app.observe.metrics import Throughput
 
-CSV_FIELDS = ["step", "epoch", "loss", "lr", "samples_per_s", "tokens_per_s", "mfu", "eval_loss", "eval_accuracy",
-              "eval_perplexity"]
-SHOWN = ("loss", "lr", "samples_per_s", "tokens_per_s", "mfu", "eval_loss", "eval_accuracy", "eval_perplexity")
+CSV_FIELDS = ["step", "epoch", "loss", "lr", "skipped_steps", "samples_per_s", "tokens_per_s", "mfu", "eval_loss",
+              "eval_accuracy", "eval_perplexity"]
+SHOWN = ("loss", "lr", "skipped_steps", "samples_per_s", "tokens_per_s", "mfu", "eval_loss", "eval_accuracy",
+         "eval_perplexity")
 
 
 class RunLog:
@@ -61,7 +62,7 @@ class RunLog:
         for key, value in row.items():
             if key not in ("step", "epoch") and value is not None:
                 self.tb.add_scalar(key, value, row["step"])
-        shown = {k: f"{row[k]:.4g}" for k in SHOWN if row.get(k) is not None}
+        shown = {k: f"{row[k]:.4g}" for k in SHOWN if row.get(k) is not None and (k != "skipped_steps" or row[k])}
         if self.plain:
             print(f"step {row['step']} epoch {row['epoch']} " + " ".join(f"{k} {v}" for k, v in shown.items()),
                   flush=True)
@@ -72,9 +73,11 @@ class RunLog:
         """samples_per_s, and tokens_per_s and mfu where the task has tokens."""
         return self.throughput.rates(samples, seconds)
 
-    def train_row(self, step: int, epoch: int, loss: float, lr: float, samples: float, seconds: float):
-        """The row of a log interval: its mean loss, learning rate and throughput."""
-        self.write_row({"step": step, "epoch": epoch, "loss": loss, "lr": lr, **self.rates(samples, seconds)})
+    def train_row(self, step: int, epoch: int, loss: float, lr: float, samples: float, seconds: float,
+                  skipped_steps: int = 0):
+        """The row of a log interval: its mean loss, learning rate, the run's skipped steps so far, throughput."""
+        self.write_row({"step": step, "epoch": epoch, "loss": loss, "lr": lr, "skipped_steps": skipped_steps,
+                        **self.rates(samples, seconds)})
 
     def advance(self, steps: int):
         """Move the progress bar on by steps optimizer steps."""
@@ -117,8 +120,8 @@ def read_rows(path: Path) -> list:
     if not path.is_file():
         return []
     with open(path, newline="") as f:
-        return [{k: (None if v == "" else int(v) if k in ("step", "epoch") else float(v)) for k, v in row.items()}
-                for row in csv.DictReader(f)]
+        return [{k: (None if v == "" else int(v) if k in ("step", "epoch", "skipped_steps") else float(v))
+                 for k, v in row.items()} for row in csv.DictReader(f)]
 
 
 def _fmt(value):

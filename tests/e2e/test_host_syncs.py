@@ -1,6 +1,6 @@
-"""No training step waits on the device: host synchronisations counted per step (tests/helpers/host_syncs.py), the
-app's and DeepSpeed's, for every shipped ds_config in the precision it takes on a GPU (bf16), eager and compiled,
-on 1 and 2 ranks."""
+"""No training step of the app's waits on the device, and DeepSpeed's own waits are stock DeepSpeed's: host
+synchronisations counted per step (tests/helpers/host_syncs.py), the app's and DeepSpeed's, for every shipped
+ds_config in the precision it takes on a GPU (bf16), eager and compiled, on 1 and 2 ranks."""
 import pytest
 
 from app.tools.instructions import write_model

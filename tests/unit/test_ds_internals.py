@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from app.ds.internals.host_waits import _ConstantsOnDevice, _constants_on_device
+from app.ds.internals.device_constants import _ConstantsOnDevice, _constants_on_device, mask_not_finite
 
 
 @pytest.mark.parametrize("data, kwargs", [(-1.0, {"dtype": torch.float}), (-1.0, {}), ([2.5], {}), ([1.0], {}),
@@ -26,6 +26,15 @@ def test_only_python_values_bound_for_a_device_are_made_there():
         torch.tensor([1.0, 2.0], device="cpu")  # not one value repeated: copied as before
         torch.tensor(-1.0)  # no device: a host tensor, nothing to copy
     assert seen == ["full", "tensor", "tensor"]
+
+
+def test_the_mask_of_a_norm_that_is_not_finite_is_deepspeeds_bit_for_bit():
+    from deepspeed.runtime.utils import mask_nan_or_inf_with_val_inplace
+    for values in ([1.5, float("inf")], [float("nan")], [-float("inf"), 0.0, 3.0], [2.0]):
+        theirs, ours = torch.tensor(values), torch.tensor(values)
+        mask_nan_or_inf_with_val_inplace(theirs, device="cpu")
+        mask_not_finite(ours, device="cpu")
+        assert ours.dtype == theirs.dtype and torch.equal(ours, theirs), (values, ours, theirs)
 
 
 def test_a_wrapped_function_is_wrapped_once():

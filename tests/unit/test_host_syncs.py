@@ -25,6 +25,8 @@ def _sync_everywhere(x):
     x[mask]
     torch.unique(x)
     [0, 1, 2][x[0].long()]
+    x.clone().masked_fill_(mask, torch.tensor(-1.0))  # CUDA's kernel reads the value on the host
+    x.clone().masked_fill_(mask, -1.0)  # a number: nothing to read
 
 
 def test_the_counter_sees_every_kind_of_host_sync_and_counts_by_step():
@@ -42,7 +44,7 @@ def test_the_counter_sees_every_kind_of_host_sync_and_counts_by_step():
     kinds = {source.split(" at ")[0]: count for source, count in counter.windows[0].items()}
     assert kinds == {"item": 1, "__bool__": 1, "__float__": 1, "__int__": 1, "tolist": 1, "cpu": 1, "numpy": 1,
                      "nonzero": 1, "__getitem__": 1, "unique": 1, "__index__": 1, "copy to the device (tensor)": 1,
-                     "synchronize (on CUDA)": 1}, kinds
+                     "synchronize (on CUDA)": 1, "masked_fill_": 1}, kinds
     assert all(" at tests/unit/test_host_syncs.py:" in source for source in counter.windows[0])
     assert 1 not in counter.windows and sum(counter.windows[2].values()) == 1
     assert list(counter.per_step(optimizer_steps=3, first=1)) == [1, 2]

@@ -5,28 +5,27 @@ optimizers, the shape of its launcher's arguments, file names it picks, the line
 against WRITTEN_FOR; `version_note()` says in one line what to do when another version is installed.
 """
 from app.ds.internals.parser import Recorder, parse_config, scalar_defaults, section_fields
-from app.ds.internals.engine import (config_saved_as, count_every_stage_in_grad_norm, drop_other_stages,
-                                     engine_hooks_eager, forget_unfinished_forward,
-                                     forget_parallel_groups, gathered_state_dict, lighten_plain_step,
+from app.ds.internals.engine import (config_saved_as, count_every_stage_in_grad_norm, count_skipped_steps,
+                                     bad_norms, drop_other_stages, engine_hooks_eager, forget_unfinished_forward,
+                                     forget_parallel_groups, gathered_state_dict, lighten_plain_step, note_clip_norms,
                                      replay_cpu_adam_steps, skip_bad_steps_on_device, step_bf16_weights_on_device,
                                      uncompile)
-from app.ds.internals.host_waits import step_without_host_waits
+from app.ds.internals.device_constants import constants_on_device
 from app.ds.internals.launcher import (cpu_info_once, drop_shm_names, launcher_world_info, node_shell_line,
                                       op_loads_quiet, pdsh_exports, pdsh_words, pin_device, quiet_deepspeed,
                                       started_by_pdsh)
-from app.ds.internals.state import deepspeed_estimate, module_states, state_bytes, storages, zero_tensors
+from app.ds.internals.state import (deepspeed_estimate, held_weights, module_states, state_bytes, storages,
+                                    weights_finite, zero_tensors)
 
 WRITTEN_FOR = "0.19.8"
 __all__ = ["Recorder", "parse_config", "scalar_defaults", "section_fields", "config_saved_as",
-           "count_every_stage_in_grad_norm", "drop_other_stages", "engine_hooks_eager", "forget_parallel_groups",
-           "forget_unfinished_forward", "gathered_state_dict",
-           "lighten_plain_step", "replay_cpu_adam_steps", "skip_bad_steps_on_device", "step_bf16_weights_on_device",
-           "step_without_host_waits",
-           "uncompile", "cpu_info_once", "drop_shm_names", "launcher_world_info", "node_shell_line", "pdsh_exports",
-           "pdsh_words",
-           "started_by_pdsh", "op_loads_quiet", "pin_device", "quiet_deepspeed",
-           "deepspeed_estimate", "module_states", "state_bytes", "storages", "zero_tensors", "version_note",
-           "WRITTEN_FOR"]
+           "count_every_stage_in_grad_norm", "count_skipped_steps", "bad_norms", "drop_other_stages",
+           "engine_hooks_eager", "forget_parallel_groups", "forget_unfinished_forward", "gathered_state_dict",
+           "lighten_plain_step", "note_clip_norms", "replay_cpu_adam_steps", "skip_bad_steps_on_device",
+           "step_bf16_weights_on_device", "constants_on_device", "uncompile", "cpu_info_once", "drop_shm_names",
+           "launcher_world_info", "node_shell_line", "pdsh_exports", "pdsh_words", "started_by_pdsh", "op_loads_quiet",
+           "pin_device", "quiet_deepspeed", "deepspeed_estimate", "held_weights", "module_states", "state_bytes",
+           "storages", "weights_finite", "zero_tensors", "version_note", "WRITTEN_FOR"]
 
 
 def version_note() -> str:

@@ -1,11 +1,11 @@
-"""DeepSpeed's step without the host waits CUDA would make in it: constants copied from the host, and stream
-synchronizations where the device already orders the work.
+"""Constants DeepSpeed makes from Python numbers inside its step, made on the device instead.
 
-On a GPU the host queues the step and runs ahead; each of these makes it wait for the device. A CPU run skips
-DeepSpeed's CUDA-only branches, so tests/helpers/host_syncs.py counts them from the guard DeepSpeed puts before each.
+`torch.tensor(-1.0, device=cuda)` copies a Python number from the host, which makes the host wait; `torch.full`
+makes the same tensor, bit for bit, with a fill kernel on the same stream, so nothing is reordered. And the mask of a
+norm that is not finite fills with a number where DeepSpeed fills with such a tensor, which CUDA's masked_fill_ reads
+back on the host. Nothing here answers DeepSpeed's stream or device synchronisations: those stay DeepSpeed's
+(docs/gpu.md lists every change).
 """
-import sys
-
 import torch
 from torch.overrides import TorchFunctionMode
 
@@ -50,81 +50,24 @@ def _constants_on_device(function):
     return without_copies
 
 
-# DeepSpeed's functions that synchronize a stream or the device behind `if not resolves_data_dependency()`, by
-# code object: {code: on_device(locals) -> True when the device orders the work by itself (having queued any
-# wait it needs), False when the host must still wait}.
-_ON_DEVICE = {}
+def mask_not_finite(input, device=None, val=-1.0):
+    """DeepSpeed's mask_nan_or_inf_with_val_inplace (utils.py) without its two host waits: inf and NaN replaced in
+    place by val given as a number, where DeepSpeed copies -1.0 to the device and masked_fill_ reads it back (every
+    caller passes no val: the same -1.0)."""
+    input.masked_fill_(~torch.isfinite(input), val)
 
 
-def _install_guard():
-    """Answer "the device resolves it" at the guards of _ON_DEVICE that can do without the host; else as before."""
-    from deepspeed.accelerator import get_accelerator
-    accelerator = get_accelerator()
-    asked = accelerator.resolves_data_dependency
-    if getattr(asked, "deepspeed_original", None) is not None:
-        return
-
-    def resolves_data_dependency():
-        caller = sys._getframe(1)
-        on_device = _ON_DEVICE.get(caller.f_code)
-        return True if on_device is not None and on_device(caller.f_locals) else asked()
-    resolves_data_dependency.deepspeed_original = asked
-    accelerator.resolves_data_dependency = resolves_data_dependency
-
-
-def _offloaded(tensor) -> bool:
-    """Whether tensor (a ZeRO-3 partition) is kept off the device the rank computes on."""
-    from deepspeed.accelerator import get_accelerator
-    return tensor is not None and tensor.device.type != torch.device(get_accelerator().current_device_name()).type
-
-
-def _code(method):
-    """The code object of method, under DeepSpeed's NVTX decorator (which keeps no __wrapped__) if any."""
-    cells = [cell.cell_contents for cell in method.__closure__ or ()] if method.__name__ == "wrapped_fn" else []
-    return next((inner for inner in cells if callable(inner)), method).__code__
-
-
-def _compute_waits_for_reduction(optimizer) -> bool:
-    """ZeRO-3's end of backward: the compute stream waits on the device for the reduction stream, where the host
-    waited for it; not with an offloaded optimizer, whose CPU Adam reads the gradients on the host."""
-    from deepspeed.accelerator import get_accelerator
-    if optimizer.offload_optimizer:
-        return False
-    stream, current = optimizer.reduce_and_partition_stream, get_accelerator().current_stream()
-    if stream is not None and current is not None and stream != current:
-        current.wait_stream(stream)
-    return True
-
-
-def _zero3_waits():
-    """ZeRO-3's waits that the device orders by itself, unless parameters are offloaded (then the host must know
-    a copy from its memory finished before it changes that memory)."""
-    from deepspeed.runtime.zero import partition_parameters as pp
-    from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
-    # a parameter "gathered" on one rank is its own partition, on the device already: the copy is a view
-    _ON_DEVICE[_code(pp.NoGatherHandle.wait)] = lambda f: not _offloaded(f["self"]._NoGatherHandle__param.ds_tensor)
-    _ON_DEVICE[_code(pp.NoGatherCoalescedHandle.wait)] = \
-        lambda f: not any(_offloaded(p.ds_tensor) for p in f["self"]._NoGatherCoalescedHandle__params)
-    # persistent parameters gathered after each step: the collective's wait has ordered the stream already
-    for method in (pp.Init._allgather_params_coalesced, pp.Init._allgather_params_sequential):
-        _ON_DEVICE[_code(method)] = lambda f: not any(_offloaded(p.ds_tensor) for p in f["param_list"])
-    _ON_DEVICE[_code(DeepSpeedZeroOptimizer_Stage3.independent_gradient_partition_epilogue)] = \
-        lambda f: _compute_waits_for_reduction(f["self"])
-
-
-def step_without_host_waits(engine):
-    """Route DeepSpeed's step around its host waits: the norm's and the clip's constants made on the device
-    (ZeRO 1-3, and DeepSpeed's own clip on pipelines and tensor parallelism), a pipeline stage's loss buffer
-    made there, and ZeRO-3's stream synchronizations left to the device."""
+def constants_on_device():
+    """The constants of DeepSpeed's step made on the device: ZeRO 1-3's mask of an invalid norm and ZeRO-3's norm
+    of no gradients, the clip's `max_norm` and `1.0` on pipelines and tensor parallelism (DeepSpeed's own
+    clip_grad_norm_), and a non-last pipeline stage's loss buffer."""
     from deepspeed.runtime import engine as ds_engine
     from deepspeed.runtime.pipe import engine as pipe_engine
     from deepspeed.runtime.zero import stage3, stage_1_and_2
     for module in (stage_1_and_2, stage3):
-        module.mask_nan_or_inf_with_val_inplace = _constants_on_device(module.mask_nan_or_inf_with_val_inplace)
+        module.mask_nan_or_inf_with_val_inplace = mask_not_finite
     stage3.DeepSpeedZeroOptimizer_Stage3.get_grad_norm_direct = _constants_on_device(
         stage3.DeepSpeedZeroOptimizer_Stage3.get_grad_norm_direct)
     ds_engine.clip_grad_norm_ = _constants_on_device(ds_engine.clip_grad_norm_)
     pipe_engine.PipelineEngine._aggregate_total_loss = _constants_on_device(
         pipe_engine.PipelineEngine._aggregate_total_loss)
-    _zero3_waits()
-    _install_guard()

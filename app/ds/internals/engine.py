@@ -29,14 +29,59 @@ def lighten_plain_step(engine):
     average, so its gradient all-reduce (a flatten, a collective and a copy back) is skipped.
     """
     import torch.distributed as dist
-    engine.clip_fp32_gradients = lambda: torch.nn.utils.clip_grad_norm_(
-        engine.module.parameters(), engine.gradient_clipping(), foreach=True)
+    norms = engine.app_bad_norms = BadNorms(engine.device)
+    engine.clip_fp32_gradients = lambda: norms.record(~torch.isfinite(torch.nn.utils.clip_grad_norm_(
+        engine.module.parameters(), engine.gradient_clipping(), foreach=True)), skipped=False)
     if dist.get_world_size() == 1:
         engine.enable_backward_allreduce = False
 
 
+def note_clip_norms(engine):
+    """ZeRO 0 in fp32 on pipelines and tensor parallelism: DeepSpeed's own clip (whose norm sums the stages' or
+    shards' parts), with the norm it returns, which DeepSpeed drops, noted on the device (BadNorms)."""
+    from deepspeed.runtime import engine as ds_engine
+    norms = engine.app_bad_norms = BadNorms(engine.device)
+    engine.clip_fp32_gradients = lambda: norms.record(~torch.isfinite(ds_engine.clip_grad_norm_(
+        parameters=engine.module.parameters(), max_norm=engine.gradient_clipping(), mpu=engine.mpu)), skipped=False)
+
+
 # The ZeRO optimizer whose step is running, while its inner optimizer skips a bad step on the device itself.
 _deciding_on_device = []
+
+
+class BadNorms:
+    """Steps whose gradient norm was not finite, found on the device: `last` is 1 when the latest step's was, and
+    `skipped` counts the steps the optimizer skipped for it; both read on the host at log rows only."""
+
+    def __init__(self, device):
+        self.last = torch.zeros((), dtype=torch.int64, device=device)
+        self.skipped = torch.zeros((), dtype=torch.int64, device=device)
+
+    def record(self, not_finite: torch.Tensor, skipped: bool = True) -> torch.Tensor:
+        """Note a step's verdict (1: the norm was not finite, and the step skipped if `skipped`); returns it."""
+        self.last.copy_(not_finite.to(torch.int64))
+        if skipped:
+            self.skipped += self.last
+        return not_finite
+
+
+def bad_norms(engine):
+    """The BadNorms of an engine whose gradient norm the app checks on the device (its step skipped there under ZeRO
+    1-3 and bf16 weights; applied as DeepSpeed applies it under ZeRO 0 in fp32), else None: DeepSpeed's own host
+    check then counts skipped steps in engine.skipped_steps."""
+    return getattr(engine, "app_bad_norms", None)
+
+
+def count_skipped_steps(engine, skipped: int):
+    """Tell DeepSpeed about steps skipped on the device since the last call, as its host check would have: its
+    count of skipped steps goes up, and its learning-rate schedule goes back by as many steps (DeepSpeed does not
+    advance the schedule on a skipped step; the device cannot tell the host in time, so this catches up)."""
+    if skipped <= 0:
+        return
+    engine.skipped_steps += skipped
+    scheduler = engine.lr_scheduler
+    if scheduler is not None and hasattr(scheduler, "last_batch_iteration"):  # each of DeepSpeed's schedulers
+        scheduler.step(scheduler.last_batch_iteration - skipped)
 
 
 def skip_bad_steps_on_device(engine) -> bool:
@@ -46,14 +91,16 @@ def skip_bad_steps_on_device(engine) -> bool:
     waits for the whole backward) before every step, to skip a step whose norm is inf or NaN, and once more
     to guard the clip. A fused torch optimizer can skip a step on the device instead, as it does for torch's
     GradScaler: given `found_inf`, its kernel leaves the weights, moments and step count as they were. While
-    this engine's step runs, the check records the norm's verdict as `found_inf` and answers "valid" to the
-    host, so no sync is left and a bad step is still skipped. Offload's CPU Adam keeps DeepSpeed's check. In
-    bf16, ZeRO 1-2's separate overflow check of every gradient is left to the norm's.
+    this engine's step runs, the check records the norm's verdict as `found_inf` (and counts it, BadNorms)
+    and answers "valid" to the host, so no sync is left and a bad step is still skipped. Offload's CPU Adam and
+    fp16's loss scaling keep DeepSpeed's check. In bf16, ZeRO 1-2's separate overflow check of every gradient is
+    left to the norm's.
     """
     from deepspeed.runtime.zero import stage3, stage_1_and_2
     optimizer = engine.optimizer
     inner = getattr(optimizer, "optimizer", None)
-    if engine.zero_optimization_stage() == 0 or not getattr(inner, "_step_supports_amp_scaling", False):
+    if engine.zero_optimization_stage() == 0 or engine.fp16_enabled() or \
+            not getattr(inner, "_step_supports_amp_scaling", False):
         return False
     for module in (stage_1_and_2, stage3):
         if not hasattr(module.is_invalid_grad_norm, "deepspeed_original"):
@@ -63,10 +110,11 @@ def skip_bad_steps_on_device(engine) -> bool:
         # ZeRO 1-2 in bf16 first ask every gradient for inf or NaN (an all-reduce read back on the host); such a
         # gradient makes the norm inf or NaN too, which the check above then skips on the device
         optimizer.check_overflow = lambda partition_gradients=True: None
+    norms = engine.app_bad_norms = BadNorms(engine.device)
     step = optimizer.step
 
     def step_deciding_on_device(*args, **kwargs):
-        _deciding_on_device.append(inner)
+        _deciding_on_device.append((inner, norms))
         try:
             return step(*args, **kwargs)
         finally:
@@ -79,8 +127,11 @@ def skip_bad_steps_on_device(engine) -> bool:
 def _norm_check_on_device(original):
     def is_invalid_grad_norm(norm):
         if _deciding_on_device and torch.is_tensor(norm):
-            verdict = (~torch.isfinite(norm) | (norm < 0)).any().to(torch.float32)
-            _deciding_on_device[-1].found_inf = verdict.to(norm.device).reshape(())
+            inner, norms = _deciding_on_device[-1]
+            verdict = (~torch.isfinite(norm) | (norm < 0)).any().to(torch.float32).to(norm.device).reshape(())
+            if getattr(inner, "found_inf", None) is None:  # the step's first ask; the clip's guard asks again
+                norms.record(verdict)
+            inner.found_inf = verdict
             return False
         return original(norm)
     is_invalid_grad_norm.deepspeed_original = original
@@ -92,8 +143,8 @@ def step_bf16_weights_on_device(engine) -> bool:
     reads an overflow flag per gradient, each group's norm and the clip factor on the host. bf16 has no loss
     scale, so the same step runs on the device: fp32 gradients from the bf16 ones, their global norm, the clip
     factor DeepSpeed would take (max_norm / (norm + 1e-6) when below 1), the fused optimizer told found_inf when
-    the norm is not finite (it then leaves everything as it was), the bf16 weights copied from the fp32 masters.
-    True if done."""
+    the norm is not finite (it then leaves all as it was; BadNorms counts it), the bf16 weights copied from the
+    fp32 masters. True if done."""
     from deepspeed.runtime.fp16.unfused_optimizer import FP16_UnfusedOptimizer
     optimizer = engine.optimizer
     inner = getattr(optimizer, "optimizer", None)
@@ -102,6 +153,7 @@ def step_bf16_weights_on_device(engine) -> bool:
     if not (plain and getattr(inner, "_step_supports_amp_scaling", False) and not optimizer.fused_lamb_legacy
             and optimizer.loss_scale_config.cur_scale == 1):
         return False
+    norms = engine.app_bad_norms = BadNorms(engine.device)
 
     @torch.no_grad()
     def step(closure=None):
@@ -114,7 +166,7 @@ def step_bf16_weights_on_device(engine) -> bool:
         norm = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads)))
         if optimizer.clip_grad > 0:
             torch._foreach_mul_(grads, torch.clamp(optimizer.clip_grad / (norm + 1e-6), max=1.0))
-        inner.found_inf = (~torch.isfinite(norm)).to(torch.float32)
+        inner.found_inf = norms.record((~torch.isfinite(norm)).to(torch.float32))
         try:
             inner.step()
         finally:
@@ -122,7 +174,7 @@ def step_bf16_weights_on_device(engine) -> bool:
         torch._foreach_copy_(weights, masters)
         for master in masters:
             master.grad = None
-        optimizer._global_grad_norm, optimizer.overflow = norm, False
+        optimizer._global_grad_norm, optimizer.overflow = norm, False  # skipped or not: BadNorms says
         return False
     optimizer.step = step
     return True

@@ -62,3 +62,29 @@ def deepspeed_estimate(stage: int, offload: bool, offload_params: bool, total: i
         return estimate_zero3_model_states_mem_needs(total, largest_layer, gpus, 1, cpu_offload=offload,
                                                      cpu_offload_params=offload_params)[1]
     return None
+
+
+
+def held_weights(engine) -> list:
+    """The weights this rank holds: whole parameters, or under ZeRO-3 its partition of each (without the padding
+    DeepSpeed leaves uninitialised at the end of the last rank's partitions)."""
+    import torch.distributed as dist
+    held = []
+    for param in engine.module.parameters():
+        partition = getattr(param, "ds_tensor", None)
+        if partition is None:
+            held.append(param.detach())
+            continue
+        size = partition.ds_numel
+        start = size * dist.get_rank(group=param.ds_process_group)
+        held.append(partition.narrow(0, 0, max(0, min(size, param.ds_numel - start))))
+    return held
+
+
+def weights_finite(engine) -> bool:
+    """Whether every weight this rank holds is finite (under ZeRO-3 its partitions, wherever they are kept)."""
+    by_device = {}
+    for tensor in held_weights(engine):
+        if tensor.numel():
+            by_device.setdefault(tensor.device, []).append(torch.isfinite(tensor).all())
+    return all(bool(torch.stack(flags).all()) for flags in by_device.values())
