@@ -1,12 +1,14 @@
-"""The CUDA paths, run when the machine has a GPU: auto device, auto precision, every ZeRO stage, compile, no
-host sync in a step, NCCL, and two ranks sharing one GPU behind a device group that refuses CPU tensors."""
+"""The CUDA paths, run when the machine has a GPU: no host sync in the app's step, the app's changes to DeepSpeed's
+step against stock DeepSpeed, the memory plan against the GPU's peak, auto device, auto precision, every ZeRO stage,
+compile, a diverging run, NCCL, and two ranks sharing one GPU behind a device group that refuses CPU tensors.
+scripts/gpu_check.py runs them in parts, most telling first (the order below)."""
 import functools
 import subprocess
 import sys
 
 import pytest
 
-from conftest import REPO, cuda_env, read_metrics, read_summary, train, train_jobs
+from conftest import REPO, cuda_env, launch_script, read_metrics, read_summary, train, train_jobs
 from helpers.host_syncs import check_report, count_in_launch, sync_job
 
 pytestmark = pytest.mark.cuda
@@ -20,6 +22,15 @@ def gpus() -> int:
     return int(probe.stdout.strip() or 0) if probe.returncode == 0 else 0
 
 
+def figure(name: str, value: float):
+    """A figure of the GPU check's report (scripts/gpu_check.py reads GPU_CHECK_FIGURES), also printed."""
+    import os
+    print(f"figure: {name} {value:.3g}")
+    if os.environ.get("GPU_CHECK_FIGURES"):
+        with open(os.environ["GPU_CHECK_FIGURES"], "a") as f:
+            f.write(f"{name} {value:.3g}\n")
+
+
 def need(count: int):
     if gpus() < count:
         pytest.skip(f"needs {count} CUDA device(s); this machine has {gpus()}")
@@ -28,6 +39,73 @@ def need(count: int):
 def gpu_train(out, *args, launcher="python", nproc=1):
     return train(launcher, nproc, "--max_steps", 12, "--log_interval", 1, "--output_dir", out, *args,
                  base_env=cuda_env())
+
+
+def _corpus(tmp_path):
+    from conftest import write_text_rows
+    return write_text_rows(tmp_path / "corpus.txt", 600)
+
+
+SHARED = {"APP_SHARE_GPU_FOR_TESTS": "1"}  # both ranks on cuda:0, the device group gloo for CUDA alone
+
+
+def test_no_training_step_synchronises_the_gpu(tmp_path):
+    """The host-sync harness on CUDA, with torch.cuda.set_sync_debug_mode("error") over the counted steps: any
+    synchronising CUDA call there, DeepSpeed's CUDA-only branches included, fails the run. Not ZeRO-3, whose stock
+    step synchronizes streams by design (docs/gpu.md, "No host synchronisation in the app's step")."""
+    need(1)
+    names = [(name, mode) for mode in ("off", "on") for name in ("dp", "zero2")]
+    reports = count_in_launch(1, [sync_job(name, mode, tmp_path / f"{name}-{mode}") for name, mode in names],
+                              "--cuda_errors", base_env=cuda_env())
+    for (name, mode), report in zip(names, reports):
+        check_report(name, report)
+
+
+def test_skipped_steps_and_bf16_weights_step_as_stock_deepspeed_on_two_ranks_sharing_the_gpu():
+    """tests/helpers/stock_steps.py on CUDA with real fused AdamW kernels: the step skipped on the device and the
+    bf16 weights' step against stock DeepSpeed's, 2 ranks on one GPU."""
+    need(1)
+    import tempfile
+    from helpers.stock_steps import cases_in, judge
+    cases = ["0:fp32:1", "1:fp32:1", "2:fp32:1", "3:fp32:1", "0:bf16:1", "2:bf16:1", "3:bf16:1", "2:fp32:4"]
+    with tempfile.TemporaryDirectory() as report:
+        result = launch_script(2, "tests/helpers/stock_steps.py", report, *cases, base_env={**cuda_env(), **SHARED})
+        assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+        seen = cases_in(report, cases, 2)
+    figure("stock_steps_largest_weight_difference", max(what["weights"] for case, what in seen if case.endswith(":1")))
+    for case, what in seen:
+        judge(case, what, tolerance=1e-6)
+
+
+def test_the_apps_losses_are_stock_deepspeeds_on_the_gpu(tmp_path):
+    """The digits CNN in bf16 for 20 steps under ZeRO 1, 2, 3 and bf16 weights: the app's losses against stock
+    DeepSpeed's (tests/helpers/stock_deepspeed.py), step by step."""
+    need(1)
+    from helpers.stock_steps import bf16_weights_config, losses_against_stock
+    configs = {name: REPO / "ds_configs" / f"{name}.json" for name in ("zero1", "zero2", "zero3")}
+    configs["bf16-zero0"] = bf16_weights_config(tmp_path, 0)
+    differences = losses_against_stock(tmp_path, configs, ["--max_steps", 20, "--eval_interval", 20, "--compile", "off"],
+                                       base_env=cuda_env())
+    for name, difference in differences.items():
+        figure(f"losses_vs_stock_{name}", difference)
+    assert all(difference <= 1e-3 for difference in differences.values()), differences
+
+
+def test_the_plan_predicts_the_peak_the_gpu_reaches(tmp_path):
+    """The memory plan's predicted peak against torch.cuda.max_memory_allocated of the same run: within 10%."""
+    need(1)
+    config = REPO / "ds_configs" / "dp.json"
+    gpu_train(tmp_path / "run", "--deepspeed_config", config, "--model", "gpt2-tiny", "--dataset", _corpus(tmp_path),
+              "--block_size", 128, "--compile", "off")
+    measured = read_summary(tmp_path / "run")["peak_memory_bytes"]
+    planned = subprocess.run([sys.executable, "-m", "app.tools.plan", "--model", "gpt2-tiny", "--seq_len", "128",
+                              "--world_size", "1", "--deepspeed_config", str(config)], cwd=REPO, capture_output=True,
+                             text=True, env=cuda_env(), timeout=300)
+    assert planned.returncode == 0, planned.stderr
+    header, row = (line.split() for line in planned.stdout.splitlines()[1:3])
+    peak = float(row[header.index("peak")]) * 1e9
+    figure("plan_peak_over_measured", peak / measured)
+    assert abs(peak - measured) <= 0.1 * measured, (peak, measured)
 
 
 def test_one_gpu_auto_mode_compiles_and_picks_bf16(tmp_path):
@@ -42,37 +120,42 @@ def test_one_gpu_auto_mode_compiles_and_picks_bf16(tmp_path):
     assert losses[-1] < losses[0]
 
 
-@pytest.mark.parametrize("name", ["dp", "zero1", "zero2", "zero3", "zero2_offload"])
-def test_every_zero_stage_trains_in_bf16_on_one_gpu(name, tmp_path):
+def test_every_zero_stage_trains_in_bf16_on_one_gpu_and_a_diverging_run_stops(tmp_path):
+    """Each ZeRO stage trains gpt2-tiny compiled in bf16 (one launch, the jobs one after another); and a ZeRO-3 run
+    whose learning rate diverges skips and counts its steps on the device and ends in one line."""
     need(1)
-    gpu_train(tmp_path / "run", "--deepspeed_config", REPO / "ds_configs" / f"{name}.json", "--model", "gpt2-tiny",
-              "--dataset", _corpus(tmp_path))
-    summary = read_summary(tmp_path / "run")
-    assert summary["precision"] == "bfloat16" and 0 < summary["mfu"] < 1
-    losses = [r["loss"] for r in read_metrics(tmp_path / "run")[0]]
-    assert losses[-1] < losses[0]
+    import json
+    corpus = _corpus(tmp_path)
+    names = ["dp", "zero1", "zero2", "zero3", "zero2_offload"]
+    common = ["--model", "gpt2-tiny", "--dataset", corpus, "--max_steps", 12, "--log_interval", 1]
+    jobs = [["--deepspeed_config", REPO / "ds_configs" / f"{name}.json", *common, "--output_dir", tmp_path / name]
+            for name in names]
+    diverging = json.loads((REPO / "ds_configs" / "zero3.json").read_text())
+    diverging["optimizer"]["params"]["lr"] = 1e6
+    (tmp_path / "diverging.json").write_text(json.dumps(diverging))
+    jobs.append(["--deepspeed_config", tmp_path / "diverging.json", *common, "--max_nonfinite_steps", 3,
+                 "--save_interval", 2, "--output_dir", tmp_path / "diverging"])
+    outputs = train_jobs("ranks", 1, jobs, base_env=cuda_env(), codes=[0] * len(names) + [2])
+    for name in names:
+        summary = read_summary(tmp_path / name)
+        assert summary["precision"] == "bfloat16" and 0 < summary["mfu"] < 1, name
+        losses = [r["loss"] for r in read_metrics(tmp_path / name)[0]]
+        assert losses[-1] < losses[0], name
+    assert "error: the run diverged: its loss or gradient norm has not been finite since step " in outputs[-1], \
+        outputs[-1][-3000:]
+    assert "skipped_steps" in outputs[-1], outputs[-1][-3000:]
 
 
 def test_fp32_on_cuda_uses_tf32_unless_turned_off(tmp_path):
     need(1)
     fp32 = tmp_path / "fp32.json"
     fp32.write_text((REPO / "ds_configs" / "dp.json").read_text().replace('"enabled": "auto"', '"enabled": false'))
-    on = gpu_train(tmp_path / "on", "--deepspeed_config", fp32, "--compile", "off")
-    off = gpu_train(tmp_path / "off", "--deepspeed_config", fp32, "--compile", "off", "--tf32", "off")
-    assert "precision: float32; TF32 matmuls" in on.stdout
-    assert "precision: float32; full-fp32 matmuls (--tf32 off)" in off.stdout
-
-
-def test_two_ranks_with_nccl(tmp_path):
-    need(2)
-    result = gpu_train(tmp_path / "run", "--deepspeed_config", REPO / "ds_configs" / "zero2.json",
-                       launcher="deepspeed", nproc=2)
-    assert "nccl on cuda" in result.stdout and read_summary(tmp_path / "run")["world_size"] == 2
-
-
-def _corpus(tmp_path):
-    from conftest import write_text_rows
-    return write_text_rows(tmp_path / "corpus.txt", 600)
+    common = ["--deepspeed_config", fp32, "--compile", "off", "--max_steps", 12, "--log_interval", 1]
+    on, off = train_jobs("python", 1, [[*common, "--output_dir", tmp_path / "on"],
+                                       [*common, "--output_dir", tmp_path / "off", "--tf32", "off"]],
+                         base_env=cuda_env())
+    assert "precision: float32; TF32 matmuls" in on
+    assert "precision: float32; full-fp32 matmuls (--tf32 off)" in off
 
 
 def test_a_one_stage_pipeline_trains_in_bf16_on_one_gpu(tmp_path):
@@ -88,33 +171,6 @@ def test_a_one_stage_pipeline_trains_in_bf16_on_one_gpu(tmp_path):
     assert summary["precision"] == "bfloat16" and summary["pipeline_stages"] == 1
     losses = [r["loss"] for r in read_metrics(tmp_path / "run")[0]]
     assert losses[-1] < losses[0]
-
-
-@pytest.mark.parametrize("name, model", [("pipeline", "gpt2-tiny"), ("tensor_parallel", "llama-tiny")])
-def test_model_parallel_configs_on_two_gpus_with_nccl(name, model, tmp_path):
-    need(2)
-    result = gpu_train(tmp_path / "run", "--deepspeed_config", REPO / "ds_configs" / f"{name}.json", "--model", model,
-                       "--dataset", _corpus(tmp_path), launcher="deepspeed", nproc=2)
-    assert "nccl on cuda" in result.stdout
-    summary = read_summary(tmp_path / "run")
-    assert summary["world_size"] == 2 and summary["precision"] == "bfloat16"
-    assert summary["pipeline_stages" if name == "pipeline" else "tensor_parallel_size"] == 2
-    losses = [r["loss"] for r in read_metrics(tmp_path / "run")[0]]
-    assert losses[-1] < losses[0]
-
-
-def test_no_training_step_synchronises_the_gpu(tmp_path):
-    """The host-sync harness on CUDA, with torch.cuda.set_sync_debug_mode("error") over the counted steps: any
-    synchronising CUDA call there, DeepSpeed's CUDA-only branches included, fails the run."""
-    need(1)
-    names = [(name, mode) for mode in ("off", "on") for name in ("dp", "zero1", "zero2", "zero3", "bf16")]
-    reports = count_in_launch(1, [sync_job(name, mode, tmp_path / f"{name}-{mode}") for name, mode in names],
-                              "--cuda_errors", base_env=cuda_env())
-    for (name, mode), report in zip(names, reports):
-        check_report(name, report)
-
-
-SHARED = {"APP_SHARE_GPU_FOR_TESTS": "1"}  # both ranks on cuda:0, the device group gloo for CUDA alone
 
 
 def test_two_ranks_share_one_gpu_behind_a_device_only_group(tmp_path):
@@ -142,22 +198,6 @@ def test_two_ranks_sharing_one_gpu_make_no_host_sync(tmp_path):
                               base_env={**cuda_env(), **SHARED})
     for (name, mode), report in zip(names, reports):
         check_report(name, report)
-
-
-def test_the_plan_predicts_the_peak_the_gpu_reaches(tmp_path):
-    """The memory plan's predicted peak against torch.cuda.max_memory_allocated of the same run: within 10%."""
-    need(1)
-    config = REPO / "ds_configs" / "dp.json"
-    gpu_train(tmp_path / "run", "--deepspeed_config", config, "--model", "gpt2-tiny", "--dataset", _corpus(tmp_path),
-              "--block_size", 128, "--compile", "off")
-    measured = read_summary(tmp_path / "run")["peak_memory_bytes"]
-    planned = subprocess.run([sys.executable, "-m", "app.tools.plan", "--model", "gpt2-tiny", "--seq_len", "128",
-                              "--world_size", "1", "--deepspeed_config", str(config)], cwd=REPO, capture_output=True,
-                             text=True, env=cuda_env(), timeout=300)
-    assert planned.returncode == 0, planned.stderr
-    header, row = (line.split() for line in planned.stdout.splitlines()[1:3])
-    peak = float(row[header.index("peak")]) * 1e9
-    assert abs(peak - measured) <= 0.1 * measured, (peak, measured)
 
 
 def test_auto_takes_bf16_weights_where_only_they_fit_the_gpu(tmp_path):
@@ -189,3 +229,23 @@ def test_auto_takes_bf16_weights_where_only_they_fit_the_gpu(tmp_path):
     assert f'precision: bf16 (torch_autocast "auto" gave way to bf16 weights: the memory plan puts a micro batch of ' \
            f'{micro} at ' in result.stdout, result.stdout[-3000:]
     assert read_summary(tmp_path / "run")["precision"] == "bfloat16"
+
+
+def test_two_ranks_with_nccl(tmp_path):
+    need(2)
+    result = gpu_train(tmp_path / "run", "--deepspeed_config", REPO / "ds_configs" / "zero2.json",
+                       launcher="deepspeed", nproc=2)
+    assert "nccl on cuda" in result.stdout and read_summary(tmp_path / "run")["world_size"] == 2
+
+
+@pytest.mark.parametrize("name, model", [("pipeline", "gpt2-tiny"), ("tensor_parallel", "llama-tiny")])
+def test_model_parallel_configs_on_two_gpus_with_nccl(name, model, tmp_path):
+    need(2)
+    result = gpu_train(tmp_path / "run", "--deepspeed_config", REPO / "ds_configs" / f"{name}.json", "--model", model,
+                       "--dataset", _corpus(tmp_path), launcher="deepspeed", nproc=2)
+    assert "nccl on cuda" in result.stdout
+    summary = read_summary(tmp_path / "run")
+    assert summary["world_size"] == 2 and summary["precision"] == "bfloat16"
+    assert summary["pipeline_stages" if name == "pipeline" else "tensor_parallel_size"] == 2
+    losses = [r["loss"] for r in read_metrics(tmp_path / "run")[0]]
+    assert losses[-1] < losses[0]

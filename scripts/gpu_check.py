@@ -1,0 +1,158 @@
+"""The GPU check: the parts that only a CUDA GPU can prove, each in its own time limit, one after another (a part that
+fails or runs out of time does not stop the rest), then one table and OUT_DIR/report.json. Run through
+scripts/gpu_check.sh (docs/gpu.md, "The GPU check"):
+
+    python3 scripts/gpu_check.py OUT_DIR [--only NAME,...] [--budget SECONDS]
+
+A part's log is OUT_DIR/<name>.log; the figures its tests write (GPU_CHECK_FIGURES, a `name value` line each) and the
+benchmark's headline go into the report. On a machine without a CUDA GPU each part says so and the report is still
+written (the check's own plumbing).
+"""
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+NEEDS_CUDA = 77  # a part's exit code when the machine has no CUDA GPU
+
+
+@dataclass
+class Part:
+    name: str
+    limit_s: int
+    command: list
+    what: str
+
+
+def cuda_test(expression: str) -> list:
+    """pytest over tests/e2e/test_cuda.py's tests matching a -k expression (-v: each test's outcome as it ends)."""
+    return [sys.executable, "-m", "pytest", "-v", "-p", "no:cacheprovider", "tests/e2e/test_cuda.py", "-k",
+            expression]
+
+
+def parts(out: Path) -> list:
+    """The parts, in the order they run: what the GPU path must prove first comes first."""
+    bench = [sys.executable, "-m", "app.tools.bench", "--model", "gpt2-124m", "--batch", "32", "--seq_len", "1024",
+             "--ranks", "1", "--modes", "raw,raw-compile,app", "--configs", "dp,zero1,zero2,zero3", "--steps", "5",
+             "--warmup", "2", "--output_dir", str(out / "bench")]
+    return [
+        Part("sync_debug", 90, cuda_test("synchronises"),
+             'the step under torch.cuda.set_sync_debug_mode("error"), ZeRO 0 and 2, eager and compiled'),
+        Part("stock_steps", 60, cuda_test("stock_deepspeed_on_two_ranks"),
+             "2 ranks sharing the GPU: skipped steps and the bf16 weights' step against stock DeepSpeed"),
+        Part("losses_vs_stock", 90, cuda_test("losses_are_stock"),
+             "the digits CNN, 20 steps: the app's losses against stock DeepSpeed's, ZeRO 1-3 and bf16 weights"),
+        Part("bench", 170, bench, "gpt2-124m, micro 32 x 1024: raw, raw + compile + fused AdamW, the app at ZeRO 0-3"),
+        Part("plan_peak", 60, cuda_test("plan_predicts"), "the memory plan's peak against max_memory_allocated"),
+        Part("cuda_tests", 240, cuda_test("not synchronises and not stock_deepspeed_on_two_ranks and not "
+                                          "losses_are_stock and not plan_predicts"),
+             "the rest of tests/e2e/test_cuda.py"),
+    ]
+
+
+def cuda_available() -> bool:
+    probe = subprocess.run([sys.executable, "-c", "import torch; print(torch.cuda.is_available())"],
+                           capture_output=True, text=True)
+    return probe.stdout.strip() == "True"
+
+
+def run_part(part: Part, out: Path, limit_s: float, cuda: bool) -> dict:
+    """Run one part within limit_s seconds (its whole process group ended past it); what it gave."""
+    log, figures_file = out / f"{part.name}.log", out / f"{part.name}.figures"
+    if not cuda:
+        log.write_text("needs a CUDA GPU\n")
+        return {"status": "needs a CUDA GPU", "seconds": 0.0, "figures": {}}
+    started = time.perf_counter()
+    with open(log, "w") as sink:
+        process = subprocess.Popen(part.command, cwd=REPO, stdout=sink, stderr=subprocess.STDOUT,
+                                   env={**os.environ, "PYTHONUNBUFFERED": "1", "GPU_CHECK_FIGURES": str(figures_file)},
+                                   start_new_session=True)
+        try:
+            code = process.wait(timeout=limit_s)
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, 9)
+            process.wait()
+            code = None
+    text = log.read_text(errors="replace")
+    status = "timed out" if code is None else "passed" if code == 0 else \
+        "needs a CUDA GPU" if code == NEEDS_CUDA else f"failed (exit {code})"
+    tests = outcomes(text)
+    if status == "passed" and part.command[1:3] == ["-m", "pytest"] and not tests.get("PASSED"):
+        status = "no test passed"
+    return {"status": status, "seconds": round(time.perf_counter() - started, 1), "tests": tests,
+            "figures": figures(text, figures_file), "tail": text.splitlines()[-15:] if status != "passed" else []}
+
+
+def outcomes(text: str) -> dict:
+    """pytest -v's outcome of each test in a log ({'PASSED': [...], 'FAILED': [...], ...}), so a part that ran
+    out of time still tells which of its tests had passed."""
+    found = {}
+    for line in text.splitlines():
+        name, _, outcome = line.partition(" ")
+        if "::" in name and outcome.split(" ")[0] in ("PASSED", "FAILED", "SKIPPED", "ERROR"):
+            found.setdefault(outcome.split(" ")[0], []).append(name.split("::")[-1])
+    return found
+
+
+def figures(text: str, figures_file: Path) -> dict:
+    """The figures a part's tests wrote (`name value` lines), and the benchmark's headline where it printed one."""
+    found = {}
+    for line in figures_file.read_text().splitlines() if figures_file.is_file() else []:
+        name, _, value = line.partition(" ")
+        found[name] = value
+    found.update({"headline": line for line in text.splitlines() if line.startswith("headline")})
+    return found
+
+
+def table(report: dict) -> str:
+    rows = [f"{'part':<16} {'status':<28} {'seconds':>7}  figures"]
+    for name, result in report["parts"].items():
+        shown = "; ".join(f"{k} {v}" for k, v in result["figures"].items())
+        counts = ", ".join(f"{len(v)} {k.lower()}" for k, v in result.get("tests", {}).items())
+        shown = "; ".join(filter(None, [counts, shown]))
+        rows.append(f"{name:<16} {result['status'][:28]:<28} {result['seconds']:>7}  {shown}")
+    return "\n".join(rows)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("out_dir")
+    parser.add_argument("--only", default="", help="comma-separated part names (default: all)")
+    parser.add_argument("--budget", type=float, default=480, help="seconds for all parts together")
+    args = parser.parse_args(argv)
+    out = Path(args.out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    started, cuda = time.perf_counter(), cuda_available()
+    report = {"cuda": cuda, "python": sys.version.split()[0], "versions": versions(), "parts": {}}
+    chosen = [p for p in parts(out) if not args.only or p.name in args.only.split(",")]
+    for part in chosen:
+        left = args.budget - (time.perf_counter() - started)
+        if left < 10:
+            report["parts"][part.name] = {"status": "not run: no time left", "seconds": 0.0, "figures": {}}
+            continue
+        report["parts"][part.name] = {"what": part.what, **run_part(part, out, min(part.limit_s, left), cuda)}
+        (out / "report.json").write_text(json.dumps(report, indent=1) + "\n")  # each part kept as it ends
+    report["seconds"] = round(time.perf_counter() - started, 1)
+    (out / "report.json").write_text(json.dumps(report, indent=1) + "\n")
+    print(table(report))
+    return 0 if all(r["status"] in ("passed", "needs a CUDA GPU") for r in report["parts"].values()) else 1
+
+
+def versions() -> dict:
+    """The versions the check ran on: torch, DeepSpeed, transformers, the GPU."""
+    code = ("import json, torch, importlib.metadata as m\n"
+            "v = {n: m.version(n) for n in ('torch', 'deepspeed', 'transformers', 'datasets', 'peft')\n"
+            "     if next(m.distributions(name=n), None)}\n"
+            "v['gpu'] = torch.cuda.get_device_name(0) if torch.cuda.is_available() else ''\n"
+            "print(json.dumps(v))")
+    probe = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    return json.loads(probe.stdout) if probe.returncode == 0 else {"error": probe.stderr[-300:]}
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,50 @@
+"""The GPU check's own plumbing (scripts/gpu_check.sh, scripts/gpu_check.py), on a machine without a GPU: every part
+says it needs one and the report is still written; a part that runs past its limit or fails does not stop the rest."""
+import importlib.util
+import json
+import subprocess
+import sys
+
+from conftest import REPO
+
+
+def _driver():
+    spec = importlib.util.spec_from_file_location("gpu_check", REPO / "scripts" / "gpu_check.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_without_a_gpu_every_part_says_it_needs_one_and_the_report_is_written(tmp_path):
+    result = subprocess.run(["bash", "scripts/gpu_check.sh", tmp_path / "out"], cwd=REPO, capture_output=True,
+                            text=True, timeout=300, env={"PATH": f"{REPO / '.venv' / 'bin'}:/usr/bin:/bin",
+                                                         "PYTHON": sys.executable})
+    assert result.returncode == 0, result.stdout + result.stderr
+    report = json.loads((tmp_path / "out" / "report.json").read_text())
+    names = [part.name for part in _driver().parts(tmp_path)]
+    assert report["cuda"] is False and list(report["parts"]) == names
+    assert all(part["status"] == "needs a CUDA GPU" for part in report["parts"].values())
+    assert result.stdout.splitlines()[0].split()[:3] == ["part", "status", "seconds"]
+    assert [line.split()[0] for line in result.stdout.splitlines()[1:]] == names
+
+
+def test_a_part_past_its_limit_is_ended_and_the_next_still_runs(tmp_path, monkeypatch):
+    """Fake parts through the driver as if on a GPU: one sleeps past its limit, one fails, one writes a figure, one
+    runs pytest whose tests all skip here (tests/e2e/test_cuda.py needs CUDA)."""
+    gpu_check = _driver()
+    figure = f"open('{tmp_path}/out/' + 'writes.figures', 'a').write('ratio 0.97\\n')"
+    fake = [gpu_check.Part("sleeps", 2, ["sleep", "30"], "past its limit"),
+            gpu_check.Part("fails", 10, [sys.executable, "-c", "raise SystemExit(3)"], "exits 3"),
+            gpu_check.Part("writes", 10, [sys.executable, "-c", f"{figure}; print('headline (app speed): dp 0.97')"],
+                           "a figure and a headline"),
+            gpu_check.Part("skips", 60, gpu_check.cuda_test("plan_predicts"), "pytest, every test skipped")]
+    monkeypatch.setattr(gpu_check, "parts", lambda out: fake)
+    monkeypatch.setattr(gpu_check, "cuda_available", lambda: True)
+    assert gpu_check.main([str(tmp_path / "out")]) == 1
+    parts = json.loads((tmp_path / "out" / "report.json").read_text())["parts"]
+    assert parts["sleeps"]["status"] == "timed out" and parts["sleeps"]["seconds"] < 10
+    assert parts["fails"]["status"] == "failed (exit 3)"
+    assert parts["writes"]["status"] == "passed"
+    assert parts["writes"]["figures"] == {"ratio": "0.97", "headline": "headline (app speed): dp 0.97"}
+    assert parts["skips"]["status"] == "no test passed"
+    assert parts["skips"]["tests"] == {"SKIPPED": ["test_the_plan_predicts_the_peak_the_gpu_reaches"]}
