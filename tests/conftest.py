@@ -80,6 +80,15 @@ def train_command(launcher: str, nproc: int, *args, script: str = "app/train.py"
     raise ValueError(launcher)
 
 
+FAULTS = "tests/helpers/faults.py"
+"""Runs a script with the faults its environment names (APP_KILL_AT, APP_OOM_AT, ...), injected from outside the app."""
+
+
+def faulty_command(launcher: str, nproc: int, *args) -> list:
+    """train_command for app/train.py run by tests/helpers/faults.py."""
+    return train_command(launcher, nproc, "app/train.py", *args, script=FAULTS)
+
+
 def cuda_env() -> dict:
     """The environment as the machine gave it: its GPUs visible, DeepSpeed picking its accelerator."""
     env = {k: v for k, v in os.environ.items() if k not in ("CUDA_VISIBLE_DEVICES", "DS_ACCELERATOR")}

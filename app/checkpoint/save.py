@@ -16,7 +16,6 @@ import torch
 from app.checkpoint import disk
 from app.distributed import dist
 from app.ds import internals as ds_internals
-from app.distributed import faults
 from app.errors import UserError
 from app.redact import redacted
 
@@ -199,7 +198,6 @@ def _write(engine, root: Path, folder: Path, state: TrainerState, extra, every_r
                                exclude_frozen_parameters=has_frozen(engine))
     if every_rank is not None:
         every_rank(engine, folder)
-    faults.kill_at("shards", state.step)
     (folder / f"rng_rank{dist.rank():05d}.json").write_text(json.dumps(_rng_state()))
     for path in [*folder.rglob("*"), folder]:
         sync(path)  # a power cut after the manifest must not leave it vouching for files still in the cache
@@ -210,10 +208,8 @@ def _write(engine, root: Path, folder: Path, state: TrainerState, extra, every_r
             extra(folder)
         files = sorted(p for p in folder.rglob("*") if p.is_file() and p.name not in (MANIFEST, SAVING))
         manifest = {str(p.relative_to(folder)): {"size": p.stat().st_size, "sha256": sha256_of(p)} for p in files}
-        faults.kill_at("manifest", state.step)
         atomic_write(folder / MANIFEST, json.dumps(manifest, indent=1))
         (folder / SAVING).unlink()
-        faults.kill_at("pointer", state.step)
         atomic_write(root / LATEST, folder.name)  # DeepSpeed's tools read this; it names only a whole checkpoint
 
 

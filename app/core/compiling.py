@@ -11,7 +11,7 @@ import time
 
 import torch
 
-from app.distributed import dist, endings, faults
+from app.distributed import dist, endings
 from app.ds import internals as ds_internals
 from app.ds.internals import torch_private
 from app.errors import UserError, first_line
@@ -31,10 +31,9 @@ class Compiled:
         self.proven = set()  # modes (training or not) whose compiled graph has run once
         dist.print0(f"compile: compiling the model and its loss with torch.compile (inductor, fixed shapes) "
                     f"on {engine.device.type}; the first training and evaluation steps take longer")
-        backend = faults.compile_backend()
-        engine.compile(backend=backend, compile_kwargs={"dynamic": False})
+        engine.compile(backend="inductor", compile_kwargs={"dynamic": False})
         ds_internals.engine_hooks_eager(engine)
-        self.loss = torch.compile(task.loss, backend=backend, dynamic=False)
+        self.loss = torch.compile(task.loss, backend="inductor", dynamic=False)
         self.compiled = True
 
     def __call__(self, inputs: list, labels: torch.Tensor) -> tuple:

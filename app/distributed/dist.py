@@ -10,7 +10,7 @@ import os
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
+import torch.distributed as torch_dist
 
 from app.distributed import wire
 
@@ -32,12 +32,12 @@ class World:
 
 def rank() -> int:
     """Global rank (0 before the group exists)."""
-    return dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", "0"))
+    return torch_dist.get_rank() if torch_dist.is_initialized() else int(os.environ.get("RANK", "0"))
 
 
 def world_size() -> int:
     """Number of ranks (1 before the group exists)."""
-    return dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", "1"))
+    return torch_dist.get_world_size() if torch_dist.is_initialized() else int(os.environ.get("WORLD_SIZE", "1"))
 
 
 def is_main() -> bool:
@@ -61,12 +61,12 @@ def start_host_group(timeout: datetime.timedelta = None):
     """Create the host group; every rank calls it once, right after the process group starts."""
     global _host
     if many():
-        _host = dist.new_group(backend="gloo", timeout=timeout)
+        _host = torch_dist.new_group(backend="gloo", timeout=timeout)
 
 
 def many() -> bool:
     """Whether the run has more than one rank: with one, nothing needs a collective."""
-    return dist.is_initialized() and dist.get_world_size() > 1
+    return torch_dist.is_initialized() and torch_dist.get_world_size() > 1
 
 
 def _host_group():
@@ -78,7 +78,7 @@ def _host_group():
 def barrier():
     """Wait for every rank, on the host group (a no-op without a process group)."""
     if many():
-        dist.barrier(group=_host_group())
+        torch_dist.barrier(group=_host_group())
 
 
 @contextlib.contextmanager
@@ -96,18 +96,18 @@ def main_process_first():
 def _host_reduce(values, op) -> list:
     numbers = torch.tensor([float(v) for v in values], dtype=torch.float64)  # on the CPU, the host group's device
     if many():
-        dist.all_reduce(numbers, op=op, group=_host_group())
+        torch_dist.all_reduce(numbers, op=op, group=_host_group())
     return numbers.tolist()
 
 
 def host_sum(values) -> list:
     """Element-wise sums of a few Python numbers over every rank, on the host group."""
-    return _host_reduce(values, dist.ReduceOp.SUM)
+    return _host_reduce(values, torch_dist.ReduceOp.SUM)
 
 
 def host_max(values) -> list:
     """Element-wise maxima of a few Python numbers over every rank, on the host group."""
-    return _host_reduce(values, dist.ReduceOp.MAX)
+    return _host_reduce(values, torch_dist.ReduceOp.MAX)
 
 
 def broadcast_object(obj):
@@ -121,12 +121,12 @@ def gather_objects(obj) -> list:
     if not many():
         return [obj]
     data = torch.frombuffer(bytearray(wire.encode(obj)), dtype=torch.uint8)
-    sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(dist.get_world_size())]
-    dist.all_gather(sizes, torch.tensor([data.numel()], dtype=torch.int64), group=_host_group())
+    sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(torch_dist.get_world_size())]
+    torch_dist.all_gather(sizes, torch.tensor([data.numel()], dtype=torch.int64), group=_host_group())
     padded = torch.zeros(max(int(size) for size in sizes), dtype=torch.uint8)
     padded[:data.numel()] = data
     gathered = [torch.empty_like(padded) for _ in sizes]
-    dist.all_gather(gathered, padded, group=_host_group())
+    torch_dist.all_gather(gathered, padded, group=_host_group())
     return [wire.decode(got[:int(size)].numpy().tobytes(), f"a message from rank {r}")
             for r, (got, size) in enumerate(zip(gathered, sizes))]
 
@@ -148,7 +148,8 @@ class HostVote:
             self.pending.wait()  # posted a step ago by every rank, so done by now
             outcome = bool(self.ballot.item())
         self.ballot.fill_(int(yes))
-        self.pending = dist.all_reduce(self.ballot, op=dist.ReduceOp.MAX, group=_host_group(), async_op=True)
+        self.pending = torch_dist.all_reduce(self.ballot, op=torch_dist.ReduceOp.MAX, group=_host_group(),
+                                             async_op=True)
         return outcome
 
     def finish(self):
@@ -161,6 +162,6 @@ class HostVote:
 def teardown():
     """Leave the process group (and the host group); safe to call when none exists."""
     global _host
-    if dist.is_initialized():
-        dist.destroy_process_group()
+    if torch_dist.is_initialized():
+        torch_dist.destroy_process_group()
     _host = None

@@ -16,10 +16,9 @@ import threading
 import time
 
 import torch
-import torch.distributed as dist
+import torch.distributed as torch_dist
 
-from app.distributed import faults, preemption, wire
-from app.distributed.dist import many as dist_many
+from app.distributed import dist, preemption, wire
 from app.ds.internals import torch_private
 from app.errors import RankAlone, SaidByAnotherRank, UserError, deepspeed_failure
 
@@ -66,7 +65,7 @@ def watching_for_leavers():
     second for a note from a rank that left, so that this rank knows it when its collective fails as that
     rank goes, even if the store went with it (rank 0 serves it). Stopped at the block's end, before any
     rank of a run that went well can end and take the store."""
-    if not dist_many():
+    if not dist.many():
         yield
         return
     stop = threading.Event()
@@ -84,7 +83,7 @@ def _watch(store, stop: threading.Event):
     while not stop.wait(1.0):
         try:
             _known.note = _read_note(store)
-        except dist.DistError:  # the store went (rank 0 ended): nothing more to read
+        except torch_dist.DistError:  # the store went (rank 0 ended): nothing more to read
             return
         except UserError as e:  # said by the main thread at its next look (_left_note)
             _known.foreign = e
@@ -122,24 +121,24 @@ def gather_outcomes(mine, failed_after_s: float = None, patience_s: float = 30):
     blocked where it left them, and it should end the run with leave(). It waits no longer once a stop is asked of
     it (a launcher ends every rank when one dies). A rank that finds another has left ends quietly
     (SaidByAnotherRank): that rank said why."""
-    if not dist_many():
+    if not dist.many():
         return [mine]
     _known.rounds += 1
-    keys = [f"app/outcome/{_known.rounds}/{r}" for r in range(dist.get_world_size())]
+    keys = [f"app/outcome/{_known.rounds}/{r}" for r in range(torch_dist.get_world_size())]
     try:
         store = torch_private.default_store()
-        store.set(keys[dist.get_rank()], wire.encode(mine))
+        store.set(keys[torch_dist.get_rank()], wire.encode(mine))
         if failed_after_s is None:
             store.wait(keys)  # as long as the group's timeout
         else:
-            deadline = time.monotonic() + faults.patience_s(patience_s) + 10 * failed_after_s
+            deadline = time.monotonic() + patience_s + 10 * failed_after_s
             while not store.check(keys):  # polled: a wait that times out has the store log warnings
                 if time.monotonic() > deadline or preemption.asked():
                     return None
                 time.sleep(0.05)
         said = [_outcome(store.get(key), key) for key in keys]
         _read_by_all(store, [f"{key}/read" for key in keys])
-    except dist.DistError:  # the store went with rank 0
+    except torch_dist.DistError:  # the store went with rank 0
         said = None
         if failed_after_s is None and _known.note is None:
             raise
@@ -153,10 +152,10 @@ def _read_by_all(store, keys: list, wait_s: float = 10):
     """Every rank marks the outcomes read; rank 0, whose process serves the store, then waits for all the marks
     (bounded; not for a rank that gave up waiting and left), so that an outcome that ends the run does not take
     the store with it before a rank has read it (that rank would then end alone, with a line of its own)."""
-    with contextlib.suppress(dist.DistError):  # read already: a store gone by now changes nothing here
-        store.set(keys[dist.get_rank()], b"1")
+    with contextlib.suppress(torch_dist.DistError):  # read already: a store gone by now changes nothing here
+        store.set(keys[torch_dist.get_rank()], b"1")
     deadline = time.monotonic() + wait_s
-    while dist.get_rank() == 0 and not store.check(keys) and not store.check([_LEFT]) and \
+    while torch_dist.get_rank() == 0 and not store.check(keys) and not store.check([_LEFT]) and \
             time.monotonic() < deadline:
         time.sleep(0.005)
 
@@ -165,7 +164,7 @@ def another_rank_left() -> bool:
     """Whether a rank has left the run alone (leave()): a collective failing here is its going. Not when the
     store went with rank 0 and no note was read from it before: that may be a crash, which a restart (exit 1,
     not 2) should follow."""
-    return dist_many() and _left_note() is not None
+    return dist.many() and _left_note() is not None
 
 
 def _left_note():
@@ -174,7 +173,7 @@ def _left_note():
         raise _known.foreign
     if _known.note is not None:
         return _known.note
-    with contextlib.suppress(dist.DistError):
+    with contextlib.suppress(torch_dist.DistError):
         return _read_note(torch_private.default_store())
     return None
 
@@ -182,7 +181,7 @@ def _left_note():
 def leave(why: str) -> RankAlone:
     """The error that ends this rank alone, saying why at once; the others, if their collectives fail as
     this rank goes (gloo's do), find it in gather_outcomes and end without a second line."""
-    with contextlib.suppress(dist.DistError):
+    with contextlib.suppress(torch_dist.DistError):
         torch_private.default_store().set(_LEFT, wire.encode(why))
         _known.left = True
     return RankAlone(why)
@@ -193,10 +192,10 @@ def close():
     serves the store, which goes with its process; a rank that died never reads it), and not once a stop is asked
     of it (its launcher is ending every rank); what was known of leavers is forgotten (another job may follow)."""
     global _known
-    if _known.left and dist.is_initialized():
+    if _known.left and torch_dist.is_initialized():
         deadline = time.monotonic() + LINGER_S
-        with contextlib.suppress(dist.DistError):
-            store, others = torch_private.default_store(), dist.get_world_size() - 1
+        with contextlib.suppress(torch_dist.DistError):
+            store, others = torch_private.default_store(), torch_dist.get_world_size() - 1
             while store.add(_READ, 0) < others and time.monotonic() < deadline and not preemption.asked():
                 time.sleep(0.02)
     _known = _Leavers()
@@ -231,7 +230,7 @@ def _ended(engine, began: float, kind: str, why: str) -> UserError:
     kind, why = (kind, why) if alone else outcomes[0]
     if kind == "error":
         return leave(why) if alone else UserError(why)
-    who = f"rank {dist.get_rank()}" if alone else "every rank" if len(outcomes) > 1 else "the run"
+    who = f"rank {torch_dist.get_rank()}" if alone else "every rank" if len(outcomes) > 1 else "the run"
     where = " while the other ranks went on into that step's collectives" if alone else ""
     said = f"{who} ran out of memory after {engine.global_steps} step(s) ({why}){where}; {MEMORY_ADVICE}"
     return leave(said) if alone else UserError(said)

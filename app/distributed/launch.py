@@ -1,6 +1,7 @@
 """Launch time: which launcher started us, its variables, the device and backend, the start-up rendezvous.
 
-The only module that reads launcher variables (RANK, OMPI_*, SLURM_*). Run-time helpers live in app/distributed/dist.py.
+The only module that reads launcher variables (RANK, OMPI_*, SLURM_*). Run-time helpers live in
+app/distributed/dist.py.
 """
 import datetime
 import json
@@ -13,7 +14,7 @@ import time
 import warnings
 
 import torch
-import torch.distributed as dist
+import torch.distributed as torch_dist
 
 from app.ds import internals as ds_internals
 from app.distributed import wire
@@ -166,9 +167,10 @@ def prepare_environment():
     ds_internals.cpu_info_once()  # each CPU optimizer DeepSpeed builds would ask three times, 1.1 s apiece
 
 
-# Tests only (a machine here has one GPU at most): every local rank takes cuda:0, and the device group is gloo
-# registered for CUDA alone, which refuses a CPU tensor as NCCL does (NCCL refuses two ranks on one GPU).
-SHARE_GPU = "APP_SHARE_GPU_FOR_TESTS"
+# Several ranks on one GPU, to try a multi-rank config (ZeRO-3 on 2 ranks, a pipeline) on a machine with one GPU:
+# every local rank takes cuda:0, and the device group is gloo registered for CUDA alone, which refuses a CPU tensor as
+# NCCL does (NCCL refuses two ranks on one GPU). docs/gpu.md, "Several ranks on one GPU".
+SHARE_GPU = "APP_SHARE_GPU"
 
 
 def gpu_index(local_rank: int, visible: int) -> int:
@@ -239,20 +241,20 @@ def _join(rank: int, world_size: int, node: tuple, backend: str, device, join_s:
     serve = rank == 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True"  # torchrun's agent serves it
     try:
         store = wire.open_store(addr, port, world_size, serve, datetime.timedelta(seconds=join_s))
-    except (RuntimeError, dist.DistError) as e:
+    except (RuntimeError, torch_dist.DistError) as e:
         if serve:
             raise UserError(f"rank 0 cannot listen on {addr}:{port} ({str(e).splitlines()[0]}); "
                             f"pass a free --master_port") from None
         raise UserError(f"rank {rank} on {node[0]} could not reach rank 0 at {addr}:{port} within {join_s} s: "
                         f"is that node up, and is the port open between the nodes?") from None
     # a restarted torchrun worker group meets again in the same agent store: keep each attempt apart
-    store = dist.PrefixStore(f"app/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/", store)
+    store = torch_dist.PrefixStore(f"app/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/", store)
     keys = [f"node/{r}" for r in range(world_size)]
     store.set(keys[rank], json.dumps(node))
     _agree_on_start(store, keys, rank, node, join_s)
     store.set_timeout(datetime.timedelta(seconds=timeout_s))
     nodes = [tuple(json.loads(store.get(key))) for key in keys]
-    dist.init_process_group(backend, store=store, rank=rank,
+    torch_dist.init_process_group(backend, store=store, rank=rank,
                             world_size=world_size, timeout=datetime.timedelta(seconds=timeout_s),
                             # as DeepSpeed does: bind the GPU, except alone (later new_group()s would need a peer)
                             **({"device_id": device} if backend == "nccl" and world_size > 1 else {}))
@@ -271,7 +273,7 @@ def _agree_on_start(store, keys: list, rank: int, node: tuple, join_s: int):
     store.set_timeout(datetime.timedelta(seconds=2 * join_s))  # rank 0 may start later than we did
     try:
         verdict = store.get("verdict").decode()
-    except dist.DistError:
+    except torch_dist.DistError:
         raise UserError(f"rank {rank} on {node[0]}: rank 0 did not finish the start-up within "
                         f"{2 * join_s} s") from None
     if verdict:

@@ -11,7 +11,7 @@ import ipaddress
 import json
 import socket
 
-import torch.distributed as dist
+import torch.distributed as torch_dist
 
 from app.errors import UserError
 
@@ -53,11 +53,11 @@ def open_store(addr: str, port: int, world_size: int, serve: bool, timeout: date
     when that is an IP address of this machine; else torch's default, every interface, which rank 0 says."""
     sock, local = _bound_socket(addr, port) if serve else (None, True)
     if sock is None:  # multi-tenant: a store this process already serves on the port is reused
-        store = dist.TCPStore(addr, port, world_size, serve, timeout, wait_for_workers=False, multi_tenant=True)
+        store = torch_dist.TCPStore(addr, port, world_size, serve, timeout, wait_for_workers=False, multi_tenant=True)
         if not local:
             print(f"note: rank 0's rendezvous store listens on port {store.port} of every interface of this machine "
                   f"(MASTER_ADDR {addr} is not an IP address of it); firewall that port (docs/trust.md)",
                   flush=True)
         return store
-    return dist.TCPStore(addr, port, world_size, True, timeout, wait_for_workers=False, multi_tenant=True,
+    return torch_dist.TCPStore(addr, port, world_size, True, timeout, wait_for_workers=False, multi_tenant=True,
                          master_listen_fd=sock.detach())  # the store's server owns the descriptor from here

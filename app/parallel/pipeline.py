@@ -14,7 +14,6 @@ from torch import nn
 
 from app.distributed import dist
 from app.ds import internals as ds_internals
-from app.distributed import faults
 from app.ds.precision import input_dtype
 from app.errors import UserError
 from app.observe.metrics import Meter
@@ -247,7 +246,6 @@ class PipeStep:
 
     def micro_step(self, batch, meter: Meter):
         """Add a micro batch; once a whole batch is gathered, run the pipeline's schedule over it."""
-        faults.out_of_memory_at(len(batch[1]))
         self.pending.append(self._batch(batch))
         if len(self.pending) == self.engine.gradient_accumulation_steps():
             self.engine.module.loss_fn.meter = meter

@@ -9,7 +9,7 @@ import sys
 import time
 
 import torch
-import torch.distributed as dist
+import torch.distributed as torch_dist
 
 from app.distributed import launch
 from app.distributed.dist import host_max, print0, teardown
@@ -22,23 +22,23 @@ def _filled(value, device, n=4):
 
 def _check(name, got, want):
     if not torch.equal(got.cpu(), torch.as_tensor(want, dtype=got.dtype).expand_as(got.cpu())):
-        raise AssertionError(f"{name}: rank {dist.get_rank()} got {got.tolist()}, expected {want}")
+        raise AssertionError(f"{name}: rank {torch_dist.get_rank()} got {got.tolist()}, expected {want}")
 
 
 def _verify_ring(device) -> list:
     """Point to point around a ring: send to the next rank, receive from the previous one."""
-    rank, world = dist.get_rank(), dist.get_world_size()
+    rank, world = torch_dist.get_rank(), torch_dist.get_world_size()
     nxt, prev = (rank + 1) % world, (rank - 1) % world
     out, into = _filled(rank, device), _filled(-1, device)
     if rank % 2 == 0:
-        dist.send(out, nxt)
-        dist.recv(into, prev)
+        torch_dist.send(out, nxt)
+        torch_dist.recv(into, prev)
     else:
-        dist.recv(into, prev)
-        dist.send(out, nxt)
+        torch_dist.recv(into, prev)
+        torch_dist.send(out, nxt)
     _check("send/recv", into, prev)
     into = _filled(-1, device)
-    for work in (dist.isend(_filled(rank * 10, device), nxt), dist.irecv(into, prev)):
+    for work in (torch_dist.isend(_filled(rank * 10, device), nxt), torch_dist.irecv(into, prev)):
         work.wait()
     _check("isend/irecv", into, prev * 10)
     return ["send/recv", "isend/irecv"]
@@ -46,41 +46,41 @@ def _verify_ring(device) -> list:
 
 def verify_primitives(device) -> list:
     """Run each primitive once with values whose right answer is known; return the names checked."""
-    rank, world = dist.get_rank(), dist.get_world_size()
+    rank, world = torch_dist.get_rank(), torch_dist.get_world_size()
     ranks = list(range(world))
-    dist.barrier()
+    torch_dist.barrier()
     checked = ["rank and world size", "barrier"] + (_verify_ring(device) if world > 1 else [])
     value = _filled(rank + 7, device)
-    dist.broadcast(value, src=0)
+    torch_dist.broadcast(value, src=0)
     _check("broadcast", value, 7)
-    for op, want in ((dist.ReduceOp.SUM, sum(r + 1 for r in ranks)), (dist.ReduceOp.MAX, world),
-                     (dist.ReduceOp.MIN, 1), (dist.ReduceOp.PRODUCT, float(torch.arange(1, world + 1).prod()))):
+    ops, product = torch_dist.ReduceOp, float(torch.arange(1, world + 1).prod())
+    for op, want in ((ops.SUM, sum(r + 1 for r in ranks)), (ops.MAX, world), (ops.MIN, 1), (ops.PRODUCT, product)):
         value = _filled(rank + 1, device)
-        dist.all_reduce(value, op=op)
+        torch_dist.all_reduce(value, op=op)
         _check(f"all_reduce {op}", value, want)
     value = _filled(rank + 1, device)
-    dist.reduce(value, dst=0, op=dist.ReduceOp.SUM)
+    torch_dist.reduce(value, dst=0, op=torch_dist.ReduceOp.SUM)
     if rank == 0:
         _check("reduce", value, sum(r + 1 for r in ranks))
     parts = [_filled(-1, device) for _ in ranks]
-    dist.all_gather(parts, _filled(rank, device))
+    torch_dist.all_gather(parts, _filled(rank, device))
     for r, part in enumerate(parts):
         _check("all_gather", part, r)
     parts = [_filled(-1, device) for _ in ranks] if rank == 0 else None
-    dist.gather(_filled(rank * 3, device), parts, dst=0)
+    torch_dist.gather(_filled(rank * 3, device), parts, dst=0)
     if rank == 0:
         for r, part in enumerate(parts):
             _check("gather", part, r * 3)
     into = _filled(-1, device)
-    dist.scatter(into, [_filled(r * 5, device) for r in ranks] if rank == 0 else None, src=0)
+    torch_dist.scatter(into, [_filled(r * 5, device) for r in ranks] if rank == 0 else None, src=0)
     _check("scatter", into, rank * 5)
     evens = [r for r in ranks if r % 2 == 0]
-    group = dist.new_group(evens)  # every rank takes part in creating it, members only in using it
+    group = torch_dist.new_group(evens)  # every rank takes part in creating it, members only in using it
     if rank in evens:
         value = _filled(1, device)
-        dist.all_reduce(value, group=group)
+        torch_dist.all_reduce(value, group=group)
         _check("all_reduce in new_group", value, len(evens))
-    dist.barrier()
+    torch_dist.barrier()
     checked += ["broadcast", "all_reduce sum/max/min/product", "reduce", "all_gather", "gather", "scatter",
                 "new_group subgroup"]
     return checked
@@ -93,8 +93,9 @@ BUS_FACTOR = {"all_reduce": lambda n: 2 * (n - 1) / n, "all_gather": lambda n: (
 
 def _timed(op, tensor, world, device, iters):
     parts = [torch.empty_like(tensor) for _ in range(world)]
-    run = {"all_reduce": lambda: dist.all_reduce(tensor), "broadcast": lambda: dist.broadcast(tensor, src=0),
-           "all_gather": lambda: dist.all_gather(parts, tensor)}[op]
+    run = {"all_reduce": lambda: torch_dist.all_reduce(tensor),
+           "broadcast": lambda: torch_dist.broadcast(tensor, src=0),
+           "all_gather": lambda: torch_dist.all_gather(parts, tensor)}[op]
     for _ in range(2):
         run()
     times = []
@@ -115,7 +116,7 @@ def _sync(device):
 
 def measure(device, sizes, iters) -> list:
     """(op, bytes, seconds, algorithm GB/s, bus GB/s) rows for each collective and message size."""
-    world, rows = dist.get_world_size(), []
+    world, rows = torch_dist.get_world_size(), []
     for op in BUS_FACTOR:
         for size in sizes:
             tensor = torch.ones(max(1, size // 4), dtype=torch.float32, device=device)

@@ -1,15 +1,15 @@
 """The micro batch "auto": the largest that runs on every rank, found at start with real steps, the global batch
 kept by gradient accumulation, the same losses as written by hand, kept across a resume; under ZeRO 0-3,
 offload, a pipeline and tensor parallelism. And running out of memory in training: one line, never a hang.
-Out of memory comes from APP_OOM_AT on one chosen rank or on every rank."""
+Out of memory comes from APP_OOM_AT on one chosen rank or on every rank (tests/helpers/faults.py)."""
 import json
 import time
 
 import pytest
 
 from app.memory import autobatch
-from conftest import (REPO, assert_one_error_line, config_variant, read_metrics, run, train_command, train_jobs,
-                      write_text_rows)
+from conftest import (FAULTS, REPO, assert_one_error_line, config_variant, faulty_command, read_metrics, run,
+                      train_jobs, write_text_rows)
 
 
 def _auto(tmp, name, total, **changes):
@@ -51,7 +51,7 @@ def runs(tmp_path_factory):
     job_list = [{"argv": [*argv, "--output_dir", out[name]], "env": {"APP_OOM_AT": fault} if fault else {}}
                 for name, (argv, fault) in jobs.items()]
     outputs = train_jobs("ranks", 2, job_list, codes=[2 if name in ("nothing fits", "out of memory in training") else 0
-                                                      for name in jobs])
+                                                      for name in jobs], wrapper=(FAULTS,))
     return {name: (output, out[name]) for name, output in zip(jobs, outputs)}
 
 
@@ -108,7 +108,7 @@ def test_a_rank_out_of_memory_alone_in_a_backward_ends_the_run_in_one_line_not_a
     failed part) is shortened to 3 s here with APP_PATIENCE_S."""
     config, out = _auto(tmp_path, "dp", 64), tmp_path / "run"
     started = time.monotonic()
-    result = run(train_command("deepspeed", 2, "--deepspeed_config", config, *RUN, "--output_dir", out),
+    result = run(faulty_command("deepspeed", 2, "--deepspeed_config", config, *RUN, "--output_dir", out),
                  timeout=300, APP_OOM_AT="17:1:backward", APP_PATIENCE_S="3")
     took = time.monotonic() - started
     assert result.returncode == 2, result.stdout[-3000:] + result.stderr[-3000:]
@@ -126,7 +126,7 @@ def test_a_rank_out_of_memory_alone_in_training_ends_the_run_in_one_line_not_a_h
     a traceback) of its own; the run's files go, so the same command runs again."""
     out = tmp_path / "run"
     started = time.monotonic()
-    result = run(train_command("deepspeed", 2, *RUN, "--output_dir", out), timeout=300,
+    result = run(faulty_command("deepspeed", 2, *RUN, "--output_dir", out), timeout=300,
                  APP_OOM_AT="1:0:backward", APP_PATIENCE_S="1")
     took = time.monotonic() - started
     assert result.returncode == 2, result.stdout[-3000:] + result.stderr[-3000:]
@@ -147,7 +147,9 @@ def _engines_left_after_the_search(rank, world, config, out, report):
     from app import settings as app_config
     from app.distributed import dist
     from app.distributed import launch
+    from helpers import faults
     os.environ["APP_OOM_AT"] = "17"
+    faults.out_of_memory()
     settle, left = autobatch.settle, []
 
     def observed(*args, **kwargs):

@@ -10,8 +10,8 @@ import torch
 
 from app.checkpoint.save import sha256_of
 from app.tools.export import fp32_state_dict
-from conftest import (REPO, TWO_RANK_ARGS, TWO_RANK_STEPS, assert_one_error_line, launch_script, read_metrics, run,
-                      train, train_command, train_jobs, two_rank_steps)
+from conftest import (FAULTS, REPO, TWO_RANK_ARGS, TWO_RANK_STEPS, assert_one_error_line, faulty_command,
+                      launch_script, read_metrics, run, train, train_command, train_jobs, two_rank_steps)
 
 
 def assert_same_run(expected, got, steps=TWO_RANK_STEPS):
@@ -45,8 +45,8 @@ def killed_before(tmp_path_factory):
     root, killed = tmp_path_factory.mktemp("killed"), {}
     for name, (moment, _) in sorted(KILLS.items()):
         config = REPO / "ds_configs" / f"{name}.json"
-        result = launch_script(2, "app/train.py", "--deepspeed_config", config, *TWO_RANK_ARGS, "--output_dir",
-                               root / name, APP_KILL_AT=moment, APP_PATIENCE_S="1")
+        result = launch_script(2, FAULTS, "app/train.py", "--deepspeed_config", config, *TWO_RANK_ARGS,
+                               "--output_dir", root / name, APP_KILL_AT=moment, APP_PATIENCE_S="1")
         complete = sorted(p.parent.name for p in (root / name / "checkpoints").glob("step*/manifest.json"))
         killed[name] = result.returncode, complete, (root / name / "checkpoints" / "latest").read_text()
     resumed = {name: ["--deepspeed_config", REPO / "ds_configs" / f"{name}.json", *TWO_RANK_ARGS, "--output_dir",
@@ -104,7 +104,7 @@ def test_killed_during_save_then_resumed_is_exact(name, killed_then_resumed, two
 def test_half_written_checkpoints_are_cleared(tmp_path):
     """A folder left by a killed save is removed by the next whole save, not kept forever."""
     out = tmp_path / "run"
-    run(train_command("python", 1, "--max_steps", 6, "--save_interval", 2, "--output_dir", out),
+    run(faulty_command("python", 1, "--max_steps", 6, "--save_interval", 2, "--output_dir", out),
         APP_KILL_AT="manifest:4")
     assert (out / "checkpoints" / "step00000004").is_dir(), "the killed save left a folder"
     assert not (out / "checkpoints" / "step00000004" / "manifest.json").exists()

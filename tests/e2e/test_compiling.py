@@ -4,7 +4,8 @@ import pytest
 
 from e2e.test_checkpoint import assert_same_run
 from e2e.test_train import STAGES, assert_two_ranks_match, one_process_reference
-from conftest import assert_one_error_line, config_variant, read_metrics, run, train, train_command, train_jobs
+from conftest import (FAULTS, assert_one_error_line, config_variant, faulty_command, read_metrics, run, train,
+                      train_jobs)
 
 
 COMPILE = ["--compile", "on"]
@@ -18,9 +19,9 @@ def one_process(tmp_path_factory):
     return one_process_reference(tmp_path_factory.mktemp("one"))
 
 
-# Runs that fail on purpose, in the same launch (app/distributed/faults.py): inductor refuses rank 1's backward graph, or
-# every rank's forward graph; rank 1 runs out of memory in its first compiled step.
-FAULTS = {"backward-on-rank-1": ("zero2", {"APP_FAIL_COMPILE": "backward:1"}, 0),
+# Runs that fail on purpose, in the same launch (tests/helpers/faults.py): inductor refuses rank 1's backward graph,
+# or every rank's forward graph; rank 1 runs out of memory in its first compiled step.
+FAULT_RUNS = {"backward-on-rank-1": ("zero2", {"APP_FAIL_COMPILE": "backward:1"}, 0),
           "forward-everywhere": ("dp", {"APP_FAIL_COMPILE": "forward"}, 0),
           "oom-on-rank-1": ("dp", {"APP_OOM_AT": "4:1"}, 2)}
 
@@ -30,11 +31,11 @@ def compiled_two_ranks(tmp_path_factory):
     """name -> (per-step losses, output) of 2 compiled ranks x micro batch 4, 12 steps, under each ZeRO stage
     and each fault of FAULTS, one after another in one launch."""
     tmp = tmp_path_factory.mktemp("compiled-two")
-    runs = {**{name: (name, {}, 0) for name in STAGES}, **FAULTS}
+    runs = {**{name: (name, {}, 0) for name in STAGES}, **FAULT_RUNS}
     jobs = [{"argv": ["--deepspeed_config", config_variant(tmp, config, train_micro_batch_size_per_gpu=4),
                       "--max_steps", 12, "--log_interval", 1, "--output_dir", tmp / name, *COMPILE], "env": env}
             for name, (config, env, _) in runs.items()]
-    outputs = train_jobs("ranks", 2, jobs, codes=[code for _, _, code in runs.values()])
+    outputs = train_jobs("ranks", 2, jobs, codes=[code for _, _, code in runs.values()], wrapper=(FAULTS,))
     return {name: ([r["loss"] for r in read_metrics(tmp / name)[0]] if code == 0 else [], out)
             for (name, (_, _, code)), out in zip(runs.items(), outputs)}
 
@@ -56,7 +57,7 @@ def test_compiled_run_killed_and_resumed_is_exact(tmp_path):
             "--max_steps", 10, "--log_interval", 1, "--save_interval", 5]
     whole, broken = tmp_path / "whole", tmp_path / "broken"
     train("python", 1, *args, "--output_dir", whole, OMP_NUM_THREADS="1")
-    killed = run(train_command("python", 1, *args, "--output_dir", broken), APP_KILL_AT="shards:10",
+    killed = run(faulty_command("python", 1, *args, "--output_dir", broken), APP_KILL_AT="shards:10",
                  OMP_NUM_THREADS="1")
     assert killed.returncode != 0
     result = train("python", 1, *args, "--output_dir", broken, "--resume", "auto", OMP_NUM_THREADS="1")

@@ -46,7 +46,7 @@ def _corpus(tmp_path):
     return write_text_rows(tmp_path / "corpus.txt", 600)
 
 
-SHARED = {"APP_SHARE_GPU_FOR_TESTS": "1"}  # both ranks on cuda:0, the device group gloo for CUDA alone
+SHARED = {"APP_SHARE_GPU": "1"}  # both ranks on cuda:0, the device group gloo for CUDA alone
 
 
 def test_no_training_step_synchronises_the_gpu(tmp_path):
@@ -84,8 +84,8 @@ def test_the_apps_losses_are_stock_deepspeeds_on_the_gpu(tmp_path):
     from helpers.stock_steps import bf16_weights_config, losses_against_stock
     configs = {name: REPO / "ds_configs" / f"{name}.json" for name in ("zero1", "zero2", "zero3")}
     configs["bf16-zero0"] = bf16_weights_config(tmp_path, 0)
-    differences = losses_against_stock(tmp_path, configs, ["--max_steps", 20, "--eval_interval", 20, "--compile", "off"],
-                                       base_env=cuda_env())
+    args = ["--max_steps", 20, "--eval_interval", 20, "--compile", "off"]
+    differences = losses_against_stock(tmp_path, configs, args, base_env=cuda_env())
     for name, difference in differences.items():
         figure(f"losses_vs_stock_{name}", difference)
     assert all(difference <= 1e-3 for difference in differences.values()), differences

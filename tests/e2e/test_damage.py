@@ -7,7 +7,7 @@ import shutil
 import pytest
 
 from app.checkpoint import outdir
-from conftest import REPO, assert_one_error_line, main_each, run, train_command, write_text_rows
+from conftest import REPO, assert_one_error_line, faulty_command, main_each, run, write_text_rows
 
 
 def cut_short(path):
@@ -149,7 +149,7 @@ def test_an_image_cut_short_found_in_training_leaves_the_folder_reusable(tmp_pat
     victim.write_bytes(victim.read_bytes()[:1500])  # the header whole, the pixels cut short: PIL's verify passes
     args = ["--model", "mlp", "--dataset", "imagefolder", "--data_dir", images, "--image_size", 16, "--max_steps", 20,
             "--output_dir", tmp_path / "run"]
-    result = run(train_command("deepspeed", 2, *args), timeout=300, APP_PATIENCE_S="1")  # the other rank is blocked
+    result = run(faulty_command("deepspeed", 2, *args), timeout=300, APP_PATIENCE_S="1")  # the other rank is blocked
     assert result.returncode == 2 and "mode: " in result.stdout, "found in training, not before"
     assert_one_error_line(result.stdout + result.stderr, str(victim), "is not a readable image",
                           "replace or remove it", anywhere=True)

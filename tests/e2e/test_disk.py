@@ -11,7 +11,7 @@ import pytest
 from app.checkpoint import disk
 from app.checkpoint import outdir
 from app.checkpoint import resume
-from conftest import assert_one_error_line, read_metrics, run, train, train_command
+from conftest import assert_one_error_line, faulty_command, read_metrics, run, train, train_command
 
 pytestmark = [pytest.mark.skipif(os.geteuid() != 0, reason="mounts a small tmpfs, which needs root (CI runs as root; "
                                                            "`sudo make test` here)")]
@@ -58,7 +58,7 @@ def test_a_read_only_checkpoint_folder(tmp_path):
     them, and no run files left, so the same command can run again once the folder is writable."""
     out = tmp_path / "run"
     with tmpfs(out / "checkpoints", "16m", read_only=True):
-        result = run(train_command("deepspeed", 2, "--max_steps", 2, *RUN, "--output_dir", out), timeout=60,
+        result = run(faulty_command("deepspeed", 2, "--max_steps", 2, *RUN, "--output_dir", out), timeout=60,
                      APP_PATIENCE_S="120")
         assert result.returncode != 0
         assert_one_error_line(result.stdout + result.stderr, f"cannot save a checkpoint in {out / 'checkpoints'}: "

@@ -4,7 +4,7 @@ import re
 import sys
 
 
-from conftest import BIN, REPO, TWO_RANK_ARGS, free_port, run
+from conftest import BIN, FAULTS, REPO, TWO_RANK_ARGS, free_port, run
 from e2e.test_checkpoint import assert_same_run
 
 
@@ -13,7 +13,7 @@ def test_torchrun_max_restarts_resumes_a_killed_run_exactly(tmp_path, two_rank_r
     from step 5, the last whole checkpoint, to the losses and weights of the run that was never killed."""
     out = tmp_path / "run"
     result = run([str(BIN / "torchrun"), "--nproc_per_node", "2", "--max_restarts", "1", "--master_port",
-                  str(free_port()), "app/train.py", "--deepspeed_config", str(REPO / "ds_configs" / "dp.json"),
+                  str(free_port()), FAULTS, "app/train.py", "--deepspeed_config", str(REPO / "ds_configs" / "dp.json"),
                   *map(str, TWO_RANK_ARGS), "--output_dir", str(out), "--resume", "auto"], APP_KILL_AT="shards:10:1",
                  APP_PATIENCE_S="1")  # the rank left alone waits 1 s for the dead one, not 5
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
@@ -23,7 +23,7 @@ def test_torchrun_max_restarts_resumes_a_killed_run_exactly(tmp_path, two_rank_r
 
 def test_the_restart_tool_does_it_for_the_deepspeed_launcher(tmp_path, two_rank_run):
     out = tmp_path / "run"
-    command = [str(BIN / "deepspeed"), "--num_gpus", "2", "--master_port", str(free_port()), "app/train.py",
+    command = [str(BIN / "deepspeed"), "--num_gpus", "2", "--master_port", str(free_port()), FAULTS, "app/train.py",
                "--deepspeed_config", str(REPO / "ds_configs" / "zero1.json"), *map(str, TWO_RANK_ARGS),
                "--output_dir", str(out)]
     result = run([sys.executable, "-m", "app.tools.restart", "--max_restarts", "1", "--wait", "1", "--", *command],

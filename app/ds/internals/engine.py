@@ -28,11 +28,11 @@ def lighten_plain_step(engine):
     grads, so torch's foreach clip gives the same norm with no collective. One rank has nothing to
     average, so its gradient all-reduce (a flatten, a collective and a copy back) is skipped.
     """
-    import torch.distributed as dist
+    import torch.distributed as torch_dist
     norms = engine.app_bad_norms = BadNorms(engine.device)
     engine.clip_fp32_gradients = lambda: norms.record(~torch.isfinite(torch.nn.utils.clip_grad_norm_(
         engine.module.parameters(), engine.gradient_clipping(), foreach=True)), skipped=False)
-    if dist.get_world_size() == 1:
+    if torch_dist.get_world_size() == 1:
         engine.enable_backward_allreduce = False
 
 

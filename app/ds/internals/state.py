@@ -68,7 +68,7 @@ def deepspeed_estimate(stage: int, offload: bool, offload_params: bool, total: i
 def held_weights(engine) -> list:
     """The weights this rank holds: whole parameters, or under ZeRO-3 its partition of each (without the padding
     DeepSpeed leaves uninitialised at the end of the last rank's partitions)."""
-    import torch.distributed as dist
+    import torch.distributed as torch_dist
     held = []
     for param in engine.module.parameters():
         partition = getattr(param, "ds_tensor", None)
@@ -76,7 +76,7 @@ def held_weights(engine) -> list:
             held.append(param.detach())
             continue
         size = partition.ds_numel
-        start = size * dist.get_rank(group=param.ds_process_group)
+        start = size * torch_dist.get_rank(group=param.ds_process_group)
         held.append(partition.narrow(0, 0, max(0, min(size, param.ds_numel - start))))
     return held
 

@@ -7,7 +7,7 @@ from torch.utils._pytree import tree_flatten
 TORCH_WRITTEN_FOR = "2.14"
 DYNAMO_LOGGER = "torch._dynamo"
 __all__ = ["TorchDispatchMode", "tree_flatten", "default_store", "fake_tensor_mode", "dynamo_reset",
-           "is_dynamo_error", "compile_backward_with_forward", "inductor_refusing", "DYNAMO_LOGGER",
+           "is_dynamo_error", "compile_backward_with_forward", "DYNAMO_LOGGER",
            "TORCH_WRITTEN_FOR"]
 
 
@@ -38,19 +38,4 @@ def compile_backward_with_forward():
     """A context in which a compiled forward compiles its backward at once, not at the first backward (where a
     failure would come after the gradient collectives started)."""
     return torch._functorch.config.patch(force_non_lazy_backward_lowering=True)
-
-
-def inductor_refusing(refuse):
-    """A torch.compile backend: inductor, whose inner compile first calls refuse(is_backward) (which may raise),
-    with the on-disk caches off so that every graph reaches it."""
-    from torch._inductor.compile_fx import compile_fx, compile_fx_inner
-
-    def inner(graph, example_inputs, **kwargs):
-        refuse(kwargs.get("is_backward", False))
-        return compile_fx_inner(graph, example_inputs, **kwargs)
-
-    def backend(graph, example_inputs):
-        with torch._functorch.config.patch(enable_autograd_cache=False):
-            return compile_fx(graph, example_inputs, inner_compile=inner, config_patches={"fx_graph_cache": False})
-    return backend
 
