@@ -1,41 +1,34 @@
 """The one exception type that means 'the user asked for something we cannot do', and how entry points say it."""
 import os
 import sys
-import time
 from pathlib import Path
 
 
 class UserError(Exception):
-    """A mistake in the user's input: reported as one line on stderr, never as a traceback."""
+    """A mistake in the user's input: one line on stderr, never a traceback. Every rank raises it; rank 0 says it."""
 
 
-class RankAlone(UserError):
-    """A failure only this rank knows of, the other ranks blocked where it left them: said at once, since they
-    will not get to say it, after which the launcher ends them."""
+class Ended(Exception):
+    """This rank ends on a failure that is not a user's mistake: `alone`, only this rank knows it and says it at once
+    (the others are blocked where it left them, and the launcher ends them); else another rank has said it."""
 
-
-class SaidByAnotherRank(UserError):
-    """This rank ends because another one left with a line of its own (RankAlone): nothing more to say."""
+    def __init__(self, why: str = "", alone: bool = False):
+        super().__init__(why)
+        self.alone = alone
 
 
 def report(error: Exception) -> int:
-    """Say `error: <what to fix>` in one line on stderr and return the exit code 2.
+    """Say `error: <what to fix>` in one line on stderr where it is this rank's to say; the exit code 2.
 
-    In a multi-rank job rank 0 speaks first; the other ranks speak only if the launcher has not
-    ended them by then (it does once rank 0 exits), so one mistake is one line, not one per rank.
-    A rank that leaves alone (RankAlone) speaks at once; one that another's leaving ended says nothing.
+    A user's mistake is rank 0's to say (every rank found it, or was told it by rank 0); a rank that ends alone
+    says its own line, naming itself; a rank that another rank's line ended says nothing.
     """
-    rank, alone = int(os.environ.get("RANK", "0")), isinstance(error, RankAlone)
-    if isinstance(error, SaidByAnotherRank):
+    rank = int(os.environ.get("RANK", "0"))
+    if isinstance(error, Ended) and not error.alone or not isinstance(error, Ended) and rank != 0:
         return 2
     # a DataLoader worker's error comes back wrapped in its traceback: its last line is the one that matters
     error = (str(error).strip().splitlines() or [""])[-1].removeprefix(f"{UserError.__module__}.UserError: ")
-    if rank != 0:
-        if not alone:
-            time.sleep(3)
-        print(f"[rank {rank}] error: {error}", file=sys.stderr, flush=True)
-    else:
-        print(f"error: {error}", file=sys.stderr, flush=True)
+    print(f"{f'[rank {rank}] ' if rank else ''}error: {error}", file=sys.stderr, flush=True)
     return 2
 
 

@@ -41,7 +41,7 @@ from app.settings import Settings
 from app.data.loader import build_loader, feeding
 from app.distributed.cores import usable_cores
 from app.distributed.dist import World
-from app.errors import UserError, report
+from app.errors import Ended, UserError, report
 
 
 def seed_everything(seed: int):
@@ -90,20 +90,30 @@ def main(argv=None) -> int:
     gc.freeze()  # the imports' objects live as long as the process: full collections skip them (0.17 s to 0.07 s)
     launch.prepare_environment()
     try:
-        settings, ds = config.parse(argv)
-        node_shell.check_launch_hosts(dist.rank())
+        try:
+            settings, ds = config.parse(argv)
+            node_shell.check_launch_hosts()
+        except UserError as e:
+            launch.said_before_start(e)  # another rank than 0 tells rank 0, which says it
+            raise
         world = launch.setup(settings.single_process, settings.dist_timeout)
         node_shell.check_launch_line(sys.argv[1:] if argv is None else argv)
         return run(settings, ds, world, started)
-    except UserError as e:
+    except (UserError, Ended) as e:
         return report(e)
     finally:
-        endings.close()
         dist.teardown()
 
 
 def run(settings: Settings, ds: dict, world: World, started: float) -> int:  # long: the job's steps in order
-    """One training job inside an existing process group: build, resume, fit, summarise."""
+    """One training job inside an existing process group: build, resume, fit, summarise; an error that ends it is
+    one line (app/distributed/endings.py)."""
+    board, built = endings.Board(), {}
+    with endings.one_line(board, lambda: built.get("engine")):
+        return _run(settings, ds, world, started, board, built)
+
+
+def _run(settings, ds, world, started, board, built: dict) -> int:  # long: the job's steps in order
     stop = None
     try:
         ranks = parallel.rank_layout(ds, world.world_size, world.rank, settings.deepspeed_config)
@@ -117,7 +127,8 @@ def run(settings: Settings, ds: dict, world: World, started: float) -> int:  # l
             raise UserError("packing and pipeline stages: a stage takes input ids alone, not the position ids that "
                             "keep packed rows apart; pass --packing off")
         ds = autobatch.settle(ds, settings.deepspeed_config, ranks, task, lambda trial: ranks.prepare(
-            task.build_model(info, trial), task, settings.model, trial)[0], train_set, output_dir, settings.resume)
+            task.build_model(info, trial), task, settings.model, trial)[0], train_set, output_dir, settings.resume,
+                              board)
         model = task.build_model(info, ds)
         flops = task.flops_per_sample(model, info) if task.tokens_per_sample else 0.0  # before AutoTP shards it
         trained, save_files, every_rank = ranks.prepare(model, task, settings.model, ds)
@@ -129,7 +140,7 @@ def run(settings: Settings, ds: dict, world: World, started: float) -> int:  # l
         state = trainer_state(settings, world, ranks, info, ds, task)
         folder, saved, state.deepspeed_config = resume.plan_resume(output_dir, settings.resume, state, ds,
                                                                    settings.overwrite)
-        engine = loop.build_engine(trained, ranks.engine_config(state.deepspeed_config))
+        engine = built["engine"] = loop.build_engine(trained, ranks.engine_config(state.deepspeed_config))
         tf32 = precision.set_tf32(world.device, precision.compute_dtype(engine), settings.tf32)
         say_mode(settings, world, engine, steps, output_dir, ranks, precision_note, tf32)
         if info.packed:
@@ -141,15 +152,15 @@ def run(settings: Settings, ds: dict, world: World, started: float) -> int:  # l
         if nothing_to_do(engine, steps):
             return 0
         outdir.clear(output_dir, folder, settings.overwrite)  # only now: a mistake found before leaves it all
-        stop = preemption.StopRequest(settings.grace_period, world.launcher != "none")
+        stop = preemption.StopRequest(board, settings.grace_period, world.launcher != "none")
         log = runlog.RunLog(output_dir, steps, engine.global_steps, throughput=log_throughput)
         metrics.reset_peak_memory(world.device)  # the summary's peak is the training's, not the start-up probe's
         save = lambda *at: checkpoint.save(engine, output_dir, state.at(*at), settings.keep_last,  # noqa: E731
                                            save_files, every_rank)
-        step = ranks.train_step(engine, task, compiling.wanted(settings.compile, engine.device))
+        step = ranks.train_step(engine, task, compiling.wanted(settings.compile, engine.device), board)
         schedule = loop.Schedule(steps, settings.log_interval, settings.eval_interval, settings.save_interval,
                                  settings.max_nonfinite_steps)
-        with log.discarded_on_user_error(lambda: checkpoint.complete_checkpoints(checkpoint_root(output_dir))):
+        with log.discarded_on_error(lambda: checkpoint.complete_checkpoints(checkpoint_root(output_dir))):
             answers = sample_answers.for_run(engine, task, output_dir, settings.eval_answers, settings.answer_tokens)
             result = loop.Loop(step, train_loader, eval_loader, schedule, log, save, stop, answers).fit(start)
         return summarise(result, settings, world, engine, task, log, stop, started)

@@ -26,8 +26,9 @@ class Compiled:
     """forward(engine, loss, inputs, labels) compiled: calling it runs the compiled model and loss, the first time
     in each mode agreed by every rank, and eager from then on if any rank could not compile."""
 
-    def __init__(self, engine, task, forward):
+    def __init__(self, engine, task, forward, board=None):
         self.engine, self.task, self.forward = engine, task, forward
+        self.board = board or endings.Board()
         self.proven = set()  # modes (training or not) whose compiled graph has run once
         dist.print0(f"compile: compiling the model and its loss with torch.compile (inductor, fixed shapes) "
                     f"on {engine.device.type}; the first training and evaluation steps take longer")
@@ -53,10 +54,10 @@ class Compiled:
         step = "training" if mode else "evaluation"
         mine = _outcome(failure)
         # the others may still be compiling, which takes minutes on a large model: a longer patience
-        outcomes = endings.gather_outcomes(mine, time.perf_counter() - started if failure else None, patience_s=300)
+        outcomes = self.board.outcomes(mine, time.perf_counter() - started if failure else None, patience_s=300)
         if outcomes is None:  # the others went on into a collective of this step (ZeRO-3's gathers) and wait there
-            raise endings.leave(f"the first {step} step failed on rank {dist.rank()}: {mine[1]}; the "
-                                f"other ranks went on into that step's collectives")
+            raise self.board.alone(f"the first {step} step failed on rank {dist.rank()}: {mine[1]}; the "
+                                   f"other ranks went on into that step's collectives")
         fatal = [(rank, text) for rank, (kind, text) in enumerate(outcomes) if kind == "fatal"]
         if fatal:
             rank, text = fatal[0]

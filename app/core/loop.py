@@ -1,10 +1,8 @@
 """The engine, and the training loop, whose schedule says when to log, evaluate, save and stop; the training step it
 runs is app/core/step.py's."""
-import time
 from dataclasses import dataclass
 
 from app.core.divergence import Divergence
-from app.distributed import endings
 from app.ds import internals as ds_internals
 from app.ds.config import fit_buckets
 from app.errors import UserError, deepspeed_failure
@@ -86,39 +84,34 @@ class Loop:
     def __init__(self, step, train_loader, eval_loader, schedule: Schedule, log: RunLog, save=None, stop=None,
                  answers=None):
         """step: the training step, a step.TrainStep or, on a pipeline, a pipeline.PipeStep (both give micro_step
-        and evaluate); save(step, epoch, batch) writes a checkpoint; stop.agreed() says when every rank wants
-        to stop; answers(step), after each evaluation, shows the model's answers (app/core/answers.py)."""
+        and evaluate); save(step, epoch, batch) writes a checkpoint; stop.agreed(step) says when every rank
+        stops; answers(step), after each evaluation, shows the model's answers (app/core/answers.py)."""
         self.step, self.engine = step, step.engine
         self.train_loader, self.eval_loader, self.schedule, self.log = train_loader, eval_loader, schedule, log
         self.save, self.stop, self.answers = save, stop, answers
         self.meter, self.clock = Meter(["loss"], self.engine.device), Stopwatch()
         self.divergence = Divergence(self.engine, schedule.max_nonfinite_steps)
         self.samples, self.seconds, self.last_eval, self.stopped = 0.0, 0.0, {}, False
-        self.began = time.perf_counter()  # when the micro step under way began
 
     def fit(self, start=(0, 0)) -> dict:
-        """Train from (epoch, micro batch) start; the run's totals and its last evaluation. An error that ends the
-        run on some ranks is one line (app/distributed/endings.py)."""
+        """Train from (epoch, micro batch) start; the run's totals and its last evaluation."""
         epoch, skip = start
-        with endings.one_line_on_failure(self.engine, lambda: self.began):
-            self.clock.lap()
-            self.engine.train()
-            while not self._done():
-                self.train_loader.batch_sampler.set_epoch(epoch, skip)
-                for batch_index, batch in enumerate(self.train_loader, start=skip + 1):
-                    before, self.began = self.engine.global_steps, time.perf_counter()
-                    self.step.micro_step(batch, self.meter)
-                    if self.engine.global_steps == before:
-                        continue  # inside a gradient accumulation window
-                    self._after_step(epoch, batch_index)
-                    if self._done():
-                        break
-                else:  # the epoch ran to its end
-                    if self.schedule.eval_after_epoch(self.engine.global_steps):
-                        self._evaluate(epoch)
-                epoch, skip = epoch + 1, 0
-            if self.stop is not None:
-                self.stop.finish()
+        self.clock.lap()
+        self.engine.train()
+        while not self._done():
+            self.train_loader.batch_sampler.set_epoch(epoch, skip)
+            for batch_index, batch in enumerate(self.train_loader, start=skip + 1):
+                before = self.engine.global_steps
+                self.step.micro_step(batch, self.meter)
+                if self.engine.global_steps == before:
+                    continue  # inside a gradient accumulation window
+                self._after_step(epoch, batch_index)
+                if self._done():
+                    break
+            else:  # the epoch ran to its end
+                if self.schedule.eval_after_epoch(self.engine.global_steps):
+                    self._evaluate(epoch)
+            epoch, skip = epoch + 1, 0
         return {"steps": self.engine.global_steps, "epochs": epoch, "samples": self.samples,
                 "train_s": self.seconds, **self.log.rates(self.samples, self.seconds),
                 "skipped_steps": self.engine.skipped_steps, "stopped_early": self.stopped, **self.last_eval}
@@ -131,7 +124,7 @@ class Loop:
         step, schedule = self.engine.global_steps, self.schedule
         self.log.advance(1)
         self.divergence.stepped(self.meter.take_not_finite())
-        self.stopped = self.stop is not None and self.stop.agreed()
+        self.stopped = self.stop is not None and self.stop.agreed(step)
         if schedule.log_now(step, self.stopped):
             skipped = self.divergence.check()
             result, elapsed = self.meter.reduce(), self.clock.lap()

@@ -16,9 +16,11 @@ def forward(engine, loss, inputs: list, labels: torch.Tensor) -> tuple:
 class TrainStep:
     """What the loop runs: micro_step for each micro batch of training, evaluate for the held-out set."""
 
-    def __init__(self, engine, task, compile_model: bool):
+    def __init__(self, engine, task, compile_model: bool, board=None):
+        """board: the run's endings.Board, where the ranks agree on the first compiled step (one of their own when
+        None)."""
         self.engine, self.task, self.dtype = engine, task, input_dtype(engine)
-        self.compiler = compiling.Compiled(engine, task, forward) if compile_model else None
+        self.compiler = compiling.Compiled(engine, task, forward, board) if compile_model else None
 
     @property
     def compiled(self) -> bool:

@@ -131,34 +131,6 @@ def gather_objects(obj) -> list:
             for r, (got, size) in enumerate(zip(gathered, sizes))]
 
 
-class HostVote:
-    """A yes/no vote of every rank on the host group that never waits: each call posts this rank's vote and
-    returns the result of the vote posted one call earlier (True when any rank voted yes)."""
-
-    def __init__(self):
-        self.ballot = torch.zeros(1, dtype=torch.int32)  # on the CPU: the host group's device
-        self.pending = None
-
-    def exchange(self, yes: bool) -> bool:
-        """Post this rank's vote; the previous round's outcome (without other ranks: this vote)."""
-        if not many():
-            return yes
-        outcome = False
-        if self.pending is not None:
-            self.pending.wait()  # posted a step ago by every rank, so done by now
-            outcome = bool(self.ballot.item())
-        self.ballot.fill_(int(yes))
-        self.pending = torch_dist.all_reduce(self.ballot, op=torch_dist.ReduceOp.MAX, group=_host_group(),
-                                             async_op=True)
-        return outcome
-
-    def finish(self):
-        """Complete the last posted round, so no collective is left in flight at teardown."""
-        if self.pending is not None:
-            self.pending.wait()
-            self.pending = None
-
-
 def teardown():
     """Leave the process group (and the host group); safe to call when none exists."""
     global _host

@@ -1,31 +1,38 @@
-"""How a run ends when a rank fails: in one line, said once, and never a hang.
+"""How a run ends, and every agreement of its ranks on it: through the rendezvous store, in one line, never a hang.
 
-A failure may end a step on some ranks only (an out-of-memory micro batch, a damaged file a loader found, a
-compile refused on one rank) while the others are blocked in a collective of that step. The ranks' outcomes
-therefore travel through the rendezvous store, where a failed rank can bound its wait, rather than through a
-collective. The words used:
-- an outcome: what one rank says of a step, ("", "") when it went well, else (kind, why);
-- a leaver: a rank that ends alone (RankAlone) because the others cannot come to agree; it says its line at
-  once and leaves a note (why) in the store;
-- a rank whose collective fails as a leaver goes finds the note and ends without a line of its own
-  (SaidByAnotherRank), so one failure is one line.
-The store values are JSON (app/distributed/wire.py): the store has no authentication and listens on the network.
+A rank that failed cannot join a collective its peers are blocked in, but it can reach the store (rank 0 serves it)
+and bound how long it waits there. So the ranks of a run agree through the store (docs/endings.md):
+
+- rounds: at an agreement point each rank posts its outcome, ("", "") or (kind, why), and reads everyone's. A rank
+  whose part failed waits a bounded time: past it, the others are blocked in a collective of the step it left;
+- ending alone: that rank posts why, says its line at once (Ended(alone=True)) and ends. A rank whose collective
+  then fails as it goes finds why in the store and ends without a line (the store outlives rank 0 a while:
+  wire.open_store);
+- the stop step: a rank asked to stop posts the step at which every rank stops, two ahead of its own (no rank is
+  more than one step from another), and each reads it at every step boundary;
+- the start: each rank checks in, or posts the mistake that ended it before it could (launch.said_before_start);
+  rank 0 says who did not start, or why, and the others end without a line.
+Values are JSON (app/distributed/wire.py): the store has no authentication and listens on the network.
 """
 import contextlib
-import threading
+import datetime
 import time
 
 import torch
 import torch.distributed as torch_dist
 
-from app.distributed import dist, preemption, wire
+from app.distributed import dist, wire
+from app.ds import internals as ds_internals
 from app.ds.internals import torch_private
-from app.errors import RankAlone, SaidByAnotherRank, UserError, deepspeed_failure
+from app.errors import Ended, UserError, deepspeed_failure
 
 MEMORY_ADVICE = ("lower train_micro_batch_size_per_gpu in the ds_config (\"auto\" with train_batch_size finds the "
                  "largest that fits), add \"activation_checkpointing\": {}, or take a config that holds less per "
                  "rank: python -m app.tools.plan shows which fits")
 """What to change when a run's step runs out of memory."""
+PATIENCE_S = 30
+"""How long a rank whose part failed waits for the others to say theirs (and ten times what that part took, where
+the others do the same work: a trial step, a first compiled step)."""
 
 
 def out_of_memory(error: BaseException) -> str:
@@ -41,196 +48,172 @@ def out_of_memory(error: BaseException) -> str:
     return ""
 
 
-_LEFT = "app/left"
-_READ = "app/left/read"  # how many other ranks have read the note
-LINGER_S = 2.5  # the most a rank that left waits for the others to read its note (they look each second)
+class Board:
+    """One run's agreements in the store: its rounds, a rank ending alone, the stop step. Its keys are its own
+    (app/run<N>/, N the runs this rank has begun in this process group, counted in the store)."""
 
-
-class _Leavers:
-    """What this process knows of ranks that left, until the run's end (close())."""
     def __init__(self):
-        self.rounds = 0  # outcomes gathered so far: each round has keys of its own
-        self.left = False  # this rank left (leave())
-        self.acknowledged = False  # this rank read a leaver's note and said so (_READ)
-        self.note = None  # why another rank left, read from the store each second: the store may go with rank 0
-        self.foreign = None  # the UserError of a store value no rank of this run wrote, as the watcher met it
+        self.store = torch_private.default_store() if dist.many() else None
+        self.rank, self.world = dist.rank(), dist.world_size()
+        begun = self.store.add(f"app/runs/{self.rank}", 1) if self.store is not None else 0
+        self.prefix, self.rounds, self.left, self.asked = f"app/run{begun}/", 0, False, False
+        """left: this rank ended alone; asked: a stop was asked of it (a rank ending on a failure waits for nobody)."""
+        self.stop_at = None
+        """The step every rank stops at, once one asked."""
 
-
-_known = _Leavers()
-
-
-@contextlib.contextmanager
-def watching_for_leavers():
-    """Around work a rank may leave alone (the micro batch search, training): a thread reads the store each
-    second for a note from a rank that left, so that this rank knows it when its collective fails as that
-    rank goes, even if the store went with it (rank 0 serves it). Stopped at the block's end, before any
-    rank of a run that went well can end and take the store."""
-    if not dist.many():
-        yield
-        return
-    stop = threading.Event()
-    thread = threading.Thread(target=_watch, args=(torch_private.default_store(), stop),
-                              name="app-leavers", daemon=True)
-    thread.start()
-    try:
-        yield
-    finally:
-        stop.set()
-        thread.join(timeout=5)
-
-
-def _watch(store, stop: threading.Event):
-    while not stop.wait(1.0):
+    def outcomes(self, mine, failed_after_s: float = None, patience_s: float = PATIENCE_S):
+        """Every rank's outcome of this round (a tuple of JSON values), in rank order. failed_after_s: this rank's
+        part failed that many seconds in; it then waits at most patience_s + 10x that (their part is the same work),
+        and not once a stop is asked of it (its launcher ends every rank), and gets None when they have not all
+        said theirs. A rank finding that another ended alone ends without a line (Ended)."""
+        if self.store is None:
+            return [mine]
+        self.rounds += 1
+        keys = [f"{self.prefix}round{self.rounds}/{r}" for r in range(self.world)]
         try:
-            _known.note = _read_note(store)
-        except torch_dist.DistError:  # the store went (rank 0 ended): nothing more to read
+            self.store.set(keys[self.rank], wire.encode(mine))
+            if failed_after_s is None:
+                self.store.wait(keys)  # as long as the group's timeout
+            else:
+                deadline = time.monotonic() + patience_s + 10 * failed_after_s
+                while not self.store.check(keys):  # polled: a wait that times out has the store log warnings
+                    self.ended_by_another()
+                    if time.monotonic() > deadline or self.asked:
+                        return None
+                    time.sleep(0.05)
+            said = [_outcome(self.store.get(key), key) for key in keys]
+            self._read_by_all([f"{key}/read" for key in keys])
+        except torch_dist.DistError:  # the store went with rank 0
+            if failed_after_s is None:
+                raise
+            return None
+        self.ended_by_another()
+        return said
+
+    def _read_by_all(self, keys: list, wait_s: float = 10):
+        """Every rank marks the outcomes read; rank 0, whose process serves the store, then waits for all the marks
+        (bounded), so that an outcome that ends the run does not take the store with it before a rank read it."""
+        self.store.set(keys[self.rank], b"1")
+        deadline = time.monotonic() + wait_s
+        while self.rank == 0 and not self.store.check(keys) and not self.store.check([self.prefix + "alone"]) and \
+                time.monotonic() < deadline:
+            time.sleep(0.005)
+
+    def alone(self, why: str) -> Ended:
+        """The error that ends this rank alone, saying why; the others find it when their collectives fail."""
+        if self.store is not None:
+            with contextlib.suppress(torch_dist.DistError):
+                self.store.set(self.prefix + "alone", wire.encode(why))
+                self.left = True
+            wire.keep_store()  # rank 0 serves it: up a while after this rank goes
+        return Ended(why, alone=True)
+
+    def ended_by_another(self):
+        """Raise Ended (no line of its own) if another rank ended alone, having said why."""
+        if self.store is None or self.left:
             return
-        except UserError as e:  # said by the main thread at its next look (_left_note)
-            _known.foreign = e
-            return
-        if _known.note is not None:
-            return
+        with contextlib.suppress(torch_dist.DistError):  # the store gone: nobody left a word
+            if self.store.check([self.prefix + "alone"]):
+                why = wire.decode(self.store.get(self.prefix + "alone"), f"the rendezvous store's key {self.prefix}alone")
+                if not isinstance(why, str):
+                    raise UserError(f"the rendezvous store's key {self.prefix}alone holds a value this run's ranks did "
+                                    f"not write; firewall the store's port (docs/trust.md)")
+                self.store.add(self.prefix + "alone/read", 1)
+                raise Ended(why)
+
+    def stopping(self, asked: bool, step: int) -> bool:
+        """At the boundary after step: whether every rank stops here. asked: a stop was asked of this rank, which
+        posts the step they all stop at (two ahead; the first rank to post it sets it)."""
+        if self.store is None:
+            return asked
+        if self.stop_at is None:
+            key = self.prefix + "stop"
+            if asked:
+                self.store.compare_set(key, "", str(step + 2))
+            if asked or self.store.check([key]):
+                self.stop_at = int(self.store.get(key))
+        return self.stop_at is not None and step >= self.stop_at
 
 
-def _read_note(store):
-    """The note a rank that left put in the store, or None; one line when it is not one the app wrote. A note
-    read is acknowledged once (_READ), so the rank that left need not linger longer."""
-    if not store.check([_LEFT]):
-        return None
-    note = wire.decode(store.get(_LEFT), f"the rendezvous store's key {_LEFT}")
-    if not isinstance(note, str):
-        raise UserError(f"the rendezvous store's key {_LEFT} holds a value this run's ranks did not write; "
-                        f"firewall the store's port (docs/trust.md)")
-    if not _known.acknowledged:
-        store.add(_READ, 1)
-        _known.acknowledged = True
-    return note
+
+def agree_on_start(store, keys: list, rank: int, node: tuple, join_s: int):
+    """Rank 0 decides whether every rank started and tells the others: a rank that did not, or that ended on a
+    mistake before it could (launch.said_before_start), ends every rank, rank 0 saying why."""
+    if rank == 0:
+        verdict = _missing_ranks(store, keys, join_s)
+        store.set("verdict", verdict)
+        if verdict:
+            raise UserError(verdict)
+        return
+    store.set_timeout(datetime.timedelta(seconds=2 * join_s))  # rank 0 may start later than we did
+    try:
+        verdict = store.get("verdict").decode()
+    except torch_dist.DistError:
+        raise UserError(f"rank {rank} on {node[0]}: rank 0 did not finish the start-up within "
+                        f"{2 * join_s} s") from None
+    if verdict:
+        raise Ended()  # rank 0 has said what is wrong; one line is enough
+
+
+def _missing_ranks(store, keys: list, join_s: int) -> str:
+    """'' once every rank has checked in, or the line that names the first that ended on a mistake before it could
+    (launch.said_before_start), or who did not within join_s seconds."""
+    deadline, said = time.monotonic() + join_s, [f"said/{r}" for r in range(len(keys))]
+    while not store.check(keys) and time.monotonic() < deadline:
+        failed = next((r for r, key in enumerate(said) if store.check([key])), None)
+        if failed is not None:
+            return f"rank {failed}: {wire.decode(store.get(said[failed]), f'the rendezvous store key {said[failed]}')}"
+        time.sleep(0.1)
+    missing = [r for r, key in enumerate(keys) if not store.check([key])]
+    if not missing:
+        return ""
+    hosts = [host for host, slots in ds_internals.launcher_world_info().items() for _ in slots]
+    down = sorted({hosts[r] for r in missing if r < len(hosts)})
+    ranks = ",".join(map(str, missing))
+    if down:
+        return (f"{', '.join(down)} (rank {ranks}) did not start within {join_s} s: is it up and reachable by "
+                f"ssh? `python -m app.tools.doctor --hostfile <hostfile>` checks every host")
+    return (f"rank {ranks} did not start within {join_s} s: check that every node's launcher started "
+            f"(for a hostfile, `python -m app.tools.doctor --hostfile <hostfile>` checks every host)")
 
 
 def _outcome(raw: bytes, key: str) -> tuple:
-    """A rank's outcome as gather_outcomes posted it: a JSON list, returned as a tuple."""
+    """A rank's outcome as posted: a JSON list, returned as a tuple."""
     said = wire.decode(raw, f"the rendezvous store's key {key}")
     return tuple(said) if isinstance(said, list) else said
 
 
-def gather_outcomes(mine, failed_after_s: float = None, patience_s: float = 30):
-    """Every rank's outcome of a step (a tuple of JSON values), in rank order.
-
-    failed_after_s: this rank's part failed that many seconds in. It then waits for the others at most
-    patience_s + 10x that (their part is the same work) and gets None if they have not all said theirs: they are
-    blocked where it left them, and it should end the run with leave(). It waits no longer once a stop is asked of
-    it (a launcher ends every rank when one dies). A rank that finds another has left ends quietly
-    (SaidByAnotherRank): that rank said why."""
-    if not dist.many():
-        return [mine]
-    _known.rounds += 1
-    keys = [f"app/outcome/{_known.rounds}/{r}" for r in range(torch_dist.get_world_size())]
-    try:
-        store = torch_private.default_store()
-        store.set(keys[torch_dist.get_rank()], wire.encode(mine))
-        if failed_after_s is None:
-            store.wait(keys)  # as long as the group's timeout
-        else:
-            deadline = time.monotonic() + patience_s + 10 * failed_after_s
-            while not store.check(keys):  # polled: a wait that times out has the store log warnings
-                if time.monotonic() > deadline or preemption.asked():
-                    return None
-                time.sleep(0.05)
-        said = [_outcome(store.get(key), key) for key in keys]
-        _read_by_all(store, [f"{key}/read" for key in keys])
-    except torch_dist.DistError:  # the store went with rank 0
-        said = None
-        if failed_after_s is None and _known.note is None:
-            raise
-    note = _left_note()
-    if note is not None:
-        raise SaidByAnotherRank(note)
-    return said  # None: a failed rank says its own error, alone
-
-
-def _read_by_all(store, keys: list, wait_s: float = 10):
-    """Every rank marks the outcomes read; rank 0, whose process serves the store, then waits for all the marks
-    (bounded; not for a rank that gave up waiting and left), so that an outcome that ends the run does not take
-    the store with it before a rank has read it (that rank would then end alone, with a line of its own)."""
-    with contextlib.suppress(torch_dist.DistError):  # read already: a store gone by now changes nothing here
-        store.set(keys[torch_dist.get_rank()], b"1")
-    deadline = time.monotonic() + wait_s
-    while torch_dist.get_rank() == 0 and not store.check(keys) and not store.check([_LEFT]) and \
-            time.monotonic() < deadline:
-        time.sleep(0.005)
-
-
-def another_rank_left() -> bool:
-    """Whether a rank has left the run alone (leave()): a collective failing here is its going. Not when the
-    store went with rank 0 and no note was read from it before: that may be a crash, which a restart (exit 1,
-    not 2) should follow."""
-    return dist.many() and _left_note() is not None
-
-
-def _left_note():
-    """Why another rank left: as the watcher read it, or from the store; None if none did (or it is gone)."""
-    if _known.foreign is not None:
-        raise _known.foreign
-    if _known.note is not None:
-        return _known.note
-    with contextlib.suppress(torch_dist.DistError):
-        return _read_note(torch_private.default_store())
-    return None
-
-
-def leave(why: str) -> RankAlone:
-    """The error that ends this rank alone, saying why at once; the others, if their collectives fail as
-    this rank goes (gloo's do), find it in gather_outcomes and end without a second line."""
-    with contextlib.suppress(torch_dist.DistError):
-        torch_private.default_store().set(_LEFT, wire.encode(why))
-        _known.left = True
-    return RankAlone(why)
-
-
-def close():
-    """At the run's end: a rank that left lingers until every other rank has read its note, or LINGER_S (rank 0
-    serves the store, which goes with its process; a rank that died never reads it), and not once a stop is asked
-    of it (its launcher is ending every rank); what was known of leavers is forgotten (another job may follow)."""
-    global _known
-    if _known.left and torch_dist.is_initialized():
-        deadline = time.monotonic() + LINGER_S
-        with contextlib.suppress(torch_dist.DistError):
-            store, others = torch_private.default_store(), torch_dist.get_world_size() - 1
-            while store.add(_READ, 0) < others and time.monotonic() < deadline and not preemption.asked():
-                time.sleep(0.02)
-    _known = _Leavers()
-
-
 @contextlib.contextmanager
-def one_line_on_failure(engine, began):
-    """Around training: an error that ends the run on some ranks (out of memory, a damaged file a loader found,
-    a feature of the JSON DeepSpeed fails on) becomes one line, agreed by the ranks it ended together (rank 0
-    says it), or said at once by a rank it ended alone while the others went on into a collective of the step,
-    where they wait for it; they end without a line. began() is when the step under way began."""
-    with watching_for_leavers():
-        try:
-            yield
-        except (RankAlone, SaidByAnotherRank):
-            raise
-        except Exception as e:  # noqa: BLE001 (sorted: the run's end in one line, or not the app's to say)
-            said = out_of_memory(e)
-            e = e if said else deepspeed_failure(e, f"in training step {engine.global_steps + 1}") or e
-            if said or isinstance(e, UserError):
-                raise _ended(engine, began(), "memory" if said else "error", said or str(e)) from None
-            if another_rank_left():
-                raise SaidByAnotherRank(str(e)) from None
-            raise
+def one_line(board: Board, engine=None):
+    """Around a run: an error that ends it on some ranks (a user's mistake, out of memory, a damaged file a loader
+    found, a feature of the JSON DeepSpeed fails on) becomes one line, agreed by the ranks it ended together (rank
+    0 says it), or said at once by a rank it ended alone while the others went on into a collective, where they
+    wait for it; they end without a line. A failed collective whose cause no rank said stays itself (a crash)."""
+    try:
+        yield
+    except Ended:
+        raise
+    except Exception as e:  # noqa: BLE001 (sorted: the run's end in one line, or not the app's to say)
+        said = out_of_memory(e)
+        engine = engine() if callable(engine) else engine
+        step = f"in training step {engine.global_steps + 1}" if engine is not None else "while starting"
+        e = e if said else deepspeed_failure(e, step) or e
+        if said or isinstance(e, UserError):
+            raise _ended(board, engine, "memory" if said else "error", said or str(e)) from None
+        board.ended_by_another()
+        raise
 
 
-def _ended(engine, began: float, kind: str, why: str) -> UserError:
-    """The error that ends the run from this rank: agreed with the ranks that failed too, which fail within a
-    step of each other (only they post an outcome), or this rank's alone."""
-    outcomes = gather_outcomes((kind, why), time.perf_counter() - began, patience_s=5)
+def _ended(board: Board, engine, kind: str, why: str) -> Exception:
+    """The error that ends the run from this rank: agreed with the ranks that failed too, which fail within a step
+    of each other (only they post an outcome), or this rank's alone."""
+    outcomes = board.outcomes((kind, why), 0.0)
     alone = outcomes is None
     kind, why = (kind, why) if alone else outcomes[0]
     if kind == "error":
-        return leave(why) if alone else UserError(why)
-    who = f"rank {torch_dist.get_rank()}" if alone else "every rank" if len(outcomes) > 1 else "the run"
+        return board.alone(why) if alone else UserError(why)
+    steps = engine.global_steps if engine is not None else 0
+    who = f"rank {board.rank}" if alone else "every rank" if len(outcomes) > 1 else "the run"
     where = " while the other ranks went on into that step's collectives" if alone else ""
-    said = f"{who} ran out of memory after {engine.global_steps} step(s) ({why}){where}; {MEMORY_ADVICE}"
-    return leave(said) if alone else UserError(said)
+    said = f"{who} ran out of memory after {steps} step(s) ({why}){where}; {MEMORY_ADVICE}"
+    return board.alone(said) if alone else UserError(said)

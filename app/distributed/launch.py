@@ -3,6 +3,7 @@
 The only module that reads launcher variables (RANK, OMPI_*, SLURM_*). Run-time helpers live in
 app/distributed/dist.py.
 """
+import contextlib
 import datetime
 import json
 import logging
@@ -10,22 +11,23 @@ import os
 import re
 import socket
 import sys
-import time
 import warnings
 
 import torch
 import torch.distributed as torch_dist
 
 from app.ds import internals as ds_internals
-from app.distributed import wire
+from app.distributed import endings, wire
 from app.distributed.cores import usable_cores
 from app.distributed.dist import World, barrier, start_host_group
-from app.errors import UserError
+from app.errors import Ended, UserError
 
 
 # How long the ranks wait for each other at start (at most --dist_timeout): a healthy launch meets in
 # seconds, and a node that never started must end the run soon, naming it, instead of hanging it.
 JOIN_TIMEOUT_S = 120
+# How long a rank that ended on a mistake before the ranks met tries to tell rank 0 (which may have ended on it too).
+TELL_S = 30
 DEFAULT_MASTER_PORT = 29500
 
 
@@ -251,7 +253,7 @@ def _join(rank: int, world_size: int, node: tuple, backend: str, device, join_s:
     store = torch_dist.PrefixStore(f"app/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/", store)
     keys = [f"node/{r}" for r in range(world_size)]
     store.set(keys[rank], json.dumps(node))
-    _agree_on_start(store, keys, rank, node, join_s)
+    endings.agree_on_start(store, keys, rank, node, join_s)
     store.set_timeout(datetime.timedelta(seconds=timeout_s))
     nodes = [tuple(json.loads(store.get(key))) for key in keys]
     torch_dist.init_process_group(backend, store=store, rank=rank,
@@ -262,37 +264,18 @@ def _join(rank: int, world_size: int, node: tuple, backend: str, device, join_s:
     return nodes
 
 
-def _agree_on_start(store, keys: list, rank: int, node: tuple, join_s: int):
-    """Rank 0 decides whether every rank checked in and tells the others; a missing rank ends every rank."""
-    if rank == 0:
-        verdict = _missing_ranks(store, keys, join_s)
-        store.set("verdict", verdict)
-        if verdict:
-            raise UserError(verdict)
+def said_before_start(error: UserError):
+    """A mistake that ended this rank before the ranks met (its flags, its files): on a rank other than 0 of a
+    launch, told to rank 0 through the store, which says it for the run (Ended: this rank says nothing), or kept
+    quiet where rank 0 cannot be reached (it ended too, saying its own); on rank 0, or alone, its own to say."""
+    launcher, env = detect_launcher(), dict(os.environ)
+    with contextlib.suppress(UserError):  # mpirun and srun say the rank in variables of their own
+        env.update(launcher_env(launcher) if launcher in ("mpirun", "srun") else {})
+    if launcher == "none" or int(env.get("RANK", "0")) == 0 or "MASTER_ADDR" not in env:
         return
-    store.set_timeout(datetime.timedelta(seconds=2 * join_s))  # rank 0 may start later than we did
-    try:
-        verdict = store.get("verdict").decode()
-    except torch_dist.DistError:
-        raise UserError(f"rank {rank} on {node[0]}: rank 0 did not finish the start-up within "
-                        f"{2 * join_s} s") from None
-    if verdict:
-        raise SystemExit(2)  # rank 0 has said what is wrong; one line is enough
-
-
-def _missing_ranks(store, keys: list, join_s: int) -> str:
-    """'' once every rank has checked in, or the line that names who did not within join_s seconds."""
-    deadline = time.monotonic() + join_s
-    while not store.check(keys) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    missing = [r for r, key in enumerate(keys) if not store.check([key])]
-    if not missing:
-        return ""
-    hosts = [host for host, slots in ds_internals.launcher_world_info().items() for _ in slots]
-    down = sorted({hosts[r] for r in missing if r < len(hosts)})
-    ranks = ",".join(map(str, missing))
-    if down:
-        return (f"{', '.join(down)} (rank {ranks}) did not start within {join_s} s: is it up and reachable by "
-                f"ssh? `python -m app.tools.doctor --hostfile <hostfile>` checks every host")
-    return (f"rank {ranks} did not start within {join_s} s: check that every node's launcher started "
-            f"(for a hostfile, `python -m app.tools.doctor --hostfile <hostfile>` checks every host)")
+    with contextlib.suppress(RuntimeError, torch_dist.DistError, ValueError):
+        store = wire.open_store(env["MASTER_ADDR"], int(env.get("MASTER_PORT", DEFAULT_MASTER_PORT)),
+                                int(env.get("WORLD_SIZE", "1")), False, datetime.timedelta(seconds=TELL_S))
+        store = torch_dist.PrefixStore(f"app/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/", store)
+        store.set(f"said/{env['RANK']}", wire.encode(str(error)))
+    raise Ended() from None

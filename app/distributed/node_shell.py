@@ -10,7 +10,7 @@ import re
 
 from app.distributed import dist
 from app.ds import internals as ds_internals
-from app.errors import SaidByAnotherRank, UserError
+from app.errors import UserError
 from app.redact import looks_secret
 
 SAFE = re.compile(r"[\w@%+=:,./-]")  # what a POSIX shell reads as itself outside quotes
@@ -70,16 +70,11 @@ def secrets_warning(names) -> str:
             f"read (docs/trust.md)")
 
 
-def check_launch_hosts(rank: int):
+def check_launch_hosts():
     """Before the ranks meet, in a rank that DeepSpeed's pdsh runner started: refuse a host that is an ssh option
     (pdsh already ran it; the rank on that host never starts, so the run would wait for it)."""
     if ds_internals.started_by_pdsh():
-        try:
-            check_hosts(ds_internals.launcher_world_info(), "the hostfile")
-        except UserError:
-            if rank:
-                raise SaidByAnotherRank() from None  # every rank reads the same hosts: rank 0 alone says it
-            raise
+        check_hosts(ds_internals.launcher_world_info(), "the hostfile")
 
 
 def check_launch_line(argv: list):
@@ -95,7 +90,7 @@ def check_launch_line(argv: list):
             problem = str(e)
     problem = dist.broadcast_object(problem)  # rank 0 alone may see the line as it was sent
     if problem:
-        raise UserError(problem) if dist.is_main() else SaidByAnotherRank()
+        raise UserError(problem)  # every rank ends; rank 0 says it
 
 
 def _line_problems(argv: list) -> str:

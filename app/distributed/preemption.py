@@ -1,85 +1,58 @@
-"""Stop requests (SIGTERM, SIGINT, a launcher that went away) agreed on by every rank at a step boundary."""
+"""Stop requests (SIGTERM, SIGINT, a launcher that went away), agreed by every rank at a step boundary through the
+run's Board (app/distributed/endings.py)."""
 import os
 import signal
 import sys
 import threading
+import time
 
 import psutil
-
-from app.distributed import dist
 
 # Ancestors whose command line names one of these are launchers: if one exits, nobody will wait for us.
 LAUNCHER_WORDS = ("deepspeed", "torchrun", "torch.distributed.run", "mpirun", "srun")
 
-_ASKED = threading.Event()  # a stop was asked of this process's current run (a signal, or its launcher went)
-
-
-def asked() -> bool:
-    """Whether a stop was asked of the current run: a rank that is ending on a failure then waits for no other
-    (app/distributed/endings.py); the launcher that signalled is ending them all."""
-    return _ASKED.is_set()
-
 
 class StopRequest:
-    """Catches stop signals on this rank and agrees with the other ranks on when to stop."""
+    """Catches stop signals on this rank, looks for its launcher at step boundaries, and agrees with the other ranks
+    on the step to stop at. A request that the run cannot honour within the grace period ends the process."""
 
-    def __init__(self, grace_s: float, watch_launcher: bool):
-        self.grace_s, self.reason, self.timer = grace_s, "", None
-        _ASKED.clear()  # a run before this one in the process may have been asked to stop
-        self.vote, self.closed, self.watcher = dist.HostVote(), threading.Event(), None
+    def __init__(self, board, grace_s: float, watch_launcher: bool):
+        self.board, self.grace_s, self.reason, self.timer = board, grace_s, "", None
+        self.launchers = _launcher_ancestors() if watch_launcher else []
+        self.looked = time.monotonic()
         self.previous = {sig: signal.signal(sig, self._on_signal) for sig in (signal.SIGTERM, signal.SIGINT)}
-        if watch_launcher:
-            launchers = _launcher_ancestors()
-            if launchers:
-                self.watcher = threading.Thread(target=self._watch, args=(launchers,), daemon=True)
-                self.watcher.start()
 
     def _on_signal(self, signum, frame):
         self.request(signal.Signals(signum).name)
 
     def request(self, reason: str):
-        """Ask to stop at the next step boundary; force the exit if that takes longer than the grace period."""
-        if self.reason or self.closed.is_set():
+        """Ask to stop at a step boundary; end the process if that takes longer than the grace period (a thread,
+        which ends it even while the main thread waits in a collective)."""
+        if self.reason:
             return
-        self.reason = reason
-        _ASKED.set()
+        self.reason, self.board.asked = reason, True  # a rank ending on a failure then waits for nobody
         self.timer = threading.Timer(self.grace_s, _force_exit, args=(reason, self.grace_s))
         self.timer.daemon = True
         self.timer.start()
 
-    def _watch(self, launchers):
-        while not self.closed.wait(1.0):
-            if not all(_alive(p) for p in launchers):
+    def agreed(self, step: int) -> bool:
+        """At the boundary after step: True on every rank at the same step once any rank has asked to stop (it lands
+        two steps after the request). The launcher is looked for once a second."""
+        if self.launchers and time.monotonic() - self.looked > 1.0:
+            self.looked = time.monotonic()
+            if not all(_alive(p) for p in self.launchers):
                 self.request("launcher exited")
-                return
-
-    def agreed(self) -> bool:
-        """True on every rank at the same step once any rank has asked to stop.
-
-        Each call posts this rank's vote on the host group (gloo, on the CPU) and reads the one posted a
-        step earlier, so the check waits neither on the network nor on the device; the stop lands one step
-        after the request.
-        """
-        return self.vote.exchange(bool(self.reason))
-
-    def finish(self):
-        """Complete the last posted vote, so no collective is left in flight at teardown."""
-        self.vote.finish()
-        self.close()
+        return self.board.stopping(bool(self.reason), step)
 
     def close(self):
-        """Stop and join this object's threads (a thread still alive at interpreter exit can abort the process), and
-        give the signals back: past the run, a launcher's SIGTERM ends the rank at once."""
-        self.closed.set()
+        """Give the signals back (past the run, a launcher's SIGTERM ends the rank at once) and stop the timer."""
         if threading.current_thread() is threading.main_thread():
             for sig, handler in self.previous.items():
                 signal.signal(sig, handler)
             self.previous = {}
-        for thread in (self.timer, self.watcher):
-            if thread is not None and thread is not threading.current_thread():
-                if thread is self.timer:
-                    thread.cancel()
-                thread.join()
+        if self.timer is not None:
+            self.timer.cancel()
+            self.timer.join()
 
 
 def _launcher_ancestors() -> list:

@@ -5,11 +5,16 @@ reaches their ports could otherwise run code on every rank. torch's store serves
 machine (0.0.0.0 and ::) whatever MASTER_ADDR says; open_store() binds it to MASTER_ADDR's address instead
 where that is an IP address of this machine. What else listens, and the firewalling a cluster needs: docs/trust.md.
 """
+import contextlib
+import ctypes
 import datetime
 import errno
 import ipaddress
 import json
+import os
+import signal
 import socket
+import time
 
 import torch.distributed as torch_dist
 
@@ -48,16 +53,83 @@ def _bound_socket(addr: str, port: int) -> tuple:
         return None, e.errno == errno.EADDRINUSE  # in use: by this process's own store (reused), or torch says so
 
 
+OUTLIVE_S = 10
+"""How long rank 0's rendezvous store outlives rank 0 when it ended alone, so that the others read why there."""
+STORE_NAME = "app-store"
+"""The name the store's process goes by (ps -o comm, top), beside rank 0, whose command line it shares."""
+
+
 def open_store(addr: str, port: int, world_size: int, serve: bool, timeout: datetime.timedelta):
-    """The start-up rendezvous store at addr:port: served by this process when serve (rank 0), bound to addr
-    when that is an IP address of this machine; else torch's default, every interface, which rank 0 says."""
-    sock, local = _bound_socket(addr, port) if serve else (None, True)
+    """A client of the start-up rendezvous store at addr:port. Rank 0 (serve) first starts its server, bound to
+    addr when that is an IP address of this machine (else torch's default, every interface, which it says), in a
+    process of its own beside it, which ends when it does (OUTLIVE_S later if it ended alone: keep_store); a run of
+    one rank serves it itself."""
+    if serve and world_size == 1:
+        return _server(addr, port, world_size, timeout)[0]
+    if serve:
+        _serve_beside(addr, port, world_size, timeout)
+    return torch_dist.TCPStore(addr, port, world_size, False, timeout, wait_for_workers=False)
+
+
+def _server(addr: str, port: int, world_size: int, timeout: datetime.timedelta) -> tuple:
+    """(the store's server at addr:port, whether it listens on addr alone)."""
+    sock, local = _bound_socket(addr, port)
     if sock is None:  # multi-tenant: a store this process already serves on the port is reused
-        store = torch_dist.TCPStore(addr, port, world_size, serve, timeout, wait_for_workers=False, multi_tenant=True)
-        if not local:
-            print(f"note: rank 0's rendezvous store listens on port {store.port} of every interface of this machine "
-                  f"(MASTER_ADDR {addr} is not an IP address of it); firewall that port (docs/trust.md)",
-                  flush=True)
-        return store
+        return torch_dist.TCPStore(addr, port, world_size, True, timeout, wait_for_workers=False,
+                                   multi_tenant=True), local
     return torch_dist.TCPStore(addr, port, world_size, True, timeout, wait_for_workers=False, multi_tenant=True,
-                         master_listen_fd=sock.detach())  # the store's server owns the descriptor from here
+                               master_listen_fd=sock.detach()), True  # the server owns the descriptor from here
+
+
+def _named(name: str):
+    """Give this process a name of its own (Linux: what ps -o comm and top show); elsewhere leave it."""
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None).prctl(15, name.encode(), 0, 0, 0)  # PR_SET_NAME
+
+
+_store_process = []  # the pid of the process serving this rank 0's store
+
+
+def keep_store():
+    """Have rank 0's store outlive this process by OUTLIVE_S (it ends alone: the others read why there)."""
+    for pid in _store_process:
+        with contextlib.suppress(OSError):
+            os.kill(pid, signal.SIGUSR1)
+
+
+def _serve_beside(addr: str, port: int, world_size: int, timeout: datetime.timedelta):
+    """Serve the store from a child process, forked (no start-up of its own), its output closed, deaf to the
+    launcher's signals; it ends when this process does (OUTLIVE_S later after keep_store). Raises RuntimeError when
+    it could not listen."""
+    read, write = os.pipe()
+    parent = os.getpid()
+    pid = os.fork()
+    if pid == 0:
+        _named(STORE_NAME)
+        kept = []
+        signal.signal(signal.SIGUSR1, lambda *_: kept.append(True))
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, signal.SIG_IGN)
+        os.close(read)
+        null = os.open(os.devnull, os.O_RDWR)
+        for fd in (0, 1, 2):
+            os.dup2(null, fd)
+        try:
+            store, local = _server(addr, port, world_size, timeout)
+            os.write(write, b"L" if local else b"A")
+        except Exception as e:  # noqa: BLE001 (told to the parent, which says it)
+            os.write(write, b"E" + (str(e).splitlines() or [type(e).__name__])[0].encode()[:500])
+            os._exit(1)
+        while os.getppid() == parent:
+            time.sleep(0.2)
+        time.sleep(OUTLIVE_S if kept else 0)
+        os._exit(0)
+    _store_process.append(pid)
+    os.close(write)
+    said = os.read(read, 1024)
+    os.close(read)
+    if not said or said.startswith(b"E"):
+        raise RuntimeError(said[1:].decode(errors="replace") or "the store's process ended")
+    if said == b"A":
+        print(f"note: rank 0's rendezvous store listens on port {port} of every interface of this machine "
+              f"(MASTER_ADDR {addr} is not an IP address of it); firewall that port (docs/trust.md)", flush=True)

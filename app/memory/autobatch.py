@@ -65,9 +65,10 @@ def largest(sizes: list, runs) -> tuple:
     return (sizes[low] if low >= 0 else 0), failed
 
 
-def settle(ds: dict, where: str, layout, task, build, train_set, output_dir, resumed: str) -> dict:
+def settle(ds: dict, where: str, layout, task, build, train_set, output_dir, resumed: str, board) -> dict:
     """ds with its micro batch and accumulation: as written, from the checkpoint resumed, or found now.
-    build(ds) makes a fresh model, laid out for an engine of ds."""
+    build(ds) makes a fresh model, laid out for an engine of ds; board: the run's endings.Board, where the ranks
+    agree on each trial."""
     if not wanted(ds):
         return ds
     total, replicas = ds["train_batch_size"], layout.replicas
@@ -80,10 +81,10 @@ def settle(ds: dict, where: str, layout, task, build, train_set, output_dir, res
     ran = []
 
     def runs(size: int) -> str:
-        why = _trial(ds, size, layout, task, build, train_set, where, max(ran, default=0))
+        why = _trial(ds, size, layout, task, build, train_set, where, max(ran, default=0), board)
         ran.extend([] if why else [size])
         return why
-    with _generators_kept(), endings.watching_for_leavers():
+    with _generators_kept():
         micro, failed = largest(sizes, runs)
     if not micro:
         raise UserError(f"{where}: not even a micro batch of 1 fits: {failed[1]}; use a config that holds less "
@@ -108,7 +109,7 @@ def _saved_micro(output_dir, resumed: str) -> tuple:
     return None, None
 
 
-def _trial(ds: dict, micro: int, layout, task, build, train_set, where: str, ran: int) -> str:
+def _trial(ds: dict, micro: int, layout, task, build, train_set, where: str, ran: int, board) -> str:
     """'' when a forward, backward and optimizer step of `micro` samples ran on every rank, else why not;
     ran: the largest micro batch that ran so far (0: none), for the line of a rank that must end the run."""
     trial = resolve_batch_sizes({**ds, MICRO: micro, "gradient_accumulation_steps": 1,
@@ -119,7 +120,8 @@ def _trial(ds: dict, micro: int, layout, task, build, train_set, where: str, ran
     trial = fill_scheduler_length(trial, max(1, (trial.get("scheduler") or {}).get("params", {}).get(
         "warmup_num_steps", 1)))
     try:
-        return _trial_steps(trial, micro, layout, task, build, train_set, lambda part: _agreed(part, micro, where, ran))
+        return _trial_steps(trial, micro, layout, task, build, train_set,
+                            lambda part: _agreed(part, micro, where, ran, board))
     finally:  # the trial's frame is gone: its engine is garbage now, unless DeepSpeed's globals still hold it
         ds_internals.forget_parallel_groups()
         ds_internals.forget_unfinished_forward()
@@ -160,20 +162,20 @@ def _outcome(part) -> tuple:
         return ("memory", said) if said else ("fatal", str(e) if isinstance(e, UserError) else describe(e))
 
 
-def _agreed(part, micro: int, where: str, ran: int) -> str:
+def _agreed(part, micro: int, where: str, ran: int, board) -> str:
     """Run part() on every rank: '' when it ran on all, else the first rank's out-of-memory error, named. Any
     other error ends the run in one line naming the rank; so does a rank that failed alone where the others
     went on into a collective of the step and cannot come to agree."""
     started = time.perf_counter()
     kind, why = _outcome(part)
-    said = endings.gather_outcomes((kind, why), time.perf_counter() - started if kind else None)
+    said = board.outcomes((kind, why), time.perf_counter() - started if kind else None)
     if said is None:
         what = f"ran out of memory with a micro batch of {micro} ({why})" if kind == "memory" else \
             f"failed with a micro batch of {micro} ({why})"
         instead = f"{ran}, the largest that ran on every rank" if ran else f"less than {micro}"
-        raise endings.leave(f"the micro batch search ended: rank {dist.rank()} {what} while the other ranks went "
-                            f"on into that step's collectives, so they cannot agree on a smaller one; set "
-                            f"train_micro_batch_size_per_gpu in {where} to {instead}")
+        raise board.alone(f"the micro batch search ended: rank {dist.rank()} {what} while the other ranks went "
+                          f"on into that step's collectives, so they cannot agree on a smaller one; set "
+                          f"train_micro_batch_size_per_gpu in {where} to {instead}")
     fatal = [(rank, text) for rank, (kind, text) in enumerate(said) if kind == "fatal"]
     if fatal:
         raise UserError(f"the micro batch search failed on rank {fatal[0][0]} with a micro batch of {micro}: "

@@ -9,7 +9,6 @@ from pathlib import Path
 
 from app.distributed import dist
 from app.checkpoint.save import atomic_write
-from app.errors import UserError
 from app.observe.metrics import Throughput
 
 CSV_FIELDS = ["step", "epoch", "loss", "lr", "skipped_steps", "samples_per_s", "tokens_per_s", "mfu", "eval_loss",
@@ -90,12 +89,12 @@ class RunLog:
             self.bar.write(text, file=sys.stdout) if not self.plain else print(text, flush=True)
 
     @contextlib.contextmanager
-    def discarded_on_user_error(self, has_checkpoint):
-        """Around the training of a fresh run: if it ends in a user's error (damaged data, a full disk) before
-        any checkpoint exists, its files go, so the same command can run again once the cause is fixed."""
+    def discarded_on_error(self, has_checkpoint):
+        """Around the training of a fresh run: if it ends on an error (damaged data, a full disk, out of memory)
+        before any checkpoint exists, its files go, so the same command can run again once the cause is fixed."""
         try:
             yield
-        except UserError:
+        except Exception:
             if self.active and not self.resumed and not has_checkpoint():
                 self.bar.close()
                 self.tb.close()

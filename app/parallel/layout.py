@@ -34,9 +34,10 @@ class RankLayout:
     def engine_config(self, ds: dict) -> dict:
         return tensor_parallel.engine_config(ds, self.tensor)
 
-    def train_step(self, engine, task, compile_model: bool):
-        """What the loop runs: whole batches through the pipeline's schedule, else micro steps."""
-        return (pipeline.PipeStep if self.split else TrainStep)(engine, task, compile_model)
+    def train_step(self, engine, task, compile_model: bool, board=None):
+        """What the loop runs: whole batches through the pipeline's schedule, else micro steps (board: the run's
+        endings.Board, for the first compiled step)."""
+        return (pipeline.PipeStep if self.split else TrainStep)(engine, task, compile_model, board)
 
     def describe(self, engine) -> str:
         """The start-up line of a model-parallel run ('' for data parallel alone)."""

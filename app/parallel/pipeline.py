@@ -234,7 +234,7 @@ class PipeStep:
     """What the loop runs on a PipelineEngine: micro batches gathered into one engine.train_batch per
     optimizer step, evaluation through engine.eval_batch. The last stage's loss fills the meters."""
 
-    def __init__(self, engine, task, compile_model: bool):
+    def __init__(self, engine, task, compile_model: bool, board=None):
         self.engine, self.task, self.dtype = engine, task, input_dtype(engine)
         self.pending = []
         if compile_model:

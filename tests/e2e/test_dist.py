@@ -14,7 +14,7 @@ import torch
 
 from app.distributed import dist, endings, preemption
 from app.distributed import launch
-from app.errors import RankAlone, SaidByAnotherRank, UserError
+from app.errors import Ended, UserError
 from app.observe.metrics import Meter
 from conftest import spawn_ranks
 
@@ -36,7 +36,7 @@ def _collectives(rank, world, tmp):
     assert dist.host_max([rank, -rank]) == [world - 1, 0]
     assert dist.host_sum([1, rank]) == [world, sum(range(world))]
     assert dist.gather_objects(["rank", rank]) == [["rank", r] for r in range(world)]
-    _votes(rank, world)
+    _stop_step(rank, world)
     marker = tmp / "first"
     with dist.main_process_first():
         if rank == 0:
@@ -49,80 +49,99 @@ def _collectives(rank, world, tmp):
     dist.teardown()
 
 
-# What a third process writes under the app's note key (the default group's prefixes, then endings._LEFT): a
+# What a third process writes under a run's key of the store (the default group's prefixes, then the Board's): a
 # pickle that would create a file when loaded, as anyone who can reach the store's port could write it.
 CRAFTED = """import datetime, os, pickle, sys, torch.distributed as d
 class Payload:
     def __reduce__(self):
         return (os.system, ("touch " + sys.argv[2],))
 store = d.TCPStore("127.0.0.1", int(sys.argv[1]), is_master=False, timeout=datetime.timedelta(seconds=30))
-store.set("app/0//0//app/left", pickle.dumps(Payload()))
+store.set("app/0//0//" + sys.argv[3], pickle.dumps(Payload()))
 """
 
 
 def _store_takes_no_pickle(rank, tmp):
     """The store listens on MASTER_ADDR alone, not every interface; a crafted pickle written to it by a third
-    process ends each rank in one line (through the outcome gathering and the watcher) and runs nothing."""
-    port, marker = int(os.environ["MASTER_PORT"]), tmp / "the-pickle-ran"
+    process ends each rank in one line and runs nothing."""
+    port, marker, board = int(os.environ["MASTER_PORT"]), tmp / "the-pickle-ran", endings.Board()
     if rank == 0:
         listening = {c.laddr.ip for c in psutil.net_connections("tcp") if c.status == "LISTEN" and c.laddr.port == port}
         assert listening == {"127.0.0.1"}, listening
-        subprocess.run([sys.executable, "-c", CRAFTED, str(port), str(marker)], check=True, timeout=60)
+        subprocess.run([sys.executable, "-c", CRAFTED, str(port), str(marker), board.prefix + "alone"], check=True,
+                       timeout=60)
     dist.barrier()
-    with pytest.raises(UserError, match="key app/left holds a value this run's ranks did not write"):
-        endings.gather_outcomes(("", rank))
-    with endings.watching_for_leavers():
-        time.sleep(1.5)  # the watcher reads the store each second
+    with pytest.raises(UserError, match="holds a value this run's ranks did not write.*firewall"):
+        board.outcomes(("", rank))
     with pytest.raises(UserError, match="firewall"):
-        endings.another_rank_left()
+        board.ended_by_another()
     assert not marker.exists(), "the pickle from the network ran"
-    dist.barrier()
-    if rank == 0:
-        torch.distributed.distributed_c10d._get_default_store().delete_key(endings._LEFT)
-    endings.close()
     dist.barrier()
 
 
 def _outcomes(rank, world):
-    """Outcomes through the store: gathered; a failed rank's wait bounded when the others are elsewhere (as if
-    blocked in a collective it left); the others then end quietly, the leaving rank having said why."""
-    assert endings.gather_outcomes(("", rank), None if rank else 0.0) == [("", r) for r in range(world)]
+    """Rounds through the store: gathered; a failed rank's wait bounded when the others are elsewhere (as if blocked
+    in a collective it left); the others then end without a line, the rank that ended alone having said why."""
+    board = endings.Board()
+    assert board.outcomes(("", rank), None if rank else 0.0) == [("", r) for r in range(world)]
     if rank == world - 1:
         started = time.monotonic()
-        assert endings.gather_outcomes(("memory", "out of memory"), 0.0, patience_s=0.5) is None
+        assert board.outcomes(("memory", "out of memory"), 0.0, patience_s=0.5) is None
         assert 0.5 <= time.monotonic() - started < 5
-        error = endings.leave("rank left: why")
-        assert isinstance(error, RankAlone) and str(error) == "rank left: why"
+        error = board.alone("rank left: why")
+        assert isinstance(error, Ended) and error.alone and str(error) == "rank left: why"
         dist.barrier()
     else:
-        with endings.watching_for_leavers():
-            dist.barrier()  # elsewhere until the last rank has left
-            with pytest.raises(SaidByAnotherRank, match="rank left: why"):
-                endings.gather_outcomes(("fatal", "Connection closed by peer"), 0.0)
-            deadline = time.monotonic() + 5
-            while endings._known.note is None and time.monotonic() < deadline:  # the watcher reads the store each second
-                time.sleep(0.1)
-        assert endings._known.note == "rank left: why" and endings.another_rank_left()
-    dist.barrier()  # the store lives with rank 0: every rank has read it before any leaves
-    started = time.monotonic()
-    endings.close()  # the leaver lingers until every other rank has read its note: here, they all have
-    assert time.monotonic() - started < endings.LINGER_S / 2
+        dist.barrier()  # elsewhere until the last rank has left
+        with pytest.raises(Ended, match="rank left: why") as ended:
+            board.outcomes(("fatal", "Connection closed by peer"), 0.0)
+        assert not ended.value.alone, "the rank that left said it"
+    dist.barrier()
+
+
+def _rank_0_ends_alone(rank, world):
+    """Rank 0, which starts the store, ends alone while the others wait in a collective: their collective fails as
+    it goes; they read why from the store, which outlives it, and end without a line of their own."""
+    launch.prepare_environment()
+    launch.setup(timeout_s=60)
+    board = endings.Board()
+    if rank == 0:
+        board.alone("rank 0 ran out of memory")
+        return  # its process ends, and the store with it
+    with pytest.raises(Ended, match="rank 0 ran out of memory") as ended, endings.one_line(board):
+        torch.distributed.all_reduce(torch.ones(1))  # rank 0 never joins it
+    assert not ended.value.alone, "rank 0 said it"
+    dist.teardown()
+
+
+def test_rank_0_ending_alone_ends_the_others_without_a_line():
+    spawn_ranks(3, _rank_0_ends_alone)
+
+
+def _stop_step(rank, world):
+    """The last rank asks to stop after step 3: every rank stops at step 5, the same step."""
+    board = endings.Board()
+    said = []
+    for step in range(1, 9):
+        dist.barrier()  # the ranks' steps, each ending in a collective
+        said.append(board.stopping(rank == world - 1 and step == 3, step))
+    assert said == [False] * 4 + [True] * 4, said
+    assert dist.gather_objects(said) == [said] * world
 
 
 def _a_stop_ends_the_waits(rank, world):
     """A rank ending on a failure that its launcher then signals (as the deepspeed launcher SIGTERMs every rank when
-    one dies) waits neither for the others' outcomes nor for them to read its note: it ends at once."""
+    one dies) waits for nobody: it ends at once."""
     launch.prepare_environment()
     launch.setup(timeout_s=60)
+    board = endings.Board()
     if rank == 1:
-        stop = preemption.StopRequest(60, watch_launcher=False)
+        stop = preemption.StopRequest(board, 60, watch_launcher=False)
         try:
             os.kill(os.getpid(), signal.SIGTERM)
             started = time.monotonic()
-            assert endings.gather_outcomes(("error", "why"), 0.0, patience_s=30) is None
-            endings.leave("why")
-            endings.close()
-            assert time.monotonic() - started < endings.LINGER_S / 2
+            assert board.outcomes(("error", "why"), 0.0, patience_s=30) is None
+            board.alone("why")
+            assert time.monotonic() - started < 2
         finally:
             stop.close()
     dist.barrier()  # rank 0: elsewhere all along, as if blocked in a collective
@@ -133,16 +152,6 @@ def test_a_rank_asked_to_stop_while_ending_on_a_failure_waits_for_nobody():
     spawn_ranks(2, _a_stop_ends_the_waits)
 
 
-def _votes(rank, world):
-    """The host vote answers a round late: the last rank's yes in round 1 is every rank's answer in round 2."""
-    vote = dist.HostVote()
-    assert vote.exchange(False) is False, "round 0 has no earlier round to report"
-    assert vote.exchange(rank == world - 1) is False, "round 1 reports round 0: nobody said yes"
-    assert vote.exchange(False) is True, "round 2 reports round 1"
-    assert vote.exchange(False) is False
-    vote.finish()
-
-
 @pytest.mark.parametrize("world", [2, 3])
 def test_collectives_across_ranks(world, tmp_path):
     spawn_ranks(world, _collectives, tmp_path)
@@ -150,7 +159,7 @@ def test_collectives_across_ranks(world, tmp_path):
 
 def _beside_a_device_only_group(rank, world, tmp):
     """What NCCL does to a CPU tensor, on a CPU: a default group registered for cuda alone refuses it. The app's
-    bookkeeping (meters, votes, summaries, probes, checkpoint agreement) must never touch that group."""
+    bookkeeping (meters, stop requests, summaries, probes, checkpoint agreement) must never touch that group."""
     from app import train
     from app.distributed import preemption
     from app.observe import runlog
@@ -163,9 +172,9 @@ def _beside_a_device_only_group(rank, world, tmp):
     meter = Meter(["loss"], torch.device("cpu"))
     meter.add(torch.tensor(2.0), loss=torch.tensor(float(rank)))
     assert meter.reduce()["count"] == 2 * world
-    stop = preemption.StopRequest(60, watch_launcher=False)
-    assert [stop.agreed(), stop.agreed()] == [False, False]
-    stop.finish()
+    stop = preemption.StopRequest(endings.Board(), 60, watch_launcher=False)
+    assert [stop.agreed(1), stop.agreed(2)] == [False, False]
+    stop.close()
     engine = SimpleNamespace(device=torch.device("cpu"), zero_optimization_stage=lambda: 2,
                              pipeline_parallelism=False, num_stages=1, autotp_size=lambda: 1,
                              torch_autocast_enabled=lambda: False, bfloat16_enabled=lambda: False,

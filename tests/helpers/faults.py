@@ -127,13 +127,13 @@ def refuse_compiles():
 
 
 def impatient():
-    """A rank that failed alone waits APP_PATIENCE_S for the others to say theirs, not the seconds the app sets."""
+    """A rank whose part failed waits APP_PATIENCE_S for the others to say theirs, not the seconds the app sets."""
     from app.distributed import endings
-    gather = endings.gather_outcomes
+    outcomes = endings.Board.outcomes
 
-    def gather_outcomes(mine, failed_after_s=None, patience_s=30):
-        return gather(mine, failed_after_s, float(os.environ.get("APP_PATIENCE_S") or patience_s))
-    endings.gather_outcomes = gather_outcomes
+    def patient(self, mine, failed_after_s=None, patience_s=endings.PATIENCE_S):
+        return outcomes(self, mine, failed_after_s, float(os.environ.get("APP_PATIENCE_S") or patience_s))
+    endings.Board.outcomes = patient
 
 
 def main():

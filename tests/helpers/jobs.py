@@ -26,7 +26,7 @@ from app import train  # noqa: E402
 from app import settings as config
 from app.distributed import dist
 from app.distributed import launch
-from app.errors import UserError, report as say  # noqa: E402
+from app.errors import Ended, UserError, report as say  # noqa: E402
 
 
 @contextlib.contextmanager
@@ -53,7 +53,7 @@ def main(jobs_file: str, report: str):
             with contextlib.redirect_stdout(printed), contextlib.redirect_stderr(printed), variables(env):
                 try:
                     code = train.run(settings, ds, world, time.perf_counter())
-                except UserError as e:
+                except (UserError, Ended) as e:
                     code = say(e)
             (Path(report) / f"{i}.rank{world.rank}.txt").write_text(printed.getvalue())
             (Path(report) / f"{i}.rank{world.rank}.code").write_text(str(code))

@@ -1,9 +1,7 @@
-"""How a user's mistake is said: one line on stderr and exit code 2, rank 0's or another rank's naming itself,
-once when a rank leaves alone, the innermost cause first, an error raised in DeepSpeed's code named where. The
-mistakes on a real command line: tests/e2e/test_errors.py."""
-from types import SimpleNamespace
-
-from app.errors import RankAlone, SaidByAnotherRank, UserError, first_line, report
+"""How a user's mistake is said: one line on stderr and exit code 2, by rank 0; a rank that ends alone says its
+own; the innermost cause first, an error raised in DeepSpeed's code named where. The mistakes on a real command
+line: tests/e2e/test_errors.py."""
+from app.errors import Ended, UserError, first_line, report
 from conftest import assert_one_error_line
 
 
@@ -15,28 +13,24 @@ def test_report_says_one_line_on_stderr_and_returns_2(monkeypatch, capsys):
     assert_one_error_line(said.err, "--epochs must be at least 1")
 
 
-def test_report_on_another_rank_waits_for_rank_0_and_names_itself(monkeypatch, capsys):
-    """Rank 0 speaks first; by the time another rank would, the launcher has usually ended it."""
-    import app.errors
-    waited = []
-    monkeypatch.setattr(app.errors, "time", SimpleNamespace(sleep=waited.append))
+def test_a_users_mistake_is_rank_0s_to_say(monkeypatch, capsys):
+    """Every rank raises it (found by each, or told by rank 0): another rank says nothing and waits for nobody."""
     monkeypatch.setenv("RANK", "3")
     assert report(UserError("the same mistake")) == 2
-    assert waited == [3] and capsys.readouterr().err == "[rank 3] error: the same mistake\n"
-
-
-def test_a_rank_that_leaves_alone_speaks_at_once_and_the_others_say_nothing(monkeypatch, capsys):
-    """RankAlone: only this rank knows, and the launcher ends the others once it exits; SaidByAnotherRank: the
-    rank that left said it."""
-    import app.errors
-    waited = []
-    monkeypatch.setattr(app.errors, "time", SimpleNamespace(sleep=waited.append))
-    monkeypatch.setenv("RANK", "1")
-    assert report(RankAlone("rank 1 ran out of memory")) == 2
-    assert waited == [] and capsys.readouterr().err == "[rank 1] error: rank 1 ran out of memory\n"
-    monkeypatch.setenv("RANK", "0")
-    assert report(SaidByAnotherRank("rank 1 ran out of memory")) == 2
     assert capsys.readouterr().err == ""
+
+
+def test_a_rank_that_ends_alone_speaks_at_once_and_the_others_say_nothing(monkeypatch, capsys):
+    """Ended(alone=True): only this rank knows, and the launcher ends the others once it exits; Ended(): the rank
+    that ended alone said it."""
+    monkeypatch.setenv("RANK", "1")
+    assert report(Ended("rank 1 ran out of memory", alone=True)) == 2
+    assert capsys.readouterr().err == "[rank 1] error: rank 1 ran out of memory\n"
+    monkeypatch.setenv("RANK", "0")
+    assert report(Ended("rank 1 ran out of memory")) == 2
+    assert capsys.readouterr().err == ""
+    assert report(Ended("rank 0 ran out of memory", alone=True)) == 2
+    assert capsys.readouterr().err == "error: rank 0 ran out of memory\n"
 
 
 def test_first_line_is_the_innermost_cause():
