@@ -14,11 +14,9 @@ import numpy as np
 import torch
 
 from app.memory import autobatch, fit
-from app.checkpoint import save as checkpoint
 from app.core import answers as sample_answers
 from app.core import compiling
 from app.core import packing
-from app import settings as config
 from app.distributed import dist, endings
 from app.ds import auto as ds_auto
 from app.ds import config as ds_config
@@ -30,14 +28,14 @@ from app.observe import metrics
 from app.core import models
 from app.distributed import node_shell
 from app.checkpoint import outdir
-from app.parallel import layout as parallel
+from app.parallel import layout
 from app.ds import precision
 from app.distributed import preemption
 from app.checkpoint import resume
 from app.observe import runlog
 from app.core import tasks
-from app.checkpoint.save import TrainerState, checkpoint_root
-from app.settings import Settings
+from app.checkpoint.save import TrainerState, checkpoint_root, complete_checkpoints, save_checkpoint
+from app.settings import Settings, parse, settings_dict
 from app.data.loader import build_loader, feeding
 from app.distributed.cores import usable_cores
 from app.distributed.dist import World
@@ -87,11 +85,11 @@ def throughput_for(task, flops: float, engine, settings: Settings) -> metrics.Th
 def main(argv=None) -> int:
     """Run one training job; returns the process exit code."""
     started = time.perf_counter()
-    gc.freeze()  # the imports' objects live as long as the process: full collections skip them (0.17 s to 0.07 s)
+    gc.freeze()  # the imports' objects live as long as the process: full collections skip them
     launch.prepare_environment()
     try:
         try:
-            settings, ds = config.parse(argv)
+            settings, ds = parse(argv)
             node_shell.check_launch_hosts()
         except UserError as e:
             launch.said_before_start(e)  # another rank than 0 tells rank 0, which says it
@@ -116,7 +114,7 @@ def run(settings: Settings, ds: dict, world: World, started: float) -> int:  # l
 def _run(settings, ds, world, started, board, built: dict) -> int:  # long: the job's steps in order
     stop = None
     try:
-        ranks = parallel.rank_layout(ds, world.world_size, world.rank, settings.deepspeed_config)
+        ranks = layout.rank_layout(ds, world.world_size, world.rank, settings.deepspeed_config)
         task = tasks.build(settings)
         lora.check_layout(settings.lora, ranks)
         ds, filled, precision_note = json_for_run(ds, settings, world, ranks, task)
@@ -155,12 +153,12 @@ def _run(settings, ds, world, started, board, built: dict) -> int:  # long: the 
         stop = preemption.StopRequest(board, settings.grace_period, world.launcher != "none")
         log = runlog.RunLog(output_dir, steps, engine.global_steps, throughput=log_throughput)
         metrics.reset_peak_memory(world.device)  # the summary's peak is the training's, not the start-up probe's
-        save = lambda *at: checkpoint.save(engine, output_dir, state.at(*at), settings.keep_last,  # noqa: E731
+        save = lambda *at: save_checkpoint(engine, output_dir, state.at(*at), settings.keep_last,  # noqa: E731
                                            save_files, every_rank)
         step = ranks.train_step(engine, task, compiling.wanted(settings.compile, engine.device), board)
         schedule = loop.Schedule(steps, settings.log_interval, settings.eval_interval, settings.save_interval,
                                  settings.max_nonfinite_steps)
-        with log.discarded_on_error(lambda: checkpoint.complete_checkpoints(checkpoint_root(output_dir))):
+        with log.discarded_on_error(lambda: complete_checkpoints(checkpoint_root(output_dir))):
             answers = sample_answers.for_run(engine, task, output_dir, settings.eval_answers, settings.answer_tokens)
             result = loop.Loop(step, train_loader, eval_loader, schedule, log, save, stop, answers).fit(start)
         return summarise(result, settings, world, engine, task, log, stop, started)
@@ -175,7 +173,7 @@ def trainer_state(settings: Settings, world: World, ranks, info, ds: dict, task)
     """What this run's checkpoints record besides DeepSpeed's shards, at step 0."""
     return TrainerState(step=0, epoch=0, batch=0, model=settings.model, dataset=settings.dataset,
                         world_size=world.world_size, zero_stage=ds_config.zero_stage(ds),
-                        settings=config.settings_dict(settings), data_info=asdict(info), deepspeed_config=ds,
+                        settings=settings_dict(settings), data_info=asdict(info), deepspeed_config=ds,
                         pipeline_stages=ranks.split.stages if ranks.split else 0,
                         data_parallel_size=ranks.replicas, tensor_parallel_size=ranks.tensor,
                         lora=lora.record(settings, getattr(task, "spec", None)))
@@ -224,7 +222,7 @@ def nothing_to_do(engine, steps: int) -> bool:
     return True
 
 
-def loaders(train_set, eval_set, ds: dict, settings: Settings, world: World, ranks: parallel.RankLayout) -> tuple:
+def loaders(train_set, eval_set, ds: dict, settings: Settings, world: World, ranks: layout.RankLayout) -> tuple:
     """(train loader, eval loader) over this data-parallel replica's shard (the stages of a pipeline share one)."""
     workers, pin = feeding(train_set, world.device.type == "cuda", usable_cores() // world.local_world_size,
                            settings.num_workers, settings.pin_memory)
@@ -237,7 +235,7 @@ def loaders(train_set, eval_set, ds: dict, settings: Settings, world: World, ran
             build_loader(eval_set, micro, shuffle=False, persistent=False, normalise=False, **args))
 
 
-def say_mode(settings: Settings, world: World, engine, steps: int, output_dir: Path, ranks: parallel.RankLayout,
+def say_mode(settings: Settings, world: World, engine, steps: int, output_dir: Path, ranks: layout.RankLayout,
              note: str, tf32: str):
     """The start-up lines: how the run is laid out, and the precision picked (note: why "auto" picked it; tf32:
     what fp32 matmuls run in)."""

@@ -10,9 +10,9 @@ import tempfile
 import time
 from pathlib import Path
 
-from app.checkpoint import save as checkpoint
 from app.distributed import dist
-from app.checkpoint.save import LATEST, UNIVERSAL, checkpoint_root, complete_checkpoints, unfinished_saves
+from app.checkpoint.save import (LATEST, UNIVERSAL, atomic_write, checkpoint_root, complete_checkpoints,
+                                 remove_checkpoint, unfinished_saves)
 
 LOCK = ".app-lock"
 RUN_FILES = ("metrics.csv", "summary.json", "loss.png")
@@ -130,10 +130,10 @@ def clear(output_dir: Path, folder, overwrite: bool):
     for path in files:
         path.unlink()
     for path in checkpoints:
-        checkpoint.remove_checkpoint(path)
+        remove_checkpoint(path)
     kept = complete_checkpoints(root)
     if kept:
-        checkpoint.atomic_write(root / LATEST, kept[-1].name)
+        atomic_write(root / LATEST, kept[-1].name)
     elif (root / LATEST).is_file():
         (root / LATEST).unlink()
     if not in_place and (root / UNIVERSAL).is_dir() and not any((root / UNIVERSAL).iterdir()):

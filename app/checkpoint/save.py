@@ -126,7 +126,7 @@ def _rng_state() -> dict:
             "cuda": [torch.cuda.get_rng_state().tolist()] if torch.cuda.is_available() else []}
 
 
-def save(engine, output_dir: Path, state: TrainerState, keep_last: int, extra=None, every_rank=None):
+def save_checkpoint(engine, output_dir: Path, state: TrainerState, keep_last: int, extra=None, every_rank=None):
     """Every rank saves its shards and RNG state (and runs every_rank(engine, folder), which may be a
     collective); rank 0 writes the state and extra(folder) files, then seals the folder with a manifest.
     A save the disk has no room for is refused before it starts, and one that cannot be written ends the run

@@ -166,7 +166,7 @@ def prepare_environment():
     # Name DeepSpeed's accelerator when there is no GPU, sparing every rank its detection warning.
     if "DS_ACCELERATOR" not in os.environ and not torch.cuda.is_available():
         os.environ["DS_ACCELERATOR"] = "cpu"
-    ds_internals.cpu_info_once()  # each CPU optimizer DeepSpeed builds would ask three times, 1.1 s apiece
+    ds_internals.cpu_info_once()  # each CPU optimizer DeepSpeed builds would ask three times, a process each
 
 
 # Several ranks on one GPU, to try a multi-rank config (ZeRO-3 on 2 ranks, a pipeline) on a machine with one GPU:

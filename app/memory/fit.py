@@ -8,7 +8,7 @@ import torch
 from app.core import lora, models
 from app.data import DataInfo
 from app.ds.internals import torch_private
-from app.memory import plan
+from app.memory import estimate
 from app.parallel import activations
 
 AUTOCAST_BY_AUTO = "bf16 autocast ("  # how precision's note starts when "auto" picked bf16 autocast
@@ -49,7 +49,7 @@ def plans(work, named: dict, ranks: int, adapters=None) -> dict:
     build, inputs, loss = work
     with torch_private.fake_tensor_mode():
         model = build()
-        sizes, kinds = [p.numel() for p in model.parameters()], plan.comm_kinds(model)
+        sizes, kinds = [p.numel() for p in model.parameters()], estimate.comm_kinds(model)
         trainable = None
         if adapters:  # the frozen base, then the adapters (whose activations, r values a token, are left out)
             added = lora.adapter_sizes(model.hf, adapters[1], adapters[0])
@@ -61,10 +61,10 @@ def plans(work, named: dict, ranks: int, adapters=None) -> dict:
                                       for s in ("torch_autocast", "bf16")) else None
         key = (dtype, activations.SECTION in ds, (ds.get("bf16") or {}).get("enabled") is True)
         if key not in cache:  # the slope from 2 to 4 samples; 1 sample's peak as measured (MemoryPlan.least)
-            one, two, four = (plan.activation_bytes(build, inputs, loss, micro, dtype, key[1], weights16=key[2])
+            one, two, four = (estimate.activation_bytes(build, inputs, loss, micro, dtype, key[1], weights16=key[2])
                               for micro in (1, 2, 4))
             cache[key] = ((four - two) // 2, two - (four - two), one)
-        found[name] = plan.memory_plan(name, ds, ranks, sizes, largest, cache[key], kinds, trainable)
+        found[name] = estimate.memory_plan(name, ds, ranks, sizes, largest, cache[key], kinds, trainable)
         found[name].largest_layer = largest
     return found
 
@@ -90,7 +90,7 @@ def weigh(ds: dict, note: str, task, settings, replicas: int, memory: int) -> tu
 def _weighed(ds: dict, note: str, task, settings, replicas: int, memory: int, micro: int) -> tuple:
     adapters = (settings.lora_rank, lora.targets_of(settings)) if settings.lora else None
     work = workload(task, settings.block_size, frozen=bool(adapters))
-    usable, bf16 = plan.USABLE * memory, with_bf16_weights(ds)
+    usable, bf16 = estimate.USABLE * memory, with_bf16_weights(ds)
     autocast_peak = plans(work, {"autocast": ds}, replicas, adapters)["autocast"].peak(micro)
     if autocast_peak <= usable:  # the usual case, measured once: autocast stays
         return ds, note

@@ -16,7 +16,7 @@ import torch
 from app.distributed import dist
 from app.ds import config as ds_config
 from app.distributed import launch
-from app.parallel import layout as parallel
+from app.parallel import layout
 from app.core import lora, tasks
 from app.settings import Settings
 from app.errors import UserError, report
@@ -106,9 +106,9 @@ def group_modes(args, cores: int, gpus: int) -> tuple:
             for mode, ranks in [(m, r) for m in ([plain, plain + LORA] if args.lora else [plain])
                                 for r in sorted({1, args.ranks} if multi else {1})]:
                 try:  # a config that splits the model runs only where the ranks hold the split
-                    layout = parallel.rank_layout(ds, ranks, 0, name)
-                    lora.check_layout(mode.endswith(LORA), layout)
-                    replicas = layout.replicas
+                    laid = layout.rank_layout(ds, ranks, 0, name)
+                    lora.check_layout(mode.endswith(LORA), laid)
+                    replicas = laid.replicas
                 except UserError as e:
                     skipped.append((f"{mode} x{ranks}", str(e)))
                     continue

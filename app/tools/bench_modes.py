@@ -16,7 +16,7 @@ from app.ds import config as ds_config
 from app.ds import internals as ds_internals
 from app.core import loop
 from app.observe import metrics
-from app.parallel import layout as parallel
+from app.parallel import layout
 from app.observe import runlog
 from app.core import tasks
 from app.settings import Settings
@@ -135,11 +135,11 @@ def run_torch(mode, args, world, work: Workload, loader, clock, total):
     return None, dtype, compiled, param_bytes(model)
 
 
-def rank_layout_of(mode, args, world) -> parallel.RankLayout:
+def rank_layout_of(mode, args, world) -> layout.RankLayout:
     """How the mode lays out its ranks: an app mode's ds_config may split the model into pipeline stages or
     tensor-parallel shards, which share one replica's data; every other mode is data parallel."""
     config = args.configs.get(mode.partition("+")[0]) if mode not in TORCH_MODES else None
-    return parallel.rank_layout(config or {}, world.world_size, world.rank, mode)
+    return layout.rank_layout(config or {}, world.world_size, world.rank, mode)
 
 
 def param_bytes(module) -> int:

@@ -14,7 +14,7 @@ import torch
 from app.ds import config as ds_config
 from app.ds import internals as ds_internals
 from app.core import lora
-from app.memory import fit, plan
+from app.memory import estimate, fit
 from app.core import tasks
 from app.settings import Settings
 from app.errors import UserError, report
@@ -120,7 +120,7 @@ def table(args, named: dict, plans: dict) -> list:
     first = next(iter(plans.values()))
     trained = f" ({first.trained / 1e6:,.2f}M of them LoRA adapters that train)" if first.trained < first.parameters \
         else ""
-    budget = plan.USABLE * args.gpu_memory
+    budget = estimate.USABLE * args.gpu_memory
     lines = [f"model {args.model}: {first.parameters / 1e6:,.1f}M parameters{trained}; "
              f"{args.world_size} data-parallel "
              f"rank(s); GPU {args.gpu_memory / 1e9:,.1f} GB, of which a run may use {budget / 1e9:,.1f}; in GB per rank",
@@ -135,14 +135,14 @@ def table(args, named: dict, plans: dict) -> list:
         peak = p.peak(micro or largest) if (micro or largest) else None
         fits = peak is not None and peak <= budget
         zero = ds.get("zero_optimization") or {}
-        estimate = ds_internals.deepspeed_estimate(
+        theirs = ds_internals.deepspeed_estimate(
             zero.get("stage", 0), bool((zero.get("offload_optimizer") or {}).get("device")),
             bool((zero.get("offload_param") or {}).get("device")), p.parameters, p.largest_layer, args.world_size)
         d = p.device
         lines.append(f"{name:<30}{_gb(d.get('weights', 0)):>8}{_gb(d['gradients']):>8}{_gb(d.get('optimizer', 0)):>8}"
                      f"{_gb(d.get('masters', 0)):>8}{_gb(d['working']):>8}{_gb(sum(p.host.values())):>8}"
                      f"{_gb(p.per_sample):>11}{micro or f'{largest}*':>6}{_gb(peak):>8}{'yes' if fits else 'no':>6}"
-                     f"{largest:>8}{_gb(estimate):>8}")
+                     f"{largest:>8}{_gb(theirs):>8}")
         if fits:
             fitting.append((_speed_rank(name), name, peak))
     lines.append(recommend(sorted(fitting), plans, budget, args))

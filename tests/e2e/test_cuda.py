@@ -208,7 +208,7 @@ def test_auto_takes_bf16_weights_where_only_they_fit_the_gpu(tmp_path):
     from app.core import tasks
     from app.ds import precision
     from app.ds.config import load_ds_config
-    from app.memory import fit, plan
+    from app.memory import estimate, fit
     from app.settings import Settings
     from conftest import write_text_rows
     memory = int(subprocess.run([sys.executable, "-c", "import torch; print(torch.cuda.get_device_properties(0)"
@@ -217,7 +217,7 @@ def test_auto_takes_bf16_weights_where_only_they_fit_the_gpu(tmp_path):
                                         cuda=True, bf16_ok=True)
     task = tasks.build(Settings(model="gpt2-124m", block_size=1024))
     found = fit.plans(fit.workload(task, 1024), {"autocast": ds, "bf16": fit.with_bf16_weights(ds)}, 1)
-    usable = plan.USABLE * memory
+    usable = estimate.USABLE * memory
     micro = next(m for m in range(1, 4096) if found["autocast"].peak(m) > usable)
     assert found["bf16"].peak(micro) <= usable, "the plan leaves bf16 weights no micro batch of their own here"
     config = tmp_path / "dp.json"

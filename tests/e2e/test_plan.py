@@ -3,7 +3,7 @@ gives them. The plan's arithmetic: tests/unit/test_plan.py; its model states aga
 tests/e2e/test_tools_bench.py."""
 import json
 
-from app.memory import plan
+from app.memory import estimate
 from conftest import REPO
 
 
@@ -21,7 +21,7 @@ def _buckets_deepspeed_allocates(rank, world, cases, report):
         model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.LayerNorm(16), torch.nn.Linear(16, 4))
         ds = {**json.loads((REPO / "ds_configs" / f"{name}.json").read_text()), "torch_autocast": autocast}
         ds.pop("scheduler")
-        total, kinds = sum(p.numel() for p in model.parameters()), plan.comm_kinds(model)  # before ZeRO-3 splits them
+        total, kinds = sum(p.numel() for p in model.parameters()), estimate.comm_kinds(model)  # before ZeRO-3 splits them
         engine = loop.build_engine(model, ds)
         held = []
         if engine.zero_optimization_stage() < 3:
@@ -30,7 +30,7 @@ def _buckets_deepspeed_allocates(rank, world, cases, report):
             engine.backward(engine(torch.randn(4, 8)).float().sum())
         else:
             held.append(_ipg_bytes(engine.optimizer))
-        found.append([held[0], plan.bucket_bytes(total, ds, kinds)])
+        found.append([held[0], estimate.bucket_bytes(total, ds, kinds)])
         engine.destroy()
     report.write_text(json.dumps(found))
 

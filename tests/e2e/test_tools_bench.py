@@ -60,7 +60,7 @@ def _the_plan_predicts_what_the_engine_holds(modes):
     step (rank 0's), under ZeRO 0-3 on 1 and 2 ranks: within 5% for each kind and in all."""
     from app.ds import config as ds_config
     from app.core import models
-    from app.memory import plan
+    from app.memory import estimate
     from app.data import DataInfo
     sizes = [p.numel() for p in models.build_model("cnn", DataInfo(10, 1, 8)).parameters()]
     kinds = {"params_bytes": "weights", "grads_bytes": "gradients", "optimizer_bytes": "optimizer",
@@ -69,7 +69,7 @@ def _the_plan_predicts_what_the_engine_holds(modes):
         ds = ds_config.load_ds_config(ds_config.REPO / "ds_configs" / f"{name}.json")
         for ranks in (1, 2):
             held = modes[(name, ranks)]["zero_state"]
-            planned = plan.model_states(sizes, ds, ranks)[0]
+            planned = estimate.model_states(sizes, ds, ranks)[0]
             for measured, kind in kinds.items():
                 assert planned[kind] == pytest.approx(held[measured], rel=0.05, abs=64), (name, ranks, kind)
             assert sum(planned.values()) == pytest.approx(held["measured_bytes"], rel=0.05), (name, ranks)

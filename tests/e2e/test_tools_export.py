@@ -24,7 +24,7 @@ def _config(name: str) -> dict:
 
 def _save_and_record(rank, world, out):
     """On each rank: train each config 3 steps, save a checkpoint, and keep rank 0's view of the live weights."""
-    from app.checkpoint import save as checkpoint
+    from app.checkpoint.save import TrainerState, save_checkpoint
     from app.ds import precision
     from app import settings as config
     from app.distributed import dist
@@ -50,11 +50,10 @@ def _save_and_record(rank, world, out):
             y = torch.randint(0, 10, (8,), generator=gen)
             engine.backward(tasks.class_loss(engine(x), y).mean())
             engine.step()
-        state = checkpoint.TrainerState(step=3, epoch=0, batch=3, model="cnn", dataset="digits", world_size=world,
-                                        zero_stage=ds_config.zero_stage(ds),
-                                        settings=config.settings_dict(config.Settings()), data_info=asdict(info),
-                                        deepspeed_config=ds)
-        checkpoint.save(engine, out / name, state, keep_last=0)
+        state = TrainerState(step=3, epoch=0, batch=3, model="cnn", dataset="digits", world_size=world,
+                             zero_stage=ds_config.zero_stage(ds), settings=config.settings_dict(config.Settings()),
+                             data_info=asdict(info), deepspeed_config=ds)
+        save_checkpoint(engine, out / name, state, keep_last=0)
         params = list(engine.module.parameters())
         with deepspeed.zero.GatheredParameters(params, enabled=ds_config.zero_stage(ds) == 3):
             live = {n: p.detach().clone() for n, p in engine.module.named_parameters()}

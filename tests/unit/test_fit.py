@@ -5,7 +5,7 @@ import pytest
 from app.core import tasks
 from app.ds import precision
 from app.ds.config import DEFAULT_DS_CONFIG, load_ds_config
-from app.memory import fit, plan
+from app.memory import estimate, fit
 from app.settings import Settings
 
 SETTINGS = Settings(model="gpt2-tiny", block_size=128)
@@ -31,7 +31,7 @@ def peaks(micro: int) -> tuple:
 def test_bf16_weights_where_only_they_fit_and_the_first_line_says_why():
     autocast, bf16 = peaks(64)
     assert bf16 < autocast
-    memory = int((autocast + bf16) / 2 / plan.USABLE)
+    memory = int((autocast + bf16) / 2 / estimate.USABLE)
     ds, note = fit.weigh(*on_a_gpu(64), tasks.build(SETTINGS), SETTINGS, 1, memory)
     assert ds["bf16"] == {"enabled": True} and "torch_autocast" not in ds
     assert note.startswith("bf16 (torch_autocast \"auto\" gave way to bf16 weights: the memory plan puts a micro "
@@ -44,7 +44,7 @@ def test_autocast_stays_where_it_fits_and_where_nothing_does(share):
     out-of-memory handling says what to do."""
     autocast, _ = peaks(64)
     ds, note = on_a_gpu(64)
-    assert fit.weigh(ds, note, tasks.build(SETTINGS), SETTINGS, 1, int(share * autocast / plan.USABLE)) == (ds, note)
+    assert fit.weigh(ds, note, tasks.build(SETTINGS), SETTINGS, 1, int(share * autocast / estimate.USABLE)) == (ds, note)
 
 
 def test_only_auto_on_a_gpu_with_a_set_micro_batch_is_weighed():
@@ -63,6 +63,6 @@ def test_lora_plans_a_frozen_model_whose_backward_keeps_fewer_activations():
     input, as it reaches the adapters."""
     import torch
     task = tasks.build(SETTINGS)
-    held = {frozen: plan.activation_bytes(*fit.workload(task, 128, frozen=frozen), 4, torch.bfloat16, False)
+    held = {frozen: estimate.activation_bytes(*fit.workload(task, 128, frozen=frozen), 4, torch.bfloat16, False)
             for frozen in (False, True)}
     assert 0 < held[True] < held[False]

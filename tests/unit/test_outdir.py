@@ -4,7 +4,7 @@ import json
 import os
 import socket
 
-from app.checkpoint import save as checkpoint
+from app.checkpoint import save
 from app.checkpoint import outdir
 from app.checkpoint.save import MANIFEST, SAVING, complete_checkpoints, unfinished_saves
 
@@ -96,7 +96,7 @@ def test_overwrite_deletes_the_earlier_timeline_and_nothing_of_the_users(tmp_pat
     two = _checkpoint(root, 2)
     _checkpoint(root, 4), _checkpoint(root, 6, complete=False)
     (root / "universal" / "step00000004").mkdir(parents=True)
-    checkpoint.atomic_write(root / "latest", "step00000004")
+    save.atomic_write(root / "latest", "step00000004")
     outdir.clear(run, two, overwrite=True)  # resumed in place from step 2: 4 and the cut-short 6 go
     assert [p.name for p in root.glob("step0*")] == ["step00000002", "step00000003"]
     assert (root / "latest").read_text() == "step00000002" and not (root / "universal" / "step00000004").exists()

@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 
-from app.checkpoint import save as checkpoint
+from app.checkpoint import save
 from app.checkpoint import resume
 from app.checkpoint.save import MANIFEST, STATE, TrainerState
 from app.errors import UserError
@@ -180,7 +180,7 @@ def test_find_auto_picks_the_newest_complete_checkpoint(tmp_path):
     _write_checkpoint(root / "step00000015", _state(step=15), manifest=False)  # killed half-way
     folder, saved = resume.find(tmp_path / "run", "auto")
     assert folder == root / "step00000010" and saved.step == 10
-    assert checkpoint.complete_checkpoints(root) == [root / f"step{s:08d}" for s in (5, 9, 10)]
+    assert save.complete_checkpoints(root) == [root / f"step{s:08d}" for s in (5, 9, 10)]
 
 
 def test_find_auto_does_not_fall_back_past_a_damaged_newest_checkpoint(tmp_path):
@@ -299,7 +299,7 @@ def test_resume_on_fewer_gpus_restores_the_rank_s_own_generator(monkeypatch):
     monkeypatch.setattr(torch.cuda, "get_rng_state_all", lambda: [states[i] for i in range(8)])
     monkeypatch.setattr(torch.cuda, "set_rng_state", lambda state, device="cuda": restored.append(state.tolist()))
     monkeypatch.setattr(torch.cuda, "set_rng_state_all", lambda states_: restored.append("every GPU"))
-    saved = json.loads(json.dumps(checkpoint._rng_state()))
+    saved = json.loads(json.dumps(save._rng_state()))
     assert saved["cuda"] == [[3] * 16], "only the rank's own GPU is saved"
     current["index"] = 0
     resume._set_rng_state(saved)

@@ -20,8 +20,8 @@ def config_saved_as(engine, config: dict):
 
 
 def lighten_plain_step(engine):
-    """Drop work plain fp32 data parallel does not need (measured with app.tools.bench: ~20% of a small model's
-    step). Only for ZeRO stage 0 without fp16/bf16, where every rank holds every gradient.
+    """Drop work plain fp32 data parallel does not need (a small model's step loses much of its time to it:
+    app.tools.bench shows how much). Only for ZeRO stage 0 without fp16/bf16, where every rank holds every gradient.
 
     DeepSpeed's clipping takes one norm per tensor and all-reduces the total every step (for MoE
     models, whose grads differ by rank); after the gradient all-reduce every rank holds the same
