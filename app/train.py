@@ -30,6 +30,7 @@ from app.distributed import node_shell
 from app.checkpoint import outdir
 from app.parallel import layout
 from app.ds import precision
+from app.ds import run_dict
 from app.distributed import preemption
 from app.checkpoint import resume
 from app.observe import runlog
@@ -117,7 +118,7 @@ def _run(settings, ds, world, started, board, built: dict) -> int:  # long: the 
         ranks = layout.rank_layout(ds, world.world_size, world.rank, settings.deepspeed_config)
         task = tasks.build(settings)
         lora.check_layout(settings.lora, ranks)
-        ds, filled, precision_note = json_for_run(ds, settings, world, ranks, task)
+        ds, filled, precision_note = planned_dict(ds, settings, world, ranks, task)
         output_dir = output_dir_for(settings)
         seed_everything(settings.seed)
         train_set, eval_set, info = task.build_data(output_dir)
@@ -129,22 +130,22 @@ def _run(settings, ds, world, started, board, built: dict) -> int:  # long: the 
                               board)
         model = task.build_model(info, ds)
         flops = task.flops_per_sample(model, info) if task.tokens_per_sample else 0.0  # before AutoTP shards it
+        learnt = run_dict.trainable(model)  # the whole model's, the same on every rank
         trained, save_files, every_rank = ranks.prepare(model, task, settings.model, ds)
         del model  # a pipeline stage keeps only its own layers
         train_loader, eval_loader = loaders(train_set, eval_set, ds, settings, world, ranks)
         steps = loop.total_steps(settings.max_steps, settings.epochs, len(train_loader),
                                  ds["gradient_accumulation_steps"])
-        ds = json_with_lengths(ds, steps, filled)
         state = trainer_state(settings, world, ranks, info, ds, task)
-        folder, saved, state.deepspeed_config = resume.plan_resume(output_dir, settings.resume, state, ds,
-                                                                   settings.overwrite)
-        engine = built["engine"] = loop.build_engine(trained, ranks.engine_config(state.deepspeed_config))
+        folder, saved, universal = resume.plan_resume(output_dir, settings.resume, state, settings.overwrite)
+        ds = state.deepspeed_config = run_dict.final(ds, filled, steps, universal, learnt, ranks.tensor)
+        engine = built["engine"] = loop.build_engine(trained, ds)  # exactly the dict the checkpoints record
         tf32 = precision.set_tf32(world.device, precision.compute_dtype(engine), settings.tf32)
         say_mode(settings, world, engine, steps, output_dir, ranks, precision_note, tf32)
         if info.packed:
             packing.check(engine, task, train_set)
         if filled:
-            dist.print0(ds_auto.say(state.deepspeed_config, filled, output_dir, dist.is_main()))
+            dist.print0(ds_auto.say(ds, filled, output_dir, dist.is_main()))
         log_throughput = throughput_for(task, flops, engine, settings)
         start = resume.load(engine, folder, saved, ranks.replicas) if folder else (0, 0)
         if nothing_to_do(engine, steps):
@@ -179,25 +180,15 @@ def trainer_state(settings: Settings, world: World, ranks, info, ds: dict, task)
                         lora=lora.record(settings, getattr(task, "spec", None)))
 
 
-def json_for_run(ds: dict, settings: Settings, world: World, ranks, task) -> tuple:
-    """(DeepSpeed dict, what "auto" filled, why precision was picked), settled before anything is written, so a
-    mistake in the JSON ends the run with the output folder untouched: precision for this rank's device (on a GPU,
-    weighed against its memory), "auto" filled, batch sizes fitted to the data-parallel replicas. After the data,
-    json_with_lengths finishes it."""
-    ds, note = precision.resolve_precision(ds, settings.deepspeed_config, device=world.device)
-    ds, filled = ds_auto.fill(ds, auto_facts(task), ranks.replicas)
-    ds = ds_config.resolve_batch_sizes(ds, ranks.replicas, settings.deepspeed_config)
+def planned_dict(ds: dict, settings: Settings, world: World, ranks, task) -> tuple:
+    """(DeepSpeed dict, what "auto" filled, why precision was picked) as planned before the data
+    (app/ds/run_dict.py), on a GPU weighed against its memory; run_dict.final makes the run's dict of it."""
+    ds, filled, note = run_dict.planned(ds, settings.deepspeed_config, world.device, ranks.replicas, auto_facts(task))
     gpu = torch.cuda.get_device_properties(world.device).total_memory if world.device.type == "cuda" else 0
     if not (ranks.split or ranks.tensor > 1):  # the plan is data parallel's: a split model's bytes are its stages'
         ds, note = dist.broadcast_object(fit.weigh(ds, note, task, settings, ranks.replicas, gpu)
                                          if dist.is_main() else None)  # one decision, however the GPUs differ
     return ds, filled, note
-
-
-def json_with_lengths(ds: dict, steps: int, filled: dict) -> dict:
-    """The DeepSpeed dict of the run, its scheduler's lengths ("auto", or a length the scheduler needs) taken from
-    the run's optimizer steps; resume may add that it loads a universal checkpoint."""
-    return ds_config.fill_scheduler_length(ds_auto.fill_lengths(ds, steps, filled), steps)
 
 
 def auto_facts(task) -> ds_auto.Facts:

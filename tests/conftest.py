@@ -165,6 +165,14 @@ def train_jobs(launcher: str, nproc: int, jobs: list, timeout=900, base_env=None
         return outputs
 
 
+def engine_of(model, ds: dict):
+    """The app's engine of model under ds (a dict as a test writes it), made whole as a run makes its own
+    (app/ds/run_dict.py: DeepSpeed's timer off, buckets fitted to the model)."""
+    from app.core import loop
+    from app.ds import run_dict
+    return loop.build_engine(model, run_dict.for_engine(ds, run_dict.trainable(model), 1))
+
+
 def read_metrics(output_dir: Path):
     """(train rows, eval rows) from metrics.csv, numbers parsed."""
     with open(output_dir / "metrics.csv") as f:

@@ -151,14 +151,14 @@ def needs_universal(saved: TrainerState, world_size: int) -> bool:
     return saved.zero_stage > 0 and saved.world_size != world_size
 
 
-def plan_resume(output_dir: Path, resume: str, current: TrainerState, ds_config: dict, overwrite=False) -> tuple:
-    """(folder, saved state, DeepSpeed dict that can load it) to resume from, or (None, None, ds_config) to start
+def plan_resume(output_dir: Path, resume: str, current: TrainerState, overwrite=False) -> tuple:
+    """(folder, saved state, whether it is a universal checkpoint) to resume from, or (None, None, False) to start
     fresh; checked against this run and its output folder's timeline before anything is built."""
     folder, saved = find(output_dir, resume)
     if folder is None:
         if resume:
             dist.print0(f"resume: no complete checkpoint in {checkpoint_root(output_dir)}, starting fresh")
-        return None, None, ds_config
+        return None, None, False
     check_compatible(saved, current, folder)
     mixed = dist.broadcast_object(outdir.check_timeline(output_dir, folder, overwrite) if dist.is_main() else "")
     if mixed:
@@ -170,9 +170,8 @@ def plan_resume(output_dir: Path, resume: str, current: TrainerState, ds_config:
     if needs_universal(saved, current.world_size):
         dist.print0(f"resume: {folder} was saved by {saved.world_size} rank(s), this run has "
                     f"{current.world_size}: converting it to a universal checkpoint")
-        folder = make_universal(folder, saved)
-        ds_config = {**ds_config, "checkpoint": {**ds_config.get("checkpoint", {}), "load_universal": True}}
-    return folder, saved, ds_config
+        return make_universal(folder, saved), saved, True
+    return folder, saved, False
 
 
 def make_universal(folder: Path, saved: TrainerState) -> Path:

@@ -4,19 +4,15 @@ from dataclasses import dataclass
 
 from app.core.divergence import Divergence
 from app.ds import internals as ds_internals
-from app.ds.config import fit_buckets
 from app.errors import UserError, deepspeed_failure
 from app.observe.metrics import Meter, Stopwatch
 from app.observe.runlog import RunLog
 
 
 def build_engine(model, ds_config: dict):
-    """deepspeed.initialize, with DeepSpeed's complaints about the config turned into one line."""
+    """deepspeed.initialize of exactly ds_config (app/ds/run_dict.py makes a run's), with DeepSpeed's complaints
+    about the config turned into one line."""
     import deepspeed
-    # The app times its own steps. DeepSpeed's throughput timer would synchronise the GPU in every forward and,
-    # read by its forward hook, recompile a compiled model at each of the first steps; off unless the JSON sets it.
-    ds_config = {"timers": {"throughput": {"enabled": False}}, **ds_config}
-    ds_config = fit_buckets(ds_config, sum(p.numel() for p in model.parameters() if p.requires_grad))
     try:
         trained = [p for p in model.parameters() if p.requires_grad]  # LoRA: the adapters alone
         engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=trained, config=ds_config)

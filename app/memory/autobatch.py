@@ -25,6 +25,7 @@ import torch
 
 from app.distributed import dist, endings
 from app.ds import internals as ds_internals
+from app.ds import run_dict
 from app.core import loop
 from app.checkpoint.save import STATE, checkpoint_root, complete_checkpoints
 from app.core.compiling import describe
@@ -132,7 +133,8 @@ def _trial(ds: dict, micro: int, layout, task, build, train_set, where: str, ran
 def _trial_steps(trial: dict, micro: int, layout, task, build, train_set, agreed) -> str:
     """A forward, backward and optimizer step of `micro` samples on an engine of its own; '' or why it failed."""
     with contextlib.redirect_stdout(io.StringIO()):  # each trial engine's start-up lines are the run's already
-        engine = loop.build_engine(build(trial), layout.engine_config(trial))
+        module = build(trial)
+        engine = loop.build_engine(module, run_dict.for_engine(trial, run_dict.trainable(module), layout.tensor))
         step = layout.train_step(engine, task, False)
     try:
         batch = next(iter(build_loader(train_set, micro, layout.replica, layout.replicas, False, 0)))

@@ -31,9 +31,6 @@ class RankLayout:
             return model, task.save_files, tensor_parallel.save_full_weights
         return model, task.save_files, None
 
-    def engine_config(self, ds: dict) -> dict:
-        return tensor_parallel.engine_config(ds, self.tensor)
-
     def train_step(self, engine, task, compile_model: bool, board=None):
         """What the loop runs: whole batches through the pipeline's schedule, else micro steps (board: the run's
         endings.Board, for the first compiled step)."""

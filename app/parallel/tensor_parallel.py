@@ -47,12 +47,6 @@ def check_model(model, model_name: str):
                         f"that have one are {FAMILIES}; for other models use \"pipeline\" or ZeRO stage 3")
 
 
-def engine_config(ds: dict, degree: int) -> dict:
-    """The dict DeepSpeed gets: under AutoTP it checks train_batch_size against the whole world size, not the
-    replicas, so the app leaves that key for it to derive (the app's own record keeps the real global batch)."""
-    return {k: v for k, v in ds.items() if k != "train_batch_size"} if degree > 1 else ds
-
-
 def save_full_weights(engine, folder):
     """Every rank gathers its shards (a collective); rank 0 writes the whole model's fp32 state dict."""
     state = ds_internals.gathered_state_dict(engine)

@@ -14,6 +14,7 @@ from app.ds import precision
 from app.distributed import dist
 from app.ds import config as ds_config
 from app.ds import internals as ds_internals
+from app.ds import run_dict
 from app.core import loop
 from app.observe import metrics
 from app.parallel import layout
@@ -157,7 +158,8 @@ def run_app(mode, args, world, work: Workload, loader, clock, total):  # long: t
     ds = ds_config.resolve_batch_sizes({**args.configs[name], "train_micro_batch_size_per_gpu": loader.batch_sampler.
                                         batch_size, "gradient_accumulation_steps": 1}, ranks.replicas, name)
     module, _, _ = ranks.prepare(build_model(work, ds, mode.endswith(LORA)), work.task, args.model, ds)
-    engine = loop.build_engine(module, ranks.engine_config(ds_config.fill_scheduler_length(ds, total)))
+    engine = loop.build_engine(module, run_dict.for_engine(ds_config.fill_scheduler_length(ds, total),
+                                                           run_dict.trainable(module), ranks.tensor))
     micro = loader.batch_sampler.batch_size  # a pipeline's stages pass activations of one fixed shape
     eval_loader = build_loader(torch.utils.data.Subset(work.train_set, range(ranks.replicas * micro)), micro,
                                ranks.replica, ranks.replicas, False, 0)

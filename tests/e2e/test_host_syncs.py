@@ -72,7 +72,7 @@ def _nan_step_skipped(rank, world, stage):
     """Under the bf16 section at a ZeRO stage: a step whose gradients hold NaN leaves the weights as they were
     (the check that moved to the device still skips it); the next, finite step moves them."""
     import torch
-    from app.core import loop
+    from conftest import engine_of
     from app.distributed import dist, launch
     launch.prepare_environment()
     launch.setup(timeout_s=60)
@@ -81,7 +81,7 @@ def _nan_step_skipped(rank, world, stage):
         ds = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1, "train_batch_size": 2 * world,
               "gradient_clipping": 1.0, "bf16": {"enabled": True}, "zero_optimization": {"stage": stage},
               "optimizer": {"type": "AdamW", "params": {"torch_adam": True, "fused": True, "lr": 0.1}}}
-        engine = loop.build_engine(torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 1)), ds)
+        engine = engine_of(torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 1)), ds)
         before = [p.detach().clone() for p in engine.module.parameters()]
         for x, moved in ((torch.full((2, 8), float("nan")), False), (torch.ones(2, 8), True)):
             engine.backward(engine(x.to(engine.device, torch.bfloat16)).float().sum())
@@ -106,7 +106,7 @@ def _bf16_zero0_steps_as_deepspeed_does(rank, world):
     import types
     import torch
     from deepspeed.runtime.fp16.unfused_optimizer import FP16_UnfusedOptimizer
-    from app.core import loop
+    from conftest import engine_of
     from app.distributed import dist, launch
     launch.prepare_environment()
     launch.setup(timeout_s=60)
@@ -117,7 +117,7 @@ def _bf16_zero0_steps_as_deepspeed_does(rank, world):
         engines = []
         for ours in (True, False):
             torch.manual_seed(0)
-            engines.append(loop.build_engine(torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(),
+            engines.append(engine_of(torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(),
                                                                  torch.nn.Linear(32, 1)), ds))
             if not ours:
                 engines[-1].optimizer.step = types.MethodType(FP16_UnfusedOptimizer.step, engines[-1].optimizer)

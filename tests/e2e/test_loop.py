@@ -5,7 +5,7 @@ import json
 import pytest
 
 from app.core import loop
-from conftest import spawn_ranks
+from conftest import engine_of, spawn_ranks
 
 # lr 0 (no weight decay): the weights never change, so each step's loss depends on its batch alone
 LOOP_CONFIG = {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 1,
@@ -42,7 +42,7 @@ def _fit(total, start, at_step, stop_at, intervals):
     train_loader = build_loader(data, 4, rank=0, world_size=1, shuffle=True, seed=3)
     eval_loader = build_loader(data, 4, rank=0, world_size=1, shuffle=False, seed=3)
     torch.manual_seed(0)
-    engine = loop.build_engine(torch.nn.Linear(2, 3), dict(LOOP_CONFIG))
+    engine = engine_of(torch.nn.Linear(2, 3), dict(LOOP_CONFIG))
     engine.global_steps = at_step  # as a checkpoint load leaves it
     log, saves = runlog.RunLog(None, total), []
     log.write_row = log.rows.append  # keep the rows in memory: no output_dir

@@ -123,7 +123,7 @@ def _tied_after_training(rank, world):
     from app.distributed import dist
     from app.ds import config as ds_config
     from app.distributed import launch
-    from app.core import loop
+    from conftest import engine_of
     from app.core import tasks
     from app.settings import Settings
     from app.data.tokenizers import byte_tokenizer
@@ -134,7 +134,7 @@ def _tied_after_training(rank, world):
     task = tasks.build(Settings(model="gpt2-tiny"))
     model = models.build_hf(task.spec, DataInfo(0, task="causal_lm"), byte_tokenizer(), ds)
     module, _ = pipeline.split(model, "gpt2-tiny", pipeline.StagePlan(2), task)
-    engine = loop.build_engine(module, ds_config.fill_scheduler_length(ds, 3))
+    engine = engine_of(module, ds_config.fill_scheduler_length(ds, 3))
     forward, meter = pipeline.PipeStep(engine, task, False), Meter(["loss"], engine.device)
     ids = torch.randint(200, (4, 32), generator=torch.Generator().manual_seed(1))
     before = module.tied_modules["wte"].wte.weight.detach().clone()

@@ -12,7 +12,7 @@ def _buckets_deepspeed_allocates(rank, world, cases, report):
     (config, torch_autocast section) in cases, with the plan's figure beside it."""
     import torch
     from app.distributed import launch
-    from app.core import loop
+    from conftest import engine_of
     launch.prepare_environment()
     launch.setup(timeout_s=60)
     found = []
@@ -22,7 +22,7 @@ def _buckets_deepspeed_allocates(rank, world, cases, report):
         ds = {**json.loads((REPO / "ds_configs" / f"{name}.json").read_text()), "torch_autocast": autocast}
         ds.pop("scheduler")
         total, kinds = sum(p.numel() for p in model.parameters()), estimate.comm_kinds(model)  # before ZeRO-3 splits them
-        engine = loop.build_engine(model, ds)
+        engine = engine_of(model, ds)
         held = []
         if engine.zero_optimization_stage() < 3:
             setup = engine.optimizer.setup_buckets

@@ -30,7 +30,7 @@ def _save_and_record(rank, world, out):
     from app.distributed import dist
     from app.ds import config as ds_config
     from app.distributed import launch
-    from app.core import loop
+    from conftest import engine_of
     from app.core import models
     from app.core import tasks
     from app.data import DataInfo
@@ -43,7 +43,7 @@ def _save_and_record(rank, world, out):
     for name in CONFIGS:
         torch.manual_seed(0)
         ds = ds_config.resolve_batch_sizes(configs[name], world, name)
-        engine = loop.build_engine(models.build_model("cnn", info), ds_config.fill_scheduler_length(ds, 10))
+        engine = engine_of(models.build_model("cnn", info), ds_config.fill_scheduler_length(ds, 10))
         for step in range(3):
             gen = torch.Generator().manual_seed(step * world + rank)
             x = torch.randn(8, 1, 8, 8, generator=gen).to(precision.input_dtype(engine))

@@ -29,8 +29,6 @@ def test_the_layout_names_its_split():
     assert parallel.rank_layout(_config("tensor_parallel"), 2, 0, "t").tensor == 2
     plain = parallel.rank_layout(_config("dp"), 2, 0, "dp")
     assert plain.split is None and plain.tensor == 1
-    assert plain.engine_config({"train_batch_size": 64}) == {"train_batch_size": 64}
-    assert parallel.rank_layout(_config("tensor_parallel"), 2, 0, "t").engine_config({"train_batch_size": 64}) == {}
 
 
 def test_a_split_the_world_cannot_hold_is_refused_before_anything_is_built():

@@ -248,10 +248,9 @@ def test_needs_universal_only_for_partitioned_state_on_another_world_size(stage,
 
 
 def test_plan_resume_without_a_checkpoint(tmp_path, capsys):
-    ds = {"train_micro_batch_size_per_gpu": 32}
-    assert resume.plan_resume(tmp_path, "", _state(), ds) == (None, None, ds)
+    assert resume.plan_resume(tmp_path, "", _state()) == (None, None, False)
     assert capsys.readouterr().out == ""
-    assert resume.plan_resume(tmp_path, "auto", _state(), ds) == (None, None, ds)
+    assert resume.plan_resume(tmp_path, "auto", _state()) == (None, None, False)
     assert capsys.readouterr().out == f"resume: no complete checkpoint in {tmp_path / 'checkpoints'}, starting fresh\n"
 
 
@@ -259,7 +258,7 @@ def test_plan_resume_without_a_checkpoint(tmp_path, capsys):
 def test_a_model_parallel_run_resumes_only_on_its_own_world_size(split, tmp_path):
     _write_checkpoint(tmp_path / "checkpoints" / "step00000004", _state(world_size=2, **split))
     with pytest.raises(UserError, match="run of 2 rank.s. and the app cannot reshape.*resume it with 2 rank") as caught:
-        resume.plan_resume(tmp_path, "auto", _state(step=0, world_size=4, **split), {})
+        resume.plan_resume(tmp_path, "auto", _state(step=0, world_size=4, **split))
     _one_line(caught)
 
 
@@ -270,12 +269,10 @@ def test_samples_into_epoch_counts_replicas_not_stages():
 
 def test_plan_resume_checks_before_anything_is_built(tmp_path):
     folder = _write_checkpoint(tmp_path / "checkpoints" / "step00000004", _state(world_size=2))
-    ds = {"train_micro_batch_size_per_gpu": 32}
-    # ZeRO stage 0 saved by 2 ranks loads on 1 as it is: no conversion, the dict unchanged
-    assert resume.plan_resume(tmp_path, "auto", _state(step=0, world_size=1), ds) == \
-        (folder, _state(world_size=2), ds)
+    # ZeRO stage 0 saved by 2 ranks loads on 1 as it is: no conversion
+    assert resume.plan_resume(tmp_path, "auto", _state(step=0, world_size=1)) == (folder, _state(world_size=2), False)
     with pytest.raises(UserError, match="was made with model='cnn' but this run has model='mlp'"):
-        resume.plan_resume(tmp_path, "auto", _state(model="mlp"), ds)
+        resume.plan_resume(tmp_path, "auto", _state(model="mlp"))
 
 
 def test_a_state_saved_before_model_parallelism_loads_with_its_defaults(tmp_path):

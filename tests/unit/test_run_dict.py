@@ -1,0 +1,44 @@
+"""The DeepSpeed dict of a run (app/ds/run_dict.py): planned before the data, made final once; the engine gets
+exactly the final dict."""
+import torch
+
+from app.ds import auto as ds_auto
+from app.ds import run_dict
+
+JSON = {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 2,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+        "scheduler": {"type": "WarmupCosineLR", "params": {"warmup_num_steps": 5, "total_num_steps": "auto"}},
+        "zero_optimization": {"stage": 2}, "torch_autocast": {"enabled": "auto", "dtype": "bfloat16"}}
+
+
+def test_the_planned_dict_settles_precision_auto_and_batch_sizes_on_this_device():
+    ds, filled, note = run_dict.planned(dict(JSON), "j.json", torch.device("cpu"), 2, ds_auto.Facts())
+    assert ds["torch_autocast"]["enabled"] is False and "no CUDA device" in note
+    assert ds["train_batch_size"] == 4 * 2 * 2
+    assert ds["scheduler"]["params"]["total_num_steps"] == "auto", "the run's length is not known yet"
+
+
+def test_the_final_dict_has_the_runs_lengths_its_resume_and_what_the_engine_needs():
+    ds, filled, _ = run_dict.planned(dict(JSON), "j.json", torch.device("cpu"), 2, ds_auto.Facts())
+    final = run_dict.final(ds, filled, 40, universal=True, trainable=1000, tensor=1)
+    assert final["scheduler"]["params"]["total_num_steps"] == 40
+    assert final["checkpoint"]["load_universal"] is True
+    assert final["timers"] == run_dict.TIMERS_OFF and final["zero_optimization"]["reduce_bucket_size"] == 1000
+    assert run_dict.final(ds, filled, 40, universal=False, trainable=1000, tensor=1) == \
+        {k: v for k, v in final.items() if k != "checkpoint"}, "a fresh run loads no universal checkpoint"
+
+
+def test_what_the_json_sets_stays_and_autotp_derives_the_global_batch():
+    ds = {**JSON, "timers": {"throughput": {"enabled": True}},
+          "zero_optimization": {"stage": 2, "reduce_bucket_size": 5}, "train_batch_size": 16}
+    engine = run_dict.for_engine(ds, trainable=1000, tensor=1)
+    assert engine["timers"] == {"throughput": {"enabled": True}}
+    assert engine["zero_optimization"]["reduce_bucket_size"] == 5
+    assert "train_batch_size" not in run_dict.for_engine(ds, trainable=1000, tensor=2)
+    assert run_dict.for_engine(engine, 1000, 1) == engine, "made whole once: making it again changes nothing"
+
+
+def test_trainable_counts_the_parameters_that_train():
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 1))
+    model[0].requires_grad_(False)
+    assert run_dict.trainable(model) == 3 + 1
