@@ -2,9 +2,9 @@
 import gc
 import os
 import random
-from dataclasses import asdict
 import sys
 import time
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 if __package__ in (None, ""):  # run as `python app/train.py` or by a launcher: make `app` importable
@@ -13,34 +13,24 @@ if __package__ in (None, ""):  # run as `python app/train.py` or by a launcher: 
 import numpy as np
 import torch
 
-from app.memory import autobatch, fit
+from app.checkpoint import outdir, resume
+from app.checkpoint.save import TrainerState, checkpoint_root, complete_checkpoints, save_checkpoint
 from app.core import answers as sample_answers
-from app.core import compiling
-from app.core import packing
-from app.distributed import dist, endings
+from app.core import compiling, loop, lora, packing, tasks
+from app.data.loader import build_loader, feeding
+from app.distributed import dist, endings, launch, node_shell, preemption
+from app.distributed.cores import usable_cores
+from app.distributed.dist import World
 from app.ds import auto as ds_auto
 from app.ds import config as ds_config
 from app.ds import internals as ds_internals
-from app.distributed import launch
-from app.core import loop
-from app.core import lora
-from app.observe import metrics
-from app.core import models
-from app.distributed import node_shell
-from app.checkpoint import outdir
-from app.parallel import layout
-from app.ds import precision
-from app.ds import run_dict
-from app.distributed import preemption
-from app.checkpoint import resume
-from app.observe import runlog
-from app.core import tasks
-from app.checkpoint.save import TrainerState, checkpoint_root, complete_checkpoints, save_checkpoint
-from app.settings import Settings, parse, settings_dict
-from app.data.loader import build_loader, feeding
-from app.distributed.cores import usable_cores
-from app.distributed.dist import World
+from app.ds import precision, run_dict
 from app.errors import Ended, UserError, report
+from app.memory import autobatch
+from app.memory.fit import weigh
+from app.observe import metrics, runlog
+from app.parallel import layout
+from app.settings import Settings, parse, settings_dict
 
 
 def seed_everything(seed: int):
@@ -48,26 +38,6 @@ def seed_everything(seed: int):
     random.seed(seed)
     np.random.seed(seed)
     torch.manual_seed(seed)
-
-
-def output_dir_for(settings: Settings) -> Path:
-    """The run's output directory (the flag, the resumed checkpoint's own run folder, or a fresh timestamped one
-    chosen by rank 0), checked and locked for this run by rank 0."""
-    if settings.resume == "auto" and not settings.output_dir:
-        raise UserError("--resume auto continues the run in --output_dir; pass the same --output_dir as that run")
-    if settings.resume and settings.resume != "auto" and not settings.output_dir:
-        settings.output_dir = str(resume.run_folder_of(settings.resume))
-    path = Path(dist.broadcast_object(settings.output_dir or outdir.default_name(settings.dataset, settings.model)))
-    problem, note = "", ""
-    if dist.is_main():
-        problem = outdir.check(path, settings.overwrite, bool(settings.resume))
-        problem, note = (problem, "") if problem else outdir.lock(path)
-    problem = dist.broadcast_object(problem)
-    if problem:
-        raise UserError(problem)
-    if note:
-        dist.print0(note)
-    return path
 
 
 def throughput_for(task, flops: float, engine, settings: Settings) -> metrics.Throughput:
@@ -104,70 +74,124 @@ def main(argv=None) -> int:
         dist.teardown()
 
 
-def run(settings: Settings, ds: dict, world: World, started: float) -> int:  # long: the job's steps in order
-    """One training job inside an existing process group: build, resume, fit, summarise; an error that ends it is
+@dataclass
+class Job:
+    """One training run's state, from its settings to its engine: what run() builds, step by step."""
+    settings: Settings
+    world: World
+    board: endings.Board
+    started: float
+    ranks: layout.RankLayout = None
+    task: object = None
+    ds: dict = None
+    """The DeepSpeed dict: planned, then final (app/ds/run_dict.py), as the engine and the checkpoints get it."""
+    filled: dict = None
+    note: str = ""
+    """Why the precision was picked."""
+    output_dir: Path = None
+    data: tuple = ()
+    """(train set, eval set, DataInfo)."""
+    trained: object = None
+    """The module the engine trains: the model, or this rank's pipeline stage of it."""
+    saves: tuple = (None, None)
+    """(extra(folder) files rank 0 saves, every_rank(engine, folder)) for each checkpoint."""
+    flops: float = 0.0
+    loaders: tuple = ()
+    steps: int = 0
+    state: TrainerState = None
+    resumed: tuple = (None, None)
+    """(checkpoint folder, its TrainerState) to resume from."""
+    engine: object = None
+    stop: preemption.StopRequest = None
+
+    def trial_model(self, trial: dict):
+        """A fresh model laid out for an engine of the trial dict (the micro batch search)."""
+        return self.ranks.prepare(self.task.build_model(self.data[2], trial), self.task, self.settings.model, trial)[0]
+
+    def save(self, step: int, epoch: int, batch: int):
+        """A checkpoint at this point of the run: every rank's shards, rank 0's files."""
+        save_checkpoint(self.engine, self.output_dir, self.state.at(step, epoch, batch), self.settings.keep_last,
+                        *self.saves)
+
+
+def run(settings: Settings, ds: dict, world: World, started: float) -> int:
+    """One training job inside an existing process group: plan, build, fit, summarise; an error that ends it is
     one line (app/distributed/endings.py)."""
-    board, built = endings.Board(), {}
-    with endings.one_line(board, lambda: built.get("engine")):
-        return _run(settings, ds, world, started, board, built)
+    job = Job(settings, world, endings.Board(), started)
+    with endings.one_line(job.board, lambda: job.engine):
+        try:
+            plan(job, ds)
+            build(job)
+            return fit(job)
+        finally:
+            if job.stop is not None:
+                job.stop.close()
+            outdir.unlock()
+            ds_internals.forget_parallel_groups()  # a later engine of this process (the benchmark's) picks its own
 
 
-def _run(settings, ds, world, started, board, built: dict) -> int:  # long: the job's steps in order
-    stop = None
-    try:
-        ranks = layout.rank_layout(ds, world.world_size, world.rank, settings.deepspeed_config)
-        task = tasks.build(settings)
-        lora.check_layout(settings.lora, ranks)
-        ds, filled, precision_note = planned_dict(ds, settings, world, ranks, task)
-        output_dir = output_dir_for(settings)
-        seed_everything(settings.seed)
-        train_set, eval_set, info = task.build_data(output_dir)
-        if info.packed and ranks.split:
-            raise UserError("packing and pipeline stages: a stage takes input ids alone, not the position ids that "
-                            "keep packed rows apart; pass --packing off")
-        ds = autobatch.settle(ds, settings.deepspeed_config, ranks, task, lambda trial: ranks.prepare(
-            task.build_model(info, trial), task, settings.model, trial)[0], train_set, output_dir, settings.resume,
-                              board)
-        model = task.build_model(info, ds)
-        flops = task.flops_per_sample(model, info) if task.tokens_per_sample else 0.0  # before AutoTP shards it
-        learnt = run_dict.trainable(model)  # the whole model's, the same on every rank
-        trained, save_files, every_rank = ranks.prepare(model, task, settings.model, ds)
-        del model  # a pipeline stage keeps only its own layers
-        train_loader, eval_loader = loaders(train_set, eval_set, ds, settings, world, ranks)
-        steps = loop.total_steps(settings.max_steps, settings.epochs, len(train_loader),
-                                 ds["gradient_accumulation_steps"])
-        state = trainer_state(settings, world, ranks, info, ds, task)
-        folder, saved, universal = resume.plan_resume(output_dir, settings.resume, state, settings.overwrite)
-        ds = state.deepspeed_config = run_dict.final(ds, filled, steps, universal, learnt, ranks.tensor)
-        engine = built["engine"] = loop.build_engine(trained, ds)  # exactly the dict the checkpoints record
-        tf32 = precision.set_tf32(world.device, precision.compute_dtype(engine), settings.tf32)
-        say_mode(settings, world, engine, steps, output_dir, ranks, precision_note, tf32)
-        if info.packed:
-            packing.check(engine, task, train_set)
-        if filled:
-            dist.print0(ds_auto.say(ds, filled, output_dir, dist.is_main()))
-        log_throughput = throughput_for(task, flops, engine, settings)
-        start = resume.load(engine, folder, saved, ranks.replicas) if folder else (0, 0)
-        if nothing_to_do(engine, steps):
-            return 0
-        outdir.clear(output_dir, folder, settings.overwrite)  # only now: a mistake found before leaves it all
-        stop = preemption.StopRequest(board, settings.grace_period, world.launcher != "none")
-        log = runlog.RunLog(output_dir, steps, engine.global_steps, throughput=log_throughput)
-        metrics.reset_peak_memory(world.device)  # the summary's peak is the training's, not the start-up probe's
-        save = lambda *at: save_checkpoint(engine, output_dir, state.at(*at), settings.keep_last,  # noqa: E731
-                                           save_files, every_rank)
-        step = ranks.train_step(engine, task, compiling.wanted(settings.compile, engine.device), board)
-        schedule = loop.Schedule(steps, settings.log_interval, settings.eval_interval, settings.save_interval,
-                                 settings.max_nonfinite_steps)
-        with log.discarded_on_error(lambda: complete_checkpoints(checkpoint_root(output_dir))):
-            answers = sample_answers.for_run(engine, task, output_dir, settings.eval_answers, settings.answer_tokens)
-            result = loop.Loop(step, train_loader, eval_loader, schedule, log, save, stop, answers).fit(start)
-        return summarise(result, settings, world, engine, task, log, stop, started)
-    finally:
-        if stop is not None:
-            stop.close()
-        outdir.unlock()
-        ds_internals.forget_parallel_groups()  # another job may follow in this process (the tests pool them)
+def plan(job: Job, ds: dict):
+    """Before any engine: the layout, the task, the planned DeepSpeed dict, the output folder, the data, the micro
+    batch; a mistake found here leaves the output folder as it was."""
+    settings, world = job.settings, job.world
+    job.ranks = layout.rank_layout(ds, world.world_size, world.rank, settings.deepspeed_config)
+    job.task = tasks.build(settings)
+    lora.check_layout(settings.lora, job.ranks)
+    job.ds, job.filled, job.note = planned_dict(ds, settings, world, job.ranks, job.task)
+    job.output_dir = resume.output_dir_for(settings)
+    seed_everything(settings.seed)
+    job.data = job.task.build_data(job.output_dir)
+    if job.data[2].packed and job.ranks.split:
+        raise UserError("packing and pipeline stages: a stage takes input ids alone, not the position ids that keep "
+                        "packed rows apart; pass --packing off")
+    job.ds = autobatch.settle(job.ds, settings.deepspeed_config, job.ranks, job.task, job.trial_model, job.data[0],
+                              job.output_dir, settings.resume, job.board)
+
+
+def build(job: Job):
+    """The model laid out, the loaders, the run's steps, the checkpoint to resume, the final DeepSpeed dict (built
+    once), and the engine of exactly that dict."""
+    settings, ranks, task, info = job.settings, job.ranks, job.task, job.data[2]
+    model = task.build_model(info, job.ds)
+    job.flops = task.flops_per_sample(model, info) if task.tokens_per_sample else 0.0  # before AutoTP shards it
+    learnt = run_dict.trainable(model)  # the whole model's, the same on every rank
+    job.trained, *job.saves = ranks.prepare(model, task, settings.model, job.ds)
+    del model  # a pipeline stage keeps only its own layers
+    job.loaders = loaders(job.data[0], job.data[1], job.ds, settings, job.world, ranks)
+    job.steps = loop.total_steps(settings.max_steps, settings.epochs, len(job.loaders[0]),
+                                 job.ds["gradient_accumulation_steps"])
+    job.state = trainer_state(settings, job.world, ranks, info, job.ds, task)
+    folder, saved, universal = resume.plan_resume(job.output_dir, settings.resume, job.state, settings.overwrite)
+    job.resumed = folder, saved
+    job.ds = job.state.deepspeed_config = run_dict.final(job.ds, job.filled, job.steps, universal, learnt, ranks.tensor)
+    job.engine = loop.build_engine(job.trained, job.ds)
+
+
+def fit(job: Job) -> int:
+    """Say how the run is laid out, resume, train by the schedule, save; the summary and the exit code."""
+    settings, world, engine, task, output_dir = job.settings, job.world, job.engine, job.task, job.output_dir
+    tf32 = precision.set_tf32(world.device, precision.compute_dtype(engine), settings.tf32)
+    say_mode(settings, world, engine, job.steps, output_dir, job.ranks, job.note, tf32)
+    if job.data[2].packed:
+        packing.check(engine, task, job.data[0])
+    if job.filled:
+        dist.print0(ds_auto.say(job.ds, job.filled, output_dir, dist.is_main()))
+    rates = throughput_for(task, job.flops, engine, settings)
+    folder, saved = job.resumed
+    start = resume.load(engine, folder, saved, job.ranks.replicas) if folder else (0, 0)
+    if loop.nothing_to_do(engine, job.steps):
+        return 0
+    outdir.clear(output_dir, folder, settings.overwrite)  # only now: a mistake found before leaves it all
+    job.stop = preemption.StopRequest(job.board, settings.grace_period, world.launcher != "none")
+    log = runlog.RunLog(output_dir, job.steps, engine.global_steps, throughput=rates)
+    metrics.reset_peak_memory(world.device)  # the summary's peak is the training's, not the start-up probe's
+    step = job.ranks.train_step(engine, task, compiling.wanted(settings.compile, engine.device), job.board)
+    schedule = loop.Schedule(job.steps, settings.log_interval, settings.eval_interval, settings.save_interval,
+                             settings.max_nonfinite_steps)
+    with log.discarded_on_error(lambda: complete_checkpoints(checkpoint_root(output_dir))):
+        answers = sample_answers.for_run(engine, task, output_dir, settings.eval_answers, settings.answer_tokens)
+        result = loop.Loop(step, *job.loaders, schedule, log, job.save, job.stop, answers).fit(start)
+    return summarise(result, settings, world, engine, task, log, job.stop, job.started)
 
 
 def trainer_state(settings: Settings, world: World, ranks, info, ds: dict, task) -> TrainerState:
@@ -183,34 +207,13 @@ def trainer_state(settings: Settings, world: World, ranks, info, ds: dict, task)
 def planned_dict(ds: dict, settings: Settings, world: World, ranks, task) -> tuple:
     """(DeepSpeed dict, what "auto" filled, why precision was picked) as planned before the data
     (app/ds/run_dict.py), on a GPU weighed against its memory; run_dict.final makes the run's dict of it."""
-    ds, filled, note = run_dict.planned(ds, settings.deepspeed_config, world.device, ranks.replicas, auto_facts(task))
+    ds, filled, note = run_dict.planned(ds, settings.deepspeed_config, world.device, ranks.replicas,
+                                          tasks.auto_facts(task))
     gpu = torch.cuda.get_device_properties(world.device).total_memory if world.device.type == "cuda" else 0
     if not (ranks.split or ranks.tensor > 1):  # the plan is data parallel's: a split model's bytes are its stages'
-        ds, note = dist.broadcast_object(fit.weigh(ds, note, task, settings, ranks.replicas, gpu)
+        ds, note = dist.broadcast_object(weigh(ds, note, task, settings, ranks.replicas, gpu)
                                          if dist.is_main() else None)  # one decision, however the GPUs differ
     return ds, filled, note
-
-
-def auto_facts(task) -> ds_auto.Facts:
-    """What "auto" values depend on besides the JSON: whether the model loads trained weights, its hidden size."""
-    spec = getattr(task, "spec", None)
-    if spec is None:
-        return ds_auto.Facts()
-    config = spec.config
-    hidden = getattr(config, "hidden_size", None) or getattr(config, "n_embd", None) or getattr(config, "d_model", 0)
-    folder = Path(spec.pretrained) if spec.pretrained else None
-    weights = bool(spec.pretrained) and not (folder.is_dir() and not any(
-        any(folder.glob(pattern)) for pattern in models.WEIGHT_FILES))
-    return ds_auto.Facts(pretrained=weights, hidden=int(hidden or 0))
-
-
-def nothing_to_do(engine, steps: int) -> bool:
-    """True (and says so) when the checkpoint resumed from is already at or past the run's last step."""
-    if engine.global_steps < steps:
-        return False
-    dist.print0(f"nothing to do: the checkpoint is at step {engine.global_steps} and this run ends at "
-                f"step {steps}; raise --max_steps or --epochs to train further")
-    return True
 
 
 def loaders(train_set, eval_set, ds: dict, settings: Settings, world: World, ranks: layout.RankLayout) -> tuple:

@@ -215,3 +215,23 @@ def load(engine, folder: Path, saved: TrainerState, replicas: int) -> tuple:
                     f"batches of {span}; repeating the last {samples % span}")
     dist.print0(f"resume: {folder} at step {saved.step}, epoch {saved.epoch}, batch {saved.batch}")
     return saved.epoch, samples // span
+
+
+def output_dir_for(settings) -> Path:
+    """The run's output directory (the flag, the resumed checkpoint's own run folder, or a fresh timestamped one
+    chosen by rank 0), checked and locked for this run by rank 0."""
+    if settings.resume == "auto" and not settings.output_dir:
+        raise UserError("--resume auto continues the run in --output_dir; pass the same --output_dir as that run")
+    if settings.resume and settings.resume != "auto" and not settings.output_dir:
+        settings.output_dir = str(run_folder_of(settings.resume))
+    path = Path(dist.broadcast_object(settings.output_dir or outdir.default_name(settings.dataset, settings.model)))
+    problem, note = "", ""
+    if dist.is_main():
+        problem = outdir.check(path, settings.overwrite, bool(settings.resume))
+        problem, note = (problem, "") if problem else outdir.lock(path)
+    problem = dist.broadcast_object(problem)
+    if problem:
+        raise UserError(problem)
+    if note:
+        dist.print0(note)
+    return path

@@ -3,6 +3,7 @@ runs is app/core/step.py's."""
 from dataclasses import dataclass
 
 from app.core.divergence import Divergence
+from app.distributed import dist
 from app.ds import internals as ds_internals
 from app.errors import UserError, deepspeed_failure
 from app.observe.metrics import Meter, Stopwatch
@@ -42,6 +43,15 @@ def total_steps(max_steps: int, epochs: int, batches_per_epoch: int, accumulatio
         raise UserError(f"{epochs} epoch(s) of {batches_per_epoch} micro batches make no optimizer step with "
                         f"gradient_accumulation_steps {accumulation}; raise --epochs or set --max_steps")
     return steps
+
+
+def nothing_to_do(engine, steps: int) -> bool:
+    """True (and says so) when the checkpoint resumed from is already at or past the run's last step."""
+    if engine.global_steps < steps:
+        return False
+    dist.print0(f"nothing to do: the checkpoint is at step {engine.global_steps} and this run ends at "
+                f"step {steps}; raise --max_steps or --epochs to train further")
+    return True
 
 
 @dataclass

@@ -14,6 +14,7 @@ from torch import nn
 
 from app.distributed import dist
 from app.core import lora, models
+from app.ds import auto as ds_auto
 from app.settings import Settings
 from app.data import DataInfo, TextModel
 from app.data.chat import IGNORE
@@ -206,3 +207,16 @@ def build(settings: Settings):
     task = (SequenceClassification if name == "sequence_classification" else CausalLM)(settings, spec)
     task.name = name
     return task
+
+
+def auto_facts(task) -> ds_auto.Facts:
+    """What "auto" values depend on besides the JSON: whether the model loads trained weights, its hidden size."""
+    spec = getattr(task, "spec", None)
+    if spec is None:
+        return ds_auto.Facts()
+    config = spec.config
+    hidden = getattr(config, "hidden_size", None) or getattr(config, "n_embd", None) or getattr(config, "d_model", 0)
+    folder = Path(spec.pretrained) if spec.pretrained else None
+    weights = bool(spec.pretrained) and not (folder.is_dir() and not any(
+        any(folder.glob(pattern)) for pattern in models.WEIGHT_FILES))
+    return ds_auto.Facts(pretrained=weights, hidden=int(hidden or 0))
