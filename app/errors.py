@@ -34,8 +34,10 @@ def report(error: Exception) -> int:
 
 def first_line(error: Exception) -> str:
     """The first line of the innermost cause, where libraries wrap the real complaint."""
-    while error.__cause__ is not None or error.__context__ is not None:
-        error = error.__cause__ or error.__context__
+    seen = {id(error)}
+    while (inner := error.__cause__ or error.__context__) is not None and id(inner) not in seen:
+        error = inner
+        seen.add(id(error))
     return (str(error).strip().splitlines() or [type(error).__name__])[0]
 
 

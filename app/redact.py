@@ -14,9 +14,11 @@ def looks_secret(name: str) -> bool:
 
 
 def redacted(value):
-    """value with every non-empty string under a secret-looking key replaced by REDACTED, at any depth."""
+    """value with every non-empty string, list or dict under a secret-looking key replaced by REDACTED, at any
+    depth (numbers stay: pad_token_id is no secret)."""
     if isinstance(value, dict):
-        return {key: REDACTED if looks_secret(str(key)) and isinstance(item, str) and item else redacted(item)
+        return {key: REDACTED if looks_secret(str(key)) and isinstance(item, (str, list, dict)) and item
+                else redacted(item)
                 for key, item in value.items()}
     if isinstance(value, list):
         return [redacted(item) for item in value]

@@ -118,7 +118,6 @@ class Board:
                 if not isinstance(why, str):
                     raise UserError(f"the rendezvous store's key {self.prefix}alone holds a value this run's ranks did "
                                     f"not write; firewall the store's port (docs/trust.md)")
-                self.store.add(self.prefix + "alone/read", 1)
                 raise Ended(why)
 
     def stopping(self, asked: bool, step: int) -> bool:

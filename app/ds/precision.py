@@ -35,7 +35,6 @@ def resolve_precision(ds: dict, where: str, cuda=None, bf16_ok=None, device=None
     (the rank's own, once set), else the current CUDA device; its compute capability is read without
     allocating on it.
     """
-    import torch
     ds = _switches_as_meant(ds, where)
     ds, cpu_note = _sixteen_bit_on_a_cpu(ds, where, device, cuda)
     if device is not None:
@@ -47,10 +46,13 @@ def resolve_precision(ds: dict, where: str, cuda=None, bf16_ok=None, device=None
         if not isinstance(enabled, bool) and enabled != "auto":
             raise UserError(f"{where}: {name}.enabled must be true, false or \"auto\", got {enabled!r}")
     autos = [name for name in sections if ds[name].get("enabled") == "auto"]
-    if not autos:
+    if not autos and not _undated(ds):
         return ds, cpu_note
     cuda = torch.cuda.is_available() if cuda is None else cuda
     bf16_ok = cuda and (bf16_runs(torch.cuda.get_device_capability()) if bf16_ok is None else bf16_ok)
+    ds = _autocast_dated(ds, cuda, bf16_ok)
+    if not autos:
+        return ds, cpu_note
     runs = {"bf16": bf16_ok, "fp16": cuda}
     fixed = [name for name in sections if ds[name].get("enabled") is True]
     pick = fixed[0] if fixed else next((name for name in autos if runs[_label(ds, name).split()[0]]), "")
@@ -64,6 +66,21 @@ def resolve_precision(ds: dict, where: str, cuda=None, bf16_ok=None, device=None
     why = "no CUDA device" if not cuda else "the CUDA device supports bf16" if bf16_ok else \
         "the CUDA device has no native bf16"
     return ds, f"{_label(ds, pick) if pick else 'fp32'} ({'/'.join(autos)} \"auto\": {why})"
+
+
+def _undated(ds: dict) -> bool:
+    """Whether torch_autocast is set true without a dtype."""
+    section = ds.get("torch_autocast")
+    return isinstance(section, dict) and section.get("enabled") is True and "dtype" not in section
+
+
+def _autocast_dated(ds: dict, cuda: bool, bf16_ok: bool) -> dict:
+    """ds with torch_autocast, set true without a dtype, given the device's: DeepSpeed would hand torch.autocast
+    none, which is fp16 on a GPU, with no loss scaler."""
+    if not _undated(ds):
+        return ds
+    return {**ds, "torch_autocast": {**ds["torch_autocast"], "dtype": "bfloat16" if bf16_ok or not cuda else
+                                     "float16"}}
 
 
 def _switches_as_meant(ds: dict, where: str) -> dict:

@@ -127,6 +127,17 @@ def measure(device, sizes, iters) -> list:
     return rows
 
 
+def message_sizes(sizes: str, iters: int) -> list:
+    """The message sizes of --sizes, checked with --iters before any process group exists."""
+    try:
+        parsed = [int(size) for size in sizes.split(",")]
+    except ValueError:
+        raise UserError(f"--sizes {sizes}: give whole numbers of bytes, comma separated, such as 8,1024,65536")
+    if min(parsed) < 1 or iters < 1:
+        raise UserError(f"--sizes and --iters take numbers of 1 or more (got --sizes {sizes} --iters {iters})")
+    return parsed
+
+
 def main(argv=None) -> int:
     """Verify the primitives, then print the bandwidth table on rank 0; returns the exit code."""
     parser = argparse.ArgumentParser(prog="python -m app.tools.commcheck", description=__doc__)
@@ -137,10 +148,11 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     launch.prepare_environment()
     try:
+        sizes = message_sizes(args.sizes, args.iters)
         world = launch.setup()
         checked = verify_primitives(world.device)
         print0(f"{world.description}\nverified on {world.world_size} rank(s): {', '.join(checked)}")
-        rows = measure(world.device, [int(s) for s in args.sizes.split(",")], args.iters)
+        rows = measure(world.device, sizes, args.iters)
         print0(f"{'collective':<12}{'bytes':>12}{'time (us)':>12}{'algbw GB/s':>12}{'busbw GB/s':>12}")
         for op, nbytes, seconds, algbw, busbw in rows:
             print0(f"{op:<12}{nbytes:>12}{seconds * 1e6:>12.1f}{algbw:>12.3f}{busbw:>12.3f}")

@@ -83,12 +83,15 @@ def export(folder: Path, out: Path, merged: bool = False) -> dict:
     """Verify the checkpoint, then write its fp32 weights to out with the run's record as metadata (LoRA: the
     adapter folder, or the merged model)."""
     from safetensors.torch import save_file
-    if merged and out.suffix == ".safetensors":
-        raise UserError(f"--merged writes a transformers model folder; name a folder, not {out.name}")
     named, folder = folder, resume.checkpoint_folder(folder)
     if folder != named:
         print(f"exporting the newest complete checkpoint of {named}: {folder.name}", flush=True)
     saved = resume.verify(folder)
+    if merged and not saved.lora:
+        raise UserError(f"--merged folds LoRA adapters into their base model, and {folder} holds a whole model; "
+                        f"leave out --merged")
+    if merged and out.suffix == ".safetensors":
+        raise UserError(f"--merged writes a transformers model folder; name a folder, not {out.name}")
     if out.exists():
         raise UserError(f"{out} already exists; pick a new output path")
     task = saved.data_info.get("task", "image_classification")
@@ -96,9 +99,6 @@ def export(folder: Path, out: Path, merged: bool = False) -> dict:
         raise UserError(f"{folder} holds a {saved.model} image model; export it to a file ending in .safetensors")
     state = {name: tensor.detach().to(torch.float32).contiguous().clone() for name, tensor in
              fp32_state_dict(folder).items()}
-    if merged and not saved.lora:
-        raise UserError(f"--merged folds LoRA adapters into their base model, and {folder} holds a whole model; "
-                        f"leave out --merged")
     if out.suffix != ".safetensors":
         export_lora(folder, saved, state, out, merged) if saved.lora else save_pretrained(folder, state, task, out)
         return state

@@ -4,7 +4,7 @@ conftest.launch_script, as forks with the deepspeed launcher's variables on the 
     deepspeed --num_gpus 2 tests/helpers/jobs.py <jobs.json> <report folder>
 
 jobs.json holds a list of train.py argument lists, or of {"argv": [...], "env": {...}} for a job that needs
-variables of its own (the fault points of app/distributed/faults.py). For job i each rank writes what it printed, stdout
+variables of its own (the faults of tests/helpers/faults.py). For job i each rank writes what it printed, stdout
 and stderr, to <report folder>/<i>.rank<r>.txt, its exit code to <i>.rank<r>.code and its seconds to
 <i>.rank<r>.seconds, as if it had been its own launch: a job that ends in a user error says its one line and
 exits 2, and the next job runs.

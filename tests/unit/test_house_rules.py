@@ -173,3 +173,17 @@ def test_the_collective_rule_sees_a_collective(tmp_path):
     sneaky.write_text("import torch.distributed as d\nfrom torch import distributed\nimport torch\n"
                       "d.all_reduce(x)\ndistributed.barrier()\ntorch.distributed.broadcast(x, 0)\nd.get_rank()\n")
     assert len(_collective_calls(sneaky)) == 3
+
+
+def unit_test_files(module: Path) -> list:
+    """The names a module's unit test file may have: test_<module>.py, or test_<package>_<module>.py where the
+    module's name alone says less (tests/unit/test_data_chat.py for app/data/chat.py)."""
+    return [f"test_{module.stem}.py", f"test_{module.parent.name}_{module.stem}.py"]
+
+
+def test_each_module_has_a_unit_test_file_named_after_it():
+    """tests/unit mirrors app/ (docs/tests.md): whoever changes a module finds its fast tests by its name."""
+    unit = {p.name for p in (REPO / "tests" / "unit").glob("test_*.py")}
+    missing = [str(p.relative_to(REPO)) for p in _sources()
+               if p.name != "__init__.py" and not unit & set(unit_test_files(p))]
+    assert not missing, f"add tests/unit/test_<module>.py for: {missing}"

@@ -153,8 +153,3 @@ def test_a_checkpoint_of_other_weights_precision_is_one_line(tmp_path, saved_ds,
     autocast_then_fp32 = replace(state(), deepspeed_config={"torch_autocast": {"enabled": True}})
     resume.check_compatible(autocast_then_fp32, replace(state(), deepspeed_config={}), tmp_path)
 
-
-def test_merged_into_a_safetensors_file_is_one_line(tmp_path):
-    from app.tools import export
-    with pytest.raises(UserError, match="--merged writes a transformers model folder; name a folder, not m.safetensors"):
-        export.export(tmp_path, tmp_path / "m.safetensors", merged=True)

@@ -99,7 +99,9 @@ def quiet_deepspeed(rank: int):
     import logging
     from deepspeed.utils import logger
     asked = os.environ.get("APP_DEEPSPEED_LOG", "").upper()
-    logger.setLevel(getattr(logging, asked, None) or (logging.WARNING if rank == 0 else logging.ERROR))
+    level = getattr(logging, asked, None) or (logging.WARNING if rank == 0 else logging.ERROR)
+    for handler in [logger, *logger.handlers]:  # DeepSpeed's own handler has a level of its own
+        handler.setLevel(level)
     if not asked:
         logger.addFilter(lambda record: not any(part in record.getMessage() for part in NOISE))
 

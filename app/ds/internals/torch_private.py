@@ -37,5 +37,6 @@ def is_dynamo_error(error: BaseException) -> bool:
 def compile_backward_with_forward():
     """A context in which a compiled forward compiles its backward at once, not at the first backward (where a
     failure would come after the gradient collectives started)."""
+    import torch._functorch.config  # not imported by torch itself until something compiles
     return torch._functorch.config.patch(force_non_lazy_backward_lowering=True)
 
