@@ -21,6 +21,7 @@ from pathlib import Path
 import pytest
 
 from helpers import forks
+from helpers.engines import engine_of  # noqa: F401 (the tests' own, from here)
 
 os.environ["HF_HUB_OFFLINE"] = "1"  # tests never reach a model hub or dataset host
 # The CPU tests pin themselves (and every process they start) to the CPU, so the suite runs the same on a
@@ -39,6 +40,9 @@ from app.distributed.launch import free_port  # noqa: E402 (after the variables 
 
 REPO = Path(__file__).resolve().parent.parent
 BIN = Path(sys.executable).parent
+# TESTS_WITHOUT_FORKS=1: every command a fresh process (python by subprocess, ranks by the deepspeed launcher, a
+# test's function on ranks by torch.multiprocessing.spawn), to measure what the forks save or rule them out
+WITHOUT_FORKS = os.environ.get("TESTS_WITHOUT_FORKS") == "1"
 
 
 def pytest_collection_modifyitems(items):
@@ -95,14 +99,14 @@ def cuda_env() -> dict:
     return env if VISIBLE_DEVICES is None else {**env, "CUDA_VISIBLE_DEVICES": VISIBLE_DEVICES}
 
 
-def run(cmd, timeout=600, base_env=None, **env) -> subprocess.CompletedProcess:
-    """Run cmd in the repository root with the test environment (or base_env); output captured as text."""
+def run(cmd, timeout=600, base_env=None, cwd=REPO, **env) -> subprocess.CompletedProcess:
+    """Run cmd in cwd (the repository root) with the test environment (or base_env); output captured as text."""
     full_env = {**(os.environ if base_env is None else base_env), "PYTHONUNBUFFERED": "1", **env}
     started = time.perf_counter()
     try:
-        if str(cmd[0]) == sys.executable and base_env is None:  # one CPU process: a fork of a preloaded python
-            return forks.run_python(cmd[1:], full_env, REPO, timeout)
-        return subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=timeout, env=full_env)
+        if str(cmd[0]) == sys.executable and base_env is None and not WITHOUT_FORKS:  # a fork of a preloaded python
+            return forks.run_python(cmd[1:], full_env, cwd, timeout)
+        return subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=timeout, env=full_env)
     finally:
         log_launch(cmd, time.perf_counter() - started)
 
@@ -129,7 +133,7 @@ def launch_script(nproc: int, script: str, *args, timeout=900, base_env=None, **
     scripts (tests/helpers/jobs.py, host_syncs.py), runs killed on purpose. On the CPU its ranks are forks of the
     preloaded python (helpers/forks.py), which saves the launcher's start-up and each rank's imports; with
     base_env (the CUDA tests) it is the deepspeed launcher."""
-    if base_env is not None:
+    if base_env is not None or WITHOUT_FORKS:
         return run(train_command("deepspeed", nproc, *args, script=script), timeout=timeout, base_env=base_env, **env)
     started = time.perf_counter()
     try:
@@ -163,14 +167,6 @@ def train_jobs(launcher: str, nproc: int, jobs: list, timeout=900, base_env=None
             argv = jobs[i]["argv"] if isinstance(jobs[i], dict) else jobs[i]  # one log line per job too
             log_launch([f"job {i}:", *argv], float((Path(folder) / f"{i}.rank0.seconds").read_text()))
         return outputs
-
-
-def engine_of(model, ds: dict):
-    """The app's engine of model under ds (a dict as a test writes it), made whole as a run makes its own
-    (app/ds/run_dict.py: DeepSpeed's timer off, buckets fitted to the model)."""
-    from app.core import loop
-    from app.ds import run_dict
-    return loop.build_engine(model, run_dict.for_engine(ds, run_dict.trainable(model), 1))
 
 
 def read_metrics(output_dir: Path):
@@ -276,8 +272,30 @@ def spawn_ranks(world: int, fn, *args, timeout=300):
     """Run fn(rank, world, *args) on `world` ranks (forks of the preloaded python, helpers/forks.py, with the
     launcher's variables; fn a module's top-level function); fail the test with their output if one fails, and
     end them all past timeout."""
+    if WITHOUT_FORKS:
+        return _spawn_fresh(world, fn, args, timeout)
     result = forks.call_ranks(world, _prepared, (fn, args), dict(os.environ), os.getcwd(), timeout)
     assert result.returncode == 0, f"exit {result.returncode}\n{result.stdout[-4000:]}\n{result.stderr[-4000:]}"
+
+
+def _fresh_rank(rank, world, port, fn, args):
+    from app.distributed.launch import rank_env
+    os.environ.update(rank_env(rank, world, port))
+    _prepared(rank, world, fn, args)
+
+
+def _spawn_fresh(world: int, fn, args: tuple, timeout: float):
+    """spawn_ranks with TESTS_WITHOUT_FORKS=1: fresh processes, a failing rank ending the others (its traceback
+    fails the test)."""
+    import torch.multiprocessing
+    ranks = torch.multiprocessing.start_processes(_fresh_rank, (world, free_port(), fn, args), nprocs=world,
+                                                  join=False, start_method="spawn")
+    deadline = time.monotonic() + timeout
+    while not ranks.join(timeout=max(0.0, deadline - time.monotonic())):
+        if time.monotonic() >= deadline:
+            for process in ranks.processes:
+                process.kill()
+            pytest.fail(f"{world} ranks of {fn.__qualname__} still running after {timeout} s")
 
 
 def _main_each(rank, world, cases, report):

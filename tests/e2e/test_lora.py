@@ -116,13 +116,11 @@ def test_the_exports_answer_as_the_run_did(runs, form):
 def test_adapters_resume_on_one_rank_from_a_folder_named_relative_to_where_the_user_is(runs):
     """The 2-rank zero1.json run's adapters continue on 1 rank through DeepSpeed's universal checkpoint; the run
     folder is named relative to the user's folder, not the repository."""
-    import os
-    from helpers.forks import run_python
     tmp, model, _ = runs
     argv = [REPO / "app" / "train.py", "--model", model, "--dataset", tmp / "chats.jsonl", "--lora", "--eval_answers",
             0, "--deepspeed_config", REPO / "ds_configs" / "zero1.json", "--max_steps", 2, "--output_dir", "zero1",
             "--resume", "auto"]
-    result = run_python(argv, {**os.environ, "PYTHONUNBUFFERED": "1"}, tmp, timeout=600)  # python, in tmp
+    result = run([sys.executable, *argv], cwd=tmp)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert "converting it to a universal checkpoint" in result.stdout
     assert "resume: zero1/checkpoints/universal/step00000001 at step 1" in result.stdout

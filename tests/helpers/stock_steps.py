@@ -27,13 +27,13 @@ def config(world: int, stage: int, section: str) -> dict:
 
 
 def build(ds: dict, ours: bool):
-    """The same small model from the same seed, in the app's engine (conftest.engine_of) or stock DeepSpeed's."""
+    """The same small model from the same seed, in the app's engine (tests/helpers/engines.py) or stock DeepSpeed's."""
     import deepspeed
     import torch
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 1))
     if ours:
-        from conftest import engine_of
+        from tests.helpers.engines import engine_of
         return engine_of(model, ds)
     return deepspeed.initialize(model=model, model_parameters=list(model.parameters()), config=ds)[0]
 
