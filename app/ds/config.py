@@ -100,7 +100,7 @@ def check_ds_keys(ds: dict, where: str, say=print) -> list:
         loc = ".".join(str(p) for p in err["loc"])
         section = _section_of(ds, err["loc"][0]) or e.title
         given = f", got {err['input']!r}" if err["type"] != "extra_forbidden" and "input" in err else ""
-        raise UserError(f"{where}: {section}.{loc}: {err['msg'].lower()}{given}{_suggest(err['loc'][-1], e)}") \
+        raise UserError(f"{where}: {section}.{loc}: {err['msg'].lower()}{given}{_suggest(err['loc'], e)}") \
             from None
     except Exception as e:  # DeepSpeed's own config errors are plain exceptions with a sentence
         raise UserError(f"{where}: DeepSpeed rejected the config: {str(e).splitlines()[0]}") from None
@@ -228,9 +228,10 @@ def suggest(key, known, cutoff: float = 0.6):
     return f" (did you mean {match[0]!r}?)" if match else ""
 
 
-def _suggest(key, error):
-    known = ds_internals.section_fields(getattr(error, "title", ""))
-    return suggest(str(key), known) if known and str(key) not in known else ""
+def _suggest(loc: tuple, error):
+    """A close field name for the key at loc, from the DeepSpeed section (or the part of it) that refused it."""
+    known = ds_internals.section_fields(getattr(error, "title", ""), loc[:-1])
+    return suggest(str(loc[-1]), known) if known and str(loc[-1]) not in known else ""
 
 
 def resolve_batch_sizes(ds: dict, world_size: int, where: str) -> dict:

@@ -71,6 +71,20 @@ def test_unknown_key_inside_a_section_read_key_by_key(tmp_path):
         _load(tmp_path, ds)
 
 
+@pytest.mark.parametrize("section, value, said", [
+    ("zero_optimization", {"stage": 2, "overlap_com": True}, "zero_optimization.overlap_com: .*'overlap_comm'"),
+    ("zero_optimization", {"stage": 2, "offload_optimizer": {"device": "cpu", "pin_memry": True}},
+     "zero_optimization.offload_optimizer.pin_memry: .*did you mean 'pin_memory'"),
+    ("zero_optimization", {"stage": 3, "offload_param": {"device": "cpu", "buffer_cont": 4}},
+     "zero_optimization.offload_param.buffer_cont: .*did you mean 'buffer_count'"),
+    ("tensor_parallel", {"autotp_sise": 2}, "tensor_parallel.autotp_sise: .*did you mean 'autotp_size'"),
+])
+def test_a_misspelled_key_deep_in_a_section_deepspeed_checks_gets_the_name_it_meant(section, value, said, tmp_path):
+    ds = {**json.loads((REPO / "ds_configs" / "dp.json").read_text()), section: value}
+    with pytest.raises(UserError, match=said):
+        _load(tmp_path, ds)
+
+
 def test_known_sections_pass(tmp_path):
     ds = json.loads((REPO / "ds_configs" / "zero3_offload.json").read_text())
     ds.update(fp16={"enabled": False, "loss_scale": 0}, flops_profiler={"enabled": False, "profile_step": 2},

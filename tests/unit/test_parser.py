@@ -60,3 +60,5 @@ def test_the_bf16_section_takes_no_loss_scaling_and_fp16_does():
     assert "loss_scale" not in section_fields("DeepSpeedBF16Config")
     assert {"loss_scale", "initial_scale_power"} <= section_fields("DeepSpeedFP16Config")
     assert section_fields("NoSuchConfig") == set()
+    assert {"device", "pin_memory"} <= section_fields("DeepSpeedZeroConfig", ("offload_optimizer",))
+    assert section_fields("DeepSpeedZeroConfig", ("stage",)) == set(), "a number holds no fields"

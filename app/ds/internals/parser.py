@@ -42,12 +42,26 @@ def scalar_defaults() -> dict:
     return found
 
 
-def section_fields(model_title: str) -> set:
-    """The field names of DeepSpeed's pydantic config model called model_title (ZeRO and precision sections)."""
-    import deepspeed.runtime.precision_config as precision
-    import deepspeed.runtime.zero.config as zero
-    for module in (zero, precision):
-        for cls in vars(module).values():
-            if getattr(cls, "__name__", None) == model_title and hasattr(cls, "model_fields"):
-                return set(cls.model_fields)
-    return set()
+def section_fields(model_title: str, path: tuple = ()) -> set:
+    """The field names of DeepSpeed's pydantic config model called model_title (a section's), or of the model
+    nested in it at path (zero_optimization's offload_optimizer); empty where none is found."""
+    from deepspeed.runtime.config_utils import DeepSpeedConfigModel
+    model = next((cls for cls in _subclasses(DeepSpeedConfigModel) if cls.__name__ == model_title), None)
+    for name in path:
+        model = _nested_model(model, str(name)) if model is not None else None
+    return set(model.model_fields) if model is not None else set()
+
+
+def _subclasses(cls):
+    for sub in cls.__subclasses__():
+        yield sub
+        yield from _subclasses(sub)
+
+
+def _nested_model(model, name: str):
+    """The pydantic model of model's field name (or alias), where that field holds one (an Optional one too)."""
+    import typing
+    from pydantic import BaseModel
+    field = model.model_fields.get(name) or next((f for f in model.model_fields.values() if f.alias == name), None)
+    kinds = [field.annotation, *typing.get_args(field.annotation)] if field is not None else []
+    return next((kind for kind in kinds if isinstance(kind, type) and issubclass(kind, BaseModel)), None)

@@ -9,7 +9,6 @@ from app.ds.internals.safe_load import enforce_in_this_process, refusal
 if __name__ == "__main__":
     enforce_in_this_process()
     folder = sys.argv[sys.argv.index("--input_folder") + 1] if "--input_folder" in sys.argv else "the checkpoint"
-    sys.argv[0] = "ds_to_universal"
     try:
         runpy.run_module("deepspeed.checkpoint.ds_to_universal", run_name="__main__", alter_sys=True)
     except pickle.UnpicklingError as e:
