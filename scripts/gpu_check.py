@@ -2,7 +2,7 @@
 fails or runs out of time does not stop the rest), then one table and OUT_DIR/report.json. Run through
 scripts/gpu_check.sh (docs/gpu.md, "The GPU check"):
 
-    python3 scripts/gpu_check.py OUT_DIR [--only NAME,...] [--budget SECONDS]
+    python3 scripts/gpu_check.py OUT_DIR [--only NAME,...] [--budget SECONDS] [--limit NAME=SECONDS ...]
 
 A part's log is OUT_DIR/<name>.log; the figures its tests write (GPU_CHECK_FIGURES, a `name value` line each) and the
 benchmark's headline go into the report. On a machine without a CUDA GPU each part says so and the report is still
@@ -30,9 +30,10 @@ class Part:
 
 
 def cuda_test(expression: str) -> list:
-    """pytest over tests/e2e/test_cuda.py's tests matching a -k expression (-v: each test's outcome as it ends)."""
-    return [sys.executable, "-m", "pytest", "-v", "-p", "no:cacheprovider", "tests/e2e/test_cuda.py", "-k",
-            expression]
+    """pytest over tests/e2e/test_cuda.py's tests matching a -k expression (-v: each test's outcome as it ends; a
+    failure's traceback as it fails, so a part cut off by its limit still says why)."""
+    return [sys.executable, "-m", "pytest", "-v", "-p", "no:cacheprovider", "-p", "tests.helpers.failures_at_once",
+            "tests/e2e/test_cuda.py", "-k", expression]
 
 
 def parts(out: Path) -> list:
@@ -124,18 +125,24 @@ def main(argv=None) -> int:
     parser.add_argument("out_dir")
     parser.add_argument("--only", default="", help="comma-separated part names (default: all)")
     parser.add_argument("--budget", type=float, default=480, help="seconds for all parts together")
+    parser.add_argument("--limit", action="append", default=[], metavar="NAME=SECONDS",
+                        help="a part's own time limit instead of its default (repeatable)")
     args = parser.parse_args(argv)
+    limits = dict(item.split("=", 1) for item in args.limit)
     out = Path(args.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     started, cuda = time.perf_counter(), cuda_available()
     report = {"cuda": cuda, "python": sys.version.split()[0], "versions": versions(), "parts": {}}
     chosen = [p for p in parts(out) if not args.only or p.name in args.only.split(",")]
+    unknown = set(limits) - {p.name for p in parts(out)}
+    if unknown:
+        parser.error(f"--limit names no part: {', '.join(sorted(unknown))}")
     for part in chosen:
         left = args.budget - (time.perf_counter() - started)
         if left < 10:
             report["parts"][part.name] = {"status": "not run: no time left", "seconds": 0.0, "figures": {}}
             continue
-        report["parts"][part.name] = {"what": part.what, **run_part(part, out, min(part.limit_s, left), cuda)}
+        report["parts"][part.name] = {"what": part.what, **run_part(part, out, min(float(limits.get(part.name, part.limit_s)), left), cuda)}
         (out / "report.json").write_text(json.dumps(report, indent=1) + "\n")  # each part kept as it ends
     report["seconds"] = round(time.perf_counter() - started, 1)
     (out / "report.json").write_text(json.dumps(report, indent=1) + "\n")

@@ -154,8 +154,8 @@ def test_fp32_on_cuda_uses_tf32_unless_turned_off(tmp_path):
     on, off = train_jobs("python", 1, [[*common, "--output_dir", tmp_path / "on"],
                                        [*common, "--output_dir", tmp_path / "off", "--tf32", "off"]],
                          base_env=cuda_env())
-    assert "precision: float32; TF32 matmuls" in on
-    assert "precision: float32; full-fp32 matmuls (--tf32 off)" in off
+    assert "precision: fp32; TF32 matmuls" in on
+    assert "precision: fp32; full-fp32 matmuls (--tf32 off)" in off
 
 
 def test_a_one_stage_pipeline_trains_in_bf16_on_one_gpu(tmp_path):

@@ -5,6 +5,8 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 from conftest import REPO
 
 
@@ -40,7 +42,7 @@ def test_a_part_past_its_limit_is_ended_and_the_next_still_runs(tmp_path, monkey
             gpu_check.Part("skips", 60, gpu_check.cuda_test("plan_predicts"), "pytest, every test skipped")]
     monkeypatch.setattr(gpu_check, "parts", lambda out: fake)
     monkeypatch.setattr(gpu_check, "cuda_available", lambda: True)
-    assert gpu_check.main([str(tmp_path / "out")]) == 1
+    assert gpu_check.main([str(tmp_path / "out"), "--limit", "writes=5"]) == 1
     parts = json.loads((tmp_path / "out" / "report.json").read_text())["parts"]
     assert parts["sleeps"]["status"] == "timed out" and parts["sleeps"]["seconds"] < 10
     assert parts["fails"]["status"] == "failed (exit 3)"
@@ -48,3 +50,16 @@ def test_a_part_past_its_limit_is_ended_and_the_next_still_runs(tmp_path, monkey
     assert parts["writes"]["figures"] == {"ratio": "0.97", "headline": "headline (app speed): dp 0.97"}
     assert parts["skips"]["status"] == "no test passed"
     assert parts["skips"]["tests"] == {"SKIPPED": ["test_the_plan_predicts_the_peak_the_gpu_reaches"]}
+
+
+def test_a_part_takes_the_limit_it_is_given_and_a_misspelled_part_is_refused(tmp_path, monkeypatch, capsys):
+    gpu_check = _driver()
+    monkeypatch.setattr(gpu_check, "parts", lambda out: [gpu_check.Part("sleeps", 60, ["sleep", "30"], "sleeps")])
+    monkeypatch.setattr(gpu_check, "cuda_available", lambda: True)
+    assert gpu_check.main([str(tmp_path / "out"), "--limit", "sleeps=1"]) == 1
+    part = json.loads((tmp_path / "out" / "report.json").read_text())["parts"]["sleeps"]
+    assert part["status"] == "timed out" and part["seconds"] < 10
+    with pytest.raises(SystemExit) as refused:
+        gpu_check.main([str(tmp_path / "out"), "--limit", "sleep=1"])
+    assert refused.value.code == 2
+    assert "--limit names no part: sleep" in capsys.readouterr().err

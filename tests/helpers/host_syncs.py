@@ -46,10 +46,14 @@ READS = {"item", "tolist", "__bool__", "__float__", "__int__", "__index__", "cpu
 REPO = str(REPO_PATH) + "/"
 
 
+TORCH_DIR = str(Path(torch.__file__).parent) + "/"
+
+
 def _source() -> str:
-    """'file:line function' of the innermost frame outside torch: the code that asked for the value."""
+    """'file:line function' of the innermost frame outside torch: the code that asked for the value. (torch's own
+    folder, not any path with /torch/ in it: on a GPU machine the whole environment lived under /opt/torch/.)"""
     for frame in reversed(traceback.extract_stack()):
-        if not any(part in frame.filename for part in ("/torch/", "/host_syncs.py")):
+        if not (frame.filename.startswith(TORCH_DIR) or frame.filename.endswith("/host_syncs.py")):
             name = frame.filename.split("site-packages/")[-1].replace(REPO, "")
             return f"{name}:{frame.lineno} {frame.name}"
     return "?"

@@ -3,7 +3,7 @@ and counts them by optimizer step. No step of any shipped ds_config waits on the
 tests/e2e/test_host_syncs.py."""
 import torch
 
-from helpers.host_syncs import HostSyncs
+from helpers.host_syncs import HostSyncs, _source
 
 
 def _sync_everywhere(x):
@@ -48,3 +48,13 @@ def test_the_counter_sees_every_kind_of_host_sync_and_counts_by_step():
     assert all(" at tests/unit/test_host_syncs.py:" in source for source in counter.windows[0])
     assert 1 not in counter.windows and sum(counter.windows[2].values()) == 1
     assert list(counter.per_step(optimizer_steps=3, first=1)) == [1, 2]
+
+
+def test_a_wait_is_put_on_the_code_that_asked_even_in_an_environment_under_a_torch_folder():
+    """An H100 machine kept its environment in /opt/torch/.venv: every DeepSpeed frame there had /torch/ in its path
+    and a wait was put on the app's frame that called DeepSpeed's step. Only torch's own folder is passed over."""
+    path = "/opt/torch/.venv/lib/python3.12/site-packages/deepspeed/runtime/zero/stage3.py"
+    scope = {}
+    exec(compile("def _allgather_params_coalesced(ask):\n    return ask()\n", path, "exec"), scope)
+    source = scope["_allgather_params_coalesced"](_source)
+    assert source == "deepspeed/runtime/zero/stage3.py:2 _allgather_params_coalesced"
