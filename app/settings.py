@@ -17,9 +17,10 @@ class Settings:
     """Images: digits, synthetic, mnist, fashion_mnist, cifar10, imagefolder. Text (transformers models): a
     .txt/.json/.jsonl/.csv/.parquet file or a folder of them, or a hub dataset name."""
     task: str = "auto"
-    """Text: causal_lm, instruction or sequence_classification; auto takes the model's own (presets: gpt2-* and
-    llama-* causal_lm, bert-tiny sequence_classification; folders and hub models: the architecture in their config),
-    and a causal LM whose rows hold 'messages', or 'prompt' and 'completion', fine-tunes on instructions."""
+    """Text: causal_lm, instruction, preference or sequence_classification; auto takes the model's own (presets:
+    gpt2-* and llama-* causal_lm, bert-tiny sequence_classification; folders and hub models: the architecture in
+    their config), and a causal LM whose rows hold 'messages', or 'prompt' and 'completion', fine-tunes on
+    instructions; one whose rows hold 'chosen' and 'rejected' answers, on preferences (preference)."""
     tokenizer: str = ""
     """Text: '' uses the model folder's tokenizer, else a byte-level one built locally; 'bytes'; 'bpe' (trained on
     the data up to the model's vocabulary); or a tokenizer folder or hub name. Saved in output_dir/tokenizer."""
@@ -41,6 +42,16 @@ class Settings:
     output_dir/answers/step<N>.jsonl (0: none)."""
     answer_tokens: int = 64
     """Instruction data: the most tokens of each of those answers."""
+    preference_loss: str = "sigmoid"
+    """Preference pairs: sigmoid (DPO), ipo, hinge, or simpo (no reference; length-normalised, margin
+    --simpo_gamma)."""
+    beta: float = 0.1
+    """Preference pairs: how far from the reference the loss lets the model go (smaller: further)."""
+    simpo_gamma: float = 0.5
+    """Preference pairs, --preference_loss simpo: the reward margin the loss asks of the chosen answer."""
+    reference: str = "live"
+    """Preference pairs: live (under --lora the model with its adapters off, else a frozen copy built as the
+    model is, partitioned under ZeRO-3) or precompute (one pass before training, kept beside the tokenized data)."""
     lora: bool = False
     """Transformers models: train low-rank adapters (LoRA, through HF peft) and freeze the base model; checkpoints
     hold the adapters, and app.tools.export writes the adapter folder or the merged model."""
@@ -121,7 +132,8 @@ class Settings:
             raise UserError(f"--num_workers must be -1 (auto) or more, got {self.num_workers}")
         for name, allowed in (("compile", ("auto", "on", "off")), ("tf32", ("on", "off")),
                               ("packing", ("auto", "on", "off")),
-                              ("pin_memory", ("auto", "on", "off"))):
+                              ("pin_memory", ("auto", "on", "off")), ("reference", ("live", "precompute")),
+                              ("preference_loss", ("sigmoid", "ipo", "hinge", "simpo"))):
             if getattr(self, name) not in allowed:
                 raise UserError(f"--{name} must be one of {', '.join(allowed)}, got {getattr(self, name)!r}")
         if self.lora_rank < 1:
@@ -130,6 +142,8 @@ class Settings:
         if self.lora_alpha <= 0 or not 0 <= self.lora_dropout < 1:
             raise UserError(f"--lora_alpha must be above 0 and --lora_dropout at least 0 and below 1, got "
                             f"{self.lora_alpha} and {self.lora_dropout}")
+        if self.beta <= 0:
+            raise UserError(f"--beta must be above 0 (0.1 is usual for DPO, 2 for SimPO), got {self.beta}")
         if not 0 < self.eval_fraction < 1:
             raise UserError(f"--eval_fraction must be between 0 and 1, got {self.eval_fraction}")
 

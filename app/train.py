@@ -137,13 +137,18 @@ def plan(job: Job, ds: dict):
     job.ranks = layout.rank_layout(ds, world.world_size, world.rank, settings.deepspeed_config)
     job.task = tasks.build(settings)
     lora.check_layout(settings.lora, job.ranks)
-    job.ds, job.filled, job.note = planned_dict(ds, settings, world, job.ranks, job.task)
+    job.ds, job.filled, job.note = run_dict.planned(ds, settings.deepspeed_config, world.device, job.ranks.replicas,
+                                                    tasks.auto_facts(job.task))
     job.output_dir = resume.output_dir_for(settings)
     seed_everything(settings.seed)
     job.data = job.task.build_data(job.output_dir)
+    job.task = tasks.settled(job.task, job.ranks)
+    job.ds, job.note = weighed(job)
     if job.data[2].packed and job.ranks.split:
         raise UserError("packing and pipeline stages: a stage takes input ids alone, not the position ids that keep "
                         "packed rows apart; pass --packing off")
+    if hasattr(job.task, "build_reference"):  # preference: a frozen copy, before the micro batch search
+        job.task.build_reference(job.ds, job.ranks.replicas, job.data[2])
     job.ds = autobatch.settle(job.ds, settings.deepspeed_config, job.ranks, job.task, job.trial_model, job.data[0],
                               job.output_dir, settings.resume, job.board)
 
@@ -178,12 +183,15 @@ def fit(job: Job) -> int:
         dist.print0(ds_auto.say(job.ds, job.filled, output_dir, dist.is_main()))
     rates = throughput_for(task, job.flops, engine, settings)
     folder, saved = job.resumed
+    if hasattr(task, "prepare"):  # preference: its reference, from the engine's weights before any checkpoint's
+        task.prepare(engine, job.ds, folder is not None, job.ranks.replicas, output_dir)
     start = resume.load(engine, folder, saved, job.ranks.replicas) if folder else (0, 0)
     if loop.nothing_to_do(engine, job.steps):
         return 0
     outdir.clear(output_dir, folder, settings.overwrite)  # only now: a mistake found before leaves it all
     job.stop = preemption.StopRequest(job.board, settings.grace_period, world.launcher != "none")
-    log = runlog.RunLog(output_dir, job.steps, engine.global_steps, throughput=rates)
+    log = runlog.RunLog(output_dir, job.steps, engine.global_steps, throughput=rates,
+                        columns=getattr(task, "log_columns", ()))
     metrics.reset_peak_memory(world.device)  # the summary's peak is the training's, not the start-up probe's
     step = job.ranks.train_step(engine, task, compiling.wanted(settings.compile, engine.device), job.board)
     schedule = loop.Schedule(job.steps, settings.log_interval, settings.eval_interval, settings.save_interval,
@@ -201,19 +209,20 @@ def trainer_state(settings: Settings, world: World, ranks, info, ds: dict, task)
                         settings=settings_dict(settings), data_info=asdict(info), deepspeed_config=ds,
                         pipeline_stages=ranks.split.stages if ranks.split else 0,
                         data_parallel_size=ranks.replicas, tensor_parallel_size=ranks.tensor,
-                        lora=lora.record(settings, getattr(task, "spec", None)))
+                        lora=lora.record(settings, getattr(task, "spec", None)),
+                        preference=task.record() if hasattr(task, "record") else {})
 
 
-def planned_dict(ds: dict, settings: Settings, world: World, ranks, task) -> tuple:
-    """(DeepSpeed dict, what "auto" filled, why precision was picked) as planned before the data
-    (app/ds/run_dict.py), on a GPU weighed against its memory; run_dict.final makes the run's dict of it."""
-    ds, filled, note = run_dict.planned(ds, settings.deepspeed_config, world.device, ranks.replicas,
-                                          tasks.auto_facts(task))
-    gpu = torch.cuda.get_device_properties(world.device).total_memory if world.device.type == "cuda" else 0
-    if not (ranks.split or ranks.tensor > 1):  # the plan is data parallel's: a split model's bytes are its stages'
-        ds, note = dist.broadcast_object(weigh(ds, note, task, settings, ranks.replicas, gpu)
-                                         if dist.is_main() else None)  # one decision, however the GPUs differ
-    return ds, filled, note
+def weighed(job: Job) -> tuple:
+    """(DeepSpeed dict, why precision was picked) once the data has settled the task: on a GPU, the planned dict
+    weighed against its memory (app/memory/fit.py); run_dict.final makes the run's dict of it."""
+    ds, note, ranks = job.ds, job.note, job.ranks
+    world = job.world
+    if world.device.type != "cuda" or ranks.split or ranks.tensor > 1:  # a split model's bytes are its stages'
+        return ds, note
+    gpu = torch.cuda.get_device_properties(world.device).total_memory
+    return dist.broadcast_object(weigh(ds, note, job.task, job.settings, ranks.replicas, gpu)
+                                 if dist.is_main() else None)  # one decision, however the GPUs differ
 
 
 def loaders(train_set, eval_set, ds: dict, settings: Settings, world: World, ranks: layout.RankLayout) -> tuple:
@@ -268,7 +277,8 @@ def summarise(result: dict, settings: Settings, world: World, engine, task, log,
                     f"checkpoint saved; continue with --resume auto --output_dir {log.output_dir}")
         return 0
     shown = " ".join(f"{k} {summary[k]:.4g}" for k in ("eval_loss", "eval_accuracy", "eval_perplexity",
-                                                        "samples_per_s", "tokens_per_s", "mfu") if k in summary)
+                                                        "eval_reward_accuracy", "samples_per_s", "tokens_per_s",
+                                                        "mfu") if k in summary)
     dist.print0(f"done: {shown} in {summary['wall_s']:.1f} s; files in {log.output_dir}")
     return 0
 

@@ -140,6 +140,11 @@ def check_compatible(saved: TrainerState, current: TrainerState, folder: Path):
         said = lambda lora: f"LoRA {lora}" if lora else "no LoRA"  # noqa: E731
         raise UserError(f"checkpoint {folder} was made with {said(then)} but this run has {said(now)}; pass the "
                         f"same --lora flags or start a new --output_dir")
+    if saved.preference.get("base") != current.preference.get("base") and saved.preference.get("reference") not in \
+            (None, "none (SimPO)"):
+        raise UserError(f"checkpoint {folder} trained against a reference of another base model than {current.model} "
+                        f"has now (its config or weights differ, or its seed); resume on the base model it started "
+                        f"from, or start a new --output_dir")
     if saved.lora.get("base") != current.lora.get("base"):
         raise UserError(f"checkpoint {folder} holds LoRA adapters trained on another base model than {current.model} "
                         f"has now (its config or weights differ); resume on the base model they were trained on, "

@@ -55,6 +55,9 @@ class TrainerState:
     lora: dict = field(default_factory=dict)
     """LoRA runs: the adapters' rank, alpha, dropout and targets, and `base`, what identifies the frozen base model
     the checkpoint leaves out ({}: the whole model trains and is saved)."""
+    preference: dict = field(default_factory=dict)
+    """Preference runs: the loss, beta, gamma, the reference and `base`, what identifies the model the reference is
+    ({}: another task)."""
 
     def to_json(self) -> str:
         """The state as written: a secret in the DeepSpeed dict (a monitor's api_key) is kept out of the file."""

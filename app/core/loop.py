@@ -95,7 +95,7 @@ class Loop:
         self.step, self.engine = step, step.engine
         self.train_loader, self.eval_loader, self.schedule, self.log = train_loader, eval_loader, schedule, log
         self.save, self.stop, self.answers = save, stop, answers
-        self.meter, self.clock = Meter(["loss"], self.engine.device), Stopwatch()
+        self.meter, self.clock = Meter(getattr(step, "metrics", ["loss"]), self.engine.device), Stopwatch()
         self.divergence = Divergence(self.engine, schedule.max_nonfinite_steps)
         self.samples, self.seconds, self.last_eval, self.stopped = 0.0, 0.0, {}, False
 
@@ -135,8 +135,9 @@ class Loop:
             skipped = self.divergence.check()
             result, elapsed = self.meter.reduce(), self.clock.lap()
             self.samples, self.seconds = self.samples + result["count"], self.seconds + elapsed
+            extra = {name: result[name] for name in self.meter.names if name != "loss"}  # preference: rewards
             self.log.train_row(step, epoch, result["loss"], self.engine.get_lr()[0], result["count"], elapsed,
-                               skipped)
+                               skipped, extra)
         if schedule.eval_now(step):
             self._evaluate(epoch)
         if self.save is not None and schedule.save_now(step, self.stopped):

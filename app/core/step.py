@@ -33,15 +33,24 @@ class TrainStep:
             return self.compiler(inputs, labels)
         return forward(self.engine, self.task.loss, inputs, labels)
 
-    def micro_step(self, batch, meter: Meter):
-        """One micro batch: forward, engine.backward(loss), engine.step() (an optimizer step once the
-        accumulation window is full); the weights (app/data/loader.py) make the step's loss the mean over every
-        sample, or answer token, of the window on every rank, however it is split."""
+    metrics = ["loss"]
+    """What the meter sums at each micro step, and the log rows show."""
+
+    def batch_loss(self, batch) -> tuple:
+        """(the micro batch's weighted loss, its sums for the meter, its weights): the weights
+        (app/data/loader.py) make the step's loss the mean over every sample, or answer token, of the window on
+        every rank, however it is split."""
         x, y, w = to_device(batch, self.engine.device, self.dtype)
         _, losses = self.logits_and_losses(x, y)
-        self.engine.backward((losses * w).sum())
+        return (losses * w).sum(), {"loss": (losses.detach() * w).sum()}, w
+
+    def micro_step(self, batch, meter: Meter):
+        """One micro batch: forward, engine.backward(loss), engine.step() (an optimizer step once the
+        accumulation window is full)."""
+        loss, sums, w = self.batch_loss(batch)
+        self.engine.backward(loss)
         self.engine.step()
-        meter.add((w > 0).sum(), w.sum(), loss=(losses.detach() * w).sum())
+        meter.add((w > 0).sum(), w.sum(), **sums)
 
     def evaluate(self, loader) -> dict:
         """Eval loss and accuracy (and the task's own extras) over every rank's shard, padding excluded: means over

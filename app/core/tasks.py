@@ -13,14 +13,14 @@ import torch.nn.functional as F
 from torch import nn
 
 from app.distributed import dist
-from app.core import lora, models
+from app.core import lora, models, preference
 from app.ds import auto as ds_auto
 from app.settings import Settings
 from app.data import DataInfo, TextModel
 from app.data.chat import IGNORE
 from app.errors import UserError
 
-TEXT_TASKS = ("causal_lm", "instruction", "sequence_classification")
+TEXT_TASKS = ("causal_lm", "instruction", "preference", "sequence_classification")
 
 
 def class_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -189,9 +189,51 @@ class SequenceClassification(TextTask):
                         f"{self.settings.model} is a sequence classifier")
 
 
+class Preference(preference.Preference, TextTask):
+    """Pairs of answers to one prompt, the DPO family's losses against a reference (app/core/preference.py)."""
+
+    def __init__(self, settings: Settings, spec: models.HFSpec):
+        TextTask.__init__(self, settings, spec)
+        self.settle()
+
+    def build_data(self, output_dir: Path) -> tuple:
+        """As for any text task; a sample is a pair: two sequences of the padded length."""
+        sets = super().build_data(output_dir)
+        self.tokens_per_sample = 2 * sets[2].seq_len
+        return sets
+
+    def flops_per_sample(self, model: nn.Module, info: DataInfo) -> float:
+        """A pair's training FLOPs: two sequences forward and backward, and a live reference's forward of both
+        (a third of that again)."""
+        live = self.reference_kind in ("adapters off", "frozen copy")
+        return 2 * super().flops_per_sample(model, info) * (4 / 3 if live else 1)
+
+    def build_model(self, info: DataInfo, ds_config: dict) -> nn.Module:
+        """As for any text task; a preset's weights drawn from --seed alone, so a frozen copy is the same model."""
+        with lora.seeded(self.settings.seed) if not self.spec.pretrained else contextlib.nullcontext():
+            return super().build_model(info, ds_config)
+
+
+def settled(task, ranks):
+    """The task once the data is known: a causal LM whose rows hold preference pairs trains on them, under data
+    parallel and ZeRO (ranks: the run's layout)."""
+    if task.name == "preference" and (ranks.split or ranks.tensor > 1):
+        raise UserError("preference pairs train under data parallel and ZeRO 0-3, not pipeline stages or tensor "
+                        "parallelism: pick a ds_config without a pipeline or tensor_parallel section")
+    if task.name != "preference" or isinstance(task, Preference):
+        return task
+    pairs = Preference(task.settings, task.spec)
+    pairs.__dict__.update({k: v for k, v in vars(task).items() if k in vars(TextTask(task.settings, task.spec))})
+    pairs.tokens_per_sample = 2 * task.tokens_per_sample  # two sequences a pair
+    return pairs
+
+
 def build(settings: Settings):
     """The task for settings.model and settings.task ('auto': the model's own)."""
     spec = models.hf_spec(settings.model)
+    if settings.task != "auto" and spec is None and settings.task in TEXT_TASKS:
+        raise UserError(f"--task {settings.task} trains a transformers model on text; {settings.model} is an image "
+                        f"model: pass a transformers model, or leave --task auto")
     if settings.task != "auto" and (spec is None or settings.task not in TEXT_TASKS):
         kinds = "transformers models" if spec is not None else "image models (leave --task auto)"
         raise UserError(f"--task {settings.task!r} is not one of auto, {', '.join(TEXT_TASKS)} for {kinds}")
@@ -204,7 +246,11 @@ def build(settings: Settings):
                             f"{settings.model} is an image model: leave --packing auto")
         return ImageClassification(settings)
     name = spec.task if settings.task == "auto" else settings.task
-    task = (SequenceClassification if name == "sequence_classification" else CausalLM)(settings, spec)
+    if name == "preference" and spec.task != "causal_lm":
+        raise UserError(f"--task preference trains a causal language model on pairs of answers; {settings.model} is "
+                        f"a sequence classifier: pass a causal LM")
+    classes = {"sequence_classification": SequenceClassification, "preference": Preference}
+    task = classes.get(name, CausalLM)(settings, spec)
     task.name = name
     return task
 

@@ -7,7 +7,7 @@ import torch
 from torch.utils.data import Dataset
 
 from app.distributed import dist
-from app.data import DataInfo, TextModel, chat
+from app.data import DataInfo, TextModel, chat, preference
 from app.data.tokenizers import run_tokenizer
 from app.errors import UserError, first_line
 from app.settings import Settings
@@ -139,12 +139,14 @@ def instruction_rows(dataset, tokenizer, form: str, block: int, whole_text: bool
 def chat_texts(dataset, form: str):
     """An iterator of lists of strings: the text of every turn, prompt and completion (to train a BPE tokenizer)."""
     for batch in dataset.iter(batch_size=1000):
-        columns = {"prompt_completion": ("prompt", "completion"), "alpaca": ("instruction", "input", "output")}.get(
-            form, (form,))
+        columns = {"prompt_completion": ("prompt", "completion"), "alpaca": ("instruction", "input", "output"),
+                   "explicit": ("prompt", "conversations", "chosen", "rejected"),
+                   "implicit": ("chosen", "rejected")}.get(form, (form,))
         texts = []
         for column in columns:
-            for value in batch[column]:
-                turns = value if isinstance(value, list) else [{"content": value}]
+            for value in batch.get(column, []):
+                turns = value if isinstance(value, list) else [value] if isinstance(value, dict) else \
+                    [{"content": value}]
                 texts += [t.get("content", t.get("value")) for t in turns
                           if isinstance(t, dict) and isinstance(t.get("content", t.get("value")), str)]
         yield texts
@@ -185,14 +187,23 @@ class Rows(Dataset):
         return (padded, mask), row["target"]
 
 
-def _longest(dataset) -> int:
+def _longest(dataset, column: str = "input_ids") -> int:
     import pyarrow.compute as pc
-    return pc.max(pc.list_value_length(dataset.data.column("input_ids"))).as_py() or 0
+    return pc.max(pc.list_value_length(dataset.data.column(column))).as_py() or 0
 
 
 def instruction_form(train, task: str, settings: Settings) -> str:
-    """The instruction data's form (app/data/chat.py) when a causal LM's rows hold one, else ''; --task
-    instruction refuses rows without."""
+    """The form of a causal LM's rows: preference pairs' (app/data/preference.py) or instruction data's
+    (app/data/chat.py) when they hold one, else ''; --task preference and --task instruction refuse rows without."""
+    pairs = preference.form_of(train.column_names)
+    if task == "preference" and not pairs:
+        raise UserError(f"--task preference needs rows with 'chosen' and 'rejected' columns (and 'prompt' unless "
+                        f"both start with it); {settings.dataset} has: {', '.join(train.column_names)}")
+    if pairs and task == "sequence_classification" and not settings.text_column:
+        raise UserError(f"{settings.dataset} holds preference pairs ('chosen' and 'rejected'), which train a causal "
+                        f"language model; {settings.model} is a sequence classifier: pass a causal LM")
+    if pairs and task in ("causal_lm", "preference") and not settings.text_column:
+        return pairs
     form = chat.form_of(train.column_names) if task in ("causal_lm", "instruction") and not settings.text_column \
         else ""
     if task == "instruction" and not form:
@@ -242,6 +253,8 @@ def build_text_sets(settings: Settings, model: TextModel, task: str, output_dir:
             (lambda: (batch[column] for batch in train.iter(batch_size=1000)))
         tokenizer = run_tokenizer(settings, model, texts, output_dir, chat=bool(form))
         block = block_for(settings, model, tokenizer)
+        if form in ("explicit", "implicit"):
+            return (*preference.pair_sets(train, eval_set, tokenizer, block, settings), tokenizer, "preference")
         if form:
             return (*instruction_sets(train, eval_set, tokenizer, form, block, settings), tokenizer, "instruction")
         if settings.packing == "on":

@@ -29,7 +29,6 @@ from app.ds import run_dict
 from app.core import loop
 from app.checkpoint.save import STATE, checkpoint_root, complete_checkpoints
 from app.core.compiling import describe
-from app.core.step import to_device
 from app.data.loader import build_loader
 from app.ds.auto import fill_lengths
 from app.ds.config import MICRO, fill_scheduler_length, resolve_batch_sizes
@@ -138,20 +137,15 @@ def _trial_steps(trial: dict, micro: int, layout, task, build, train_set, agreed
         step = layout.train_step(engine, task, False)
     try:
         batch = next(iter(build_loader(train_set, micro, layout.replica, layout.replicas, False, 0)))
-        if hasattr(step, "logits_and_losses"):  # agreed after the forward, before any gradient is reduced
+        if hasattr(step, "batch_loss"):  # agreed after the forward, before any gradient is reduced
             held = {}
-            why = agreed(lambda: held.update(loss=_loss(step, batch)))
+            why = agreed(lambda: held.update(loss=step.batch_loss(batch)[0]))
             if why:
                 return why
             return agreed(lambda: (engine.backward(held.pop("loss")), engine.step()))
         return agreed(lambda: step.micro_step(batch, Meter(["loss"], engine.device)))
     finally:
         engine.destroy()  # its hooks on the parameters (held by torch's autograd, out of gc's sight) go
-
-
-def _loss(step, batch):
-    x, y, w = to_device(batch, step.engine.device, step.dtype)
-    return (step.logits_and_losses(x, y)[1] * w).sum()
 
 
 def _outcome(part) -> tuple:

@@ -29,7 +29,8 @@ class MemoryPlan:
     config: str
     parameters: int
     device: dict
-    """weights, gradients, optimizer (moments), masters (fp32 copies), working (buckets, gathered layers)."""
+    """weights, gradients, optimizer (moments), masters (fp32 copies), working (buckets, gathered layers), and with
+    preference tuning's frozen copy, reference (its weights)."""
     host: dict = field(default_factory=dict)
     per_sample: int = 0
     fixed: int = 0

@@ -5,7 +5,7 @@ import dataclasses
 
 import torch
 
-from app.core import lora, models
+from app.core import lora, models, preference
 from app.data import DataInfo
 from app.ds.internals import torch_private
 from app.memory import estimate
@@ -17,7 +17,8 @@ AUTOCAST_BY_AUTO = "bf16 autocast ("  # how precision's note starts when "auto" 
 def workload(task, seq_len: int = 0, image_size: int = 0, frozen: bool = False):
     """(build() of the model, inputs(micro) -> (inputs, labels), the task's loss) from the model's shape alone: a
     transformers model from its config (no weights, no adapters), an image model at image_size. frozen (LoRA): the
-    model's weights take no gradient, and the backward runs through it to the input as it does to the adapters."""
+    model's weights take no gradient, and the backward runs through it to the input as it does to the adapters.
+    A preference sample is a pair: its chosen and rejected sequences go through the model together."""
     if task.name == "image_classification":
         builtin = task.settings.model in models.BUILTIN
         side, channels, classes = image_size or (8 if builtin else 224), 1 if builtin else 3, 10 if builtin else 1000
@@ -27,12 +28,12 @@ def workload(task, seq_len: int = 0, image_size: int = 0, frozen: bool = False):
     from app.data.tokenizers import byte_tokenizer
     spec, tokenizer = dataclasses.replace(task.spec, pretrained=""), byte_tokenizer()  # a config.json is enough
     vocab, seq = models.vocab_size(spec.config), seq_len or min(spec.max_positions or 1024, 1024)
-    classify = task.name == "sequence_classification"
+    classify, sequences = task.name == "sequence_classification", 2 if task.name == "preference" else 1
     info = DataInfo(2 if classify else 0, task="causal_lm" if not classify else task.name, vocab_size=vocab,
                     seq_len=seq)
 
     def inputs(b):
-        ids = torch.randint(min(vocab, 256), (b, seq))
+        ids = torch.randint(min(vocab, 256), (sequences * b, seq))
         return ([ids, torch.ones_like(ids)], torch.randint(2, (b,))) if classify else ([ids], ids)
     def build():
         model = models.build_hf(spec, info, tokenizer, {})
@@ -43,9 +44,12 @@ def workload(task, seq_len: int = 0, image_size: int = 0, frozen: bool = False):
     return build, inputs, task.loss
 
 
-def plans(work, named: dict, ranks: int, adapters=None) -> dict:
+def plans(work, named: dict, ranks: int, adapters=None, reference: bool = False) -> dict:
     """{name: MemoryPlan} of each DeepSpeed dict in named: the model built once on fake tensors for its sizes, one
-    fake forward and backward per precision and checkpointing asked; adapters: (rank, targets) of LoRA, or None."""
+    fake forward and backward per precision and checkpointing asked; adapters: (rank, targets) of LoRA, or None;
+    reference: a frozen copy of the model rides along (preference tuning), its weights alone, as its own engine
+    lays them out (preference.reference_dict: the config's precision, partitioned and offloaded under ZeRO-3 only);
+    its no_grad forward's transients, freed before the policy's forward, stay below the policy's own peak."""
     build, inputs, loss = work
     with torch_private.fake_tensor_mode():
         model = build()
@@ -66,6 +70,12 @@ def plans(work, named: dict, ranks: int, adapters=None) -> dict:
             cache[key] = ((four - two) // 2, two - (four - two), one)
         found[name] = estimate.memory_plan(name, ds, ranks, sizes, largest, cache[key], kinds, trainable)
         found[name].largest_layer = largest
+        if reference:
+            device, host = estimate.model_states(sizes, preference.reference_dict(ds, ranks), ranks,
+                                                 [False] * len(sizes))
+            found[name].device["reference"] = device.get("weights", 0)
+            if "weights" in host:  # ZeRO-3 with offload_param: the copy's partition waits on the host
+                found[name].host["reference"] = host["weights"]
     return found
 
 
@@ -90,11 +100,12 @@ def weigh(ds: dict, note: str, task, settings, replicas: int, memory: int) -> tu
 def _weighed(ds: dict, note: str, task, settings, replicas: int, memory: int, micro: int) -> tuple:
     adapters = (settings.lora_rank, lora.targets_of(settings)) if settings.lora else None
     work = workload(task, settings.block_size, frozen=bool(adapters))
+    frozen_copy = getattr(task, "reference_kind", "") == "frozen copy"  # preference tuning's reference
     usable, bf16 = estimate.USABLE * memory, with_bf16_weights(ds)
-    autocast_peak = plans(work, {"autocast": ds}, replicas, adapters)["autocast"].peak(micro)
+    autocast_peak = plans(work, {"autocast": ds}, replicas, adapters, frozen_copy)["autocast"].peak(micro)
     if autocast_peak <= usable:  # the usual case, measured once: autocast stays
         return ds, note
-    bf16_peak = plans(work, {"bf16": bf16}, replicas, adapters)["bf16"].peak(micro)
+    bf16_peak = plans(work, {"bf16": bf16}, replicas, adapters, frozen_copy)["bf16"].peak(micro)
     if bf16_peak > usable:
         return ds, note
     return bf16, (f"bf16 (torch_autocast \"auto\" gave way to bf16 weights: the memory plan puts a micro batch of "

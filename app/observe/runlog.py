@@ -21,10 +21,12 @@ class RunLog:
     """Everything the main rank writes; on other ranks (and with no output_dir) it writes nothing."""
 
     def __init__(self, output_dir, total_steps: int, resumed_step: int = 0, show_progress=None,
-                 throughput: "Throughput" = None):
+                 throughput: "Throughput" = None, columns: tuple = ()):
         """Start metrics afresh, or (resumed_step > 0) keep the rows up to that step and append. show_progress:
-        True draws the bar, False prints plain lines, None (default) draws it only on a terminal."""
+        True draws the bar, False prints plain lines, None (default) draws it only on a terminal. columns: the
+        task's own, after the others (preference tuning's rewards, and their eval_ ones)."""
         self.active = dist.is_main() and output_dir is not None
+        self.fields, self.shown = CSV_FIELDS + list(columns), SHOWN + tuple(c for c in columns if "accuracy" in c)
         self.output_dir, self.resumed = output_dir, bool(resumed_step)
         self.throughput = throughput or Throughput()
         self.rows = []
@@ -39,12 +41,12 @@ class RunLog:
             for stale in (output_dir / "tensorboard").glob("events.out.tfevents.*"):  # an overwritten run's
                 stale.unlink()
         kept = io.StringIO()
-        writer = csv.DictWriter(kept, fieldnames=CSV_FIELDS)
+        writer = csv.DictWriter(kept, fieldnames=self.fields)
         writer.writeheader()
-        writer.writerows({k: _fmt(row.get(k)) for k in CSV_FIELDS} for row in self.rows)
+        writer.writerows({k: _fmt(row.get(k)) for k in self.fields} for row in self.rows)
         atomic_write(output_dir / "metrics.csv", kept.getvalue())  # a crash now leaves the old rows, not none
         self.csv_file = open(output_dir / "metrics.csv", "a", newline="")
-        self.csv = csv.DictWriter(self.csv_file, fieldnames=CSV_FIELDS)
+        self.csv = csv.DictWriter(self.csv_file, fieldnames=self.fields)
         self.tb = SummaryWriter(str(output_dir / "tensorboard"), purge_step=resumed_step + 1 if resumed_step else None)
         # disable=None: a bar on a terminal, plain log lines when output goes to a file or pipe
         self.bar = tqdm(total=total_steps, initial=resumed_step, unit="step", dynamic_ncols=True,
@@ -56,12 +58,12 @@ class RunLog:
         if not self.active:
             return
         self.rows.append(row)
-        self.csv.writerow({k: _fmt(row.get(k)) for k in CSV_FIELDS})
+        self.csv.writerow({k: _fmt(row.get(k)) for k in self.fields})
         self.csv_file.flush()
         for key, value in row.items():
             if key not in ("step", "epoch") and value is not None:
                 self.tb.add_scalar(key, value, row["step"])
-        shown = {k: f"{row[k]:.4g}" for k in SHOWN if row.get(k) is not None and (k != "skipped_steps" or row[k])}
+        shown = {k: f"{row[k]:.4g}" for k in self.shown if row.get(k) is not None and (k != "skipped_steps" or row[k])}
         if self.plain:
             print(f"step {row['step']} epoch {row['epoch']} " + " ".join(f"{k} {v}" for k, v in shown.items()),
                   flush=True)
@@ -73,10 +75,11 @@ class RunLog:
         return self.throughput.rates(samples, seconds)
 
     def train_row(self, step: int, epoch: int, loss: float, lr: float, samples: float, seconds: float,
-                  skipped_steps: int = 0):
-        """The row of a log interval: its mean loss, learning rate, the run's skipped steps so far, throughput."""
+                  skipped_steps: int = 0, extra: dict = None):
+        """The row of a log interval: its mean loss, learning rate, the run's skipped steps so far, throughput, and
+        the task's own means (extra)."""
         self.write_row({"step": step, "epoch": epoch, "loss": loss, "lr": lr, "skipped_steps": skipped_steps,
-                        **self.rates(samples, seconds)})
+                        **(extra or {}), **self.rates(samples, seconds)})
 
     def advance(self, steps: int):
         """Move the progress bar on by steps optimizer steps."""

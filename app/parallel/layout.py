@@ -34,7 +34,8 @@ class RankLayout:
     def train_step(self, engine, task, compile_model: bool, board=None):
         """What the loop runs: whole batches through the pipeline's schedule, else micro steps (board: the run's
         endings.Board, for the first compiled step)."""
-        return (pipeline.PipeStep if self.split else TrainStep)(engine, task, compile_model, board)
+        return (pipeline.PipeStep if self.split else getattr(task, "step", TrainStep))(engine, task, compile_model,
+                                                                                       board)
 
     def describe(self, engine) -> str:
         """The start-up line of a model-parallel run ('' for data parallel alone)."""

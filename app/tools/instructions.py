@@ -2,9 +2,11 @@
 tokenizer, no chat template) and chats in the usual `{"messages": [...]}` form asking for the opposite of a word,
 in four phrasings, a system turn in half of them. A model this small learns it in a few hundred CPU steps.
 
-    python -m app.tools.instructions <folder> [--rows 2000] [--seed 0]
+    python -m app.tools.instructions <folder> [--rows 2000] [--seed 0] [--pairs]
 
-Writes <folder>/chats.jsonl and <folder>/model. A model that has learnt the pairs answers every held-out row
+Writes <folder>/chats.jsonl and <folder>/model; with --pairs, <folder>/pairs.jsonl instead of the chats: preference
+pairs in TRL's conversational form, the opposite chosen and another word of the list rejected
+(docs/preference-tuning.md). A model that has learnt the pairs answers every held-out row
 right; one that guesses is right once in len(OPPOSITES) (docs/instruction-tuning.md, "A worked example").
 """
 import argparse
@@ -30,6 +32,24 @@ def chat(rng: random.Random) -> dict:
     turns = [{"role": "system", "content": SYSTEM}] if rng.random() < 0.5 else []
     return {"messages": turns + [{"role": "user", "content": rng.choice(PHRASINGS).format(word)},
                                  {"role": "assistant", "content": opposite}]}
+
+
+def pair(rng: random.Random) -> dict:
+    """One preference pair: the prompt of a chat, the opposite chosen, another word of the list rejected."""
+    turns = chat(rng)["messages"]
+    right = turns[-1]["content"]
+    wrong = rng.choice([w for both in OPPOSITES for w in both if w != right])
+    return {"prompt": turns[:-1], "chosen": [{"role": "assistant", "content": right}],
+            "rejected": [{"role": "assistant", "content": wrong}]}
+
+
+def write_pairs(folder: Path, rows: int, seed: int) -> Path:
+    """folder/pairs.jsonl with rows preference pairs."""
+    rng = random.Random(seed)
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / "pairs.jsonl"
+    path.write_text("".join(json.dumps(pair(rng)) + "\n" for _ in range(rows)))
+    return path
 
 
 def write(folder: Path, rows: int, seed: int) -> Path:
@@ -61,8 +81,10 @@ def main(argv=None):
     parser.add_argument("folder")
     parser.add_argument("--rows", type=int, default=2000)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--pairs", action="store_true", help="preference pairs (pairs.jsonl) instead of chats")
     args = parser.parse_args(argv)
-    print(f"wrote {write(Path(args.folder), args.rows, args.seed)} and {write_model(Path(args.folder), args.seed)}")
+    data = (write_pairs if args.pairs else write)(Path(args.folder), args.rows, args.seed)
+    print(f"wrote {data} and {write_model(Path(args.folder), args.seed)}")
 
 
 if __name__ == "__main__":

@@ -1,6 +1,7 @@
 """Will it fit? The memory plan of a model under each ds_config before the run: per rank, the weights, gradients,
 optimizer state and fp32 masters on the GPU and on the host, the activations a sample adds, the predicted peak,
-the largest micro batch that fits, and the fastest config that fits. No GPU and no download needed.
+the largest micro batch that fits, and the fastest config that fits. No GPU and no download needed. With
+--preference, of preference tuning: a sample is a pair (two sequences) and the reference model is counted.
 
     python -m app.tools.plan --model gpt2-124m --world_size 8 --micro_batch 16 --gpu_memory 80GB
 """
@@ -13,7 +14,7 @@ import torch
 
 from app.ds import config as ds_config
 from app.ds import internals as ds_internals
-from app.core import lora
+from app.core import lora, preference
 from app.memory import estimate, fit
 from app.core import tasks
 from app.settings import Settings
@@ -61,8 +62,17 @@ def parse(argv=None):
     parser.add_argument("--lora_rank", type=int, default=8, help="LoRA: the adapters' inner size (train.py's)")
     parser.add_argument("--lora_targets", default="all-linear", help="LoRA: the modules that get adapters "
                         "(train.py's)")
+    parser.add_argument("--preference", action="store_true", help="causal LMs: plan preference tuning (train.py's "
+                        "--task preference): a sample is a pair of answers, two sequences, beside the reference model")
+    parser.add_argument("--reference", choices=("live", "precompute"), default=Settings.reference,
+                        help="preference: train.py's (precompute: no reference model while training)")
+    parser.add_argument("--preference_loss", choices=preference.LOSSES, default=Settings.preference_loss,
+                        help="preference: train.py's (simpo: no reference model)")
     parser.add_argument("--gpu_memory", default="", help="memory of one GPU, e.g. 80GB (default: this GPU's)")
     args = parser.parse_args(argv)
+    if not args.preference and (args.reference, args.preference_loss) != (Settings.reference,
+                                                                           Settings.preference_loss):
+        raise UserError("--reference and --preference_loss plan preference tuning: add --preference")
     if min(args.world_size, args.micro_batch, args.seq_len, args.image_size) < 0:
         raise UserError("--world_size, --micro_batch, --seq_len and --image_size must be 1 or more")
     if args.gpu_memory:
@@ -103,29 +113,55 @@ def _speed_rank(name: str) -> tuple:
     return (list(ORDER).index(_stem(name)) if _stem(name) in ORDER else -1, name.endswith(BF16))
 
 
-def measure(args, named: dict) -> dict:
+def task_of(args):
+    """The task train.py builds for these flags (LoRA or preference on an image model: the task says no)."""
+    return tasks.build(Settings(model=args.model, lora=args.lora, task="preference" if args.preference else "auto",
+                                reference=args.reference, preference_loss=args.preference_loss))
+
+
+def measure(args, named: dict, task) -> dict:
     """{name: MemoryPlan} of each config, from the model's shape alone."""
-    task = tasks.build(Settings(model=args.model, lora=args.lora))  # LoRA on an image model: the task says no
     adapters = (args.lora_rank, lora.targets_of(args)) if args.lora else None
     work = fit.workload(task, args.seq_len, args.image_size, frozen=args.lora)
-    return fit.plans(work, named, args.world_size, adapters)
+    return fit.plans(work, named, args.world_size, adapters, getattr(task, "reference_kind", "") == "frozen copy")
+
+
+# What each reference of preference tuning (the task's reference_kind) holds while training.
+REFERENCES = {"frozen copy": "its weights per rank in the ref column, in the config's weight precision (partitioned "
+                             "under ZeRO-3; in the host column with offload_param)",
+              "adapters off": "the model itself with its LoRA adapters off: no memory of its own",
+              "precomputed": "log-probabilities computed once before training: no model while training",
+              "none (SimPO)": "SimPO's loss needs none"}
 
 
 def _gb(count) -> str:
     return "-" if count is None else f"{count / 1e9:,.2f}"
 
 
-def table(args, named: dict, plans: dict) -> list:
-    """The lines of the plan: one row per config, then the recommendation."""
-    first = next(iter(plans.values()))
+def _heading(args, first, budget: float, reference: str) -> list:
+    """The plan's lines above its rows: the model and GPU, a preference run's reference, the columns."""
     trained = f" ({first.trained / 1e6:,.2f}M of them LoRA adapters that train)" if first.trained < first.parameters \
         else ""
+    return [f"model {args.model}: {first.parameters / 1e6:,.1f}M parameters{trained}; "
+            f"{args.world_size} data-parallel "
+            f"rank(s); GPU {args.gpu_memory / 1e9:,.1f} GB, of which a run may use {budget / 1e9:,.1f}; in GB per rank",
+            *([f"preference pairs: act/sample is a pair's two sequences; reference: {reference}, "
+               f"{REFERENCES[reference]}"] if reference else []),
+            f"{'config':<30}{'weights':>8}{'grads':>8}{'optim':>8}{'masters':>8}{'working':>8}"
+            f"{_ref_column('ref', reference)}{'host':>8}"
+            f"{'act/sample':>11}{'micro':>6}{'peak':>8}{'fits':>6}{'largest':>8}{'DS est.':>8}"]
+
+
+def _ref_column(text: str, reference: str) -> str:
+    """The reference's column: in a preference run's table only."""
+    return f"{text:>8}" if reference else ""
+
+
+def table(args, named: dict, plans: dict, reference: str = "") -> list:
+    """The lines of the plan: one row per config, then the recommendation; reference: the reference_kind of a
+    preference run ('': not one)."""
     budget = estimate.USABLE * args.gpu_memory
-    lines = [f"model {args.model}: {first.parameters / 1e6:,.1f}M parameters{trained}; "
-             f"{args.world_size} data-parallel "
-             f"rank(s); GPU {args.gpu_memory / 1e9:,.1f} GB, of which a run may use {budget / 1e9:,.1f}; in GB per rank",
-             f"{'config':<30}{'weights':>8}{'grads':>8}{'optim':>8}{'masters':>8}{'working':>8}{'host':>8}"
-             f"{'act/sample':>11}{'micro':>6}{'peak':>8}{'fits':>6}{'largest':>8}{'DS est.':>8}"]
+    lines = _heading(args, next(iter(plans.values())), budget, reference)
     fitting = []
     for name, p in plans.items():
         ds = named[name]
@@ -140,7 +176,8 @@ def table(args, named: dict, plans: dict) -> list:
             bool((zero.get("offload_param") or {}).get("device")), p.parameters, p.largest_layer, args.world_size)
         d = p.device
         lines.append(f"{name:<30}{_gb(d.get('weights', 0)):>8}{_gb(d['gradients']):>8}{_gb(d.get('optimizer', 0)):>8}"
-                     f"{_gb(d.get('masters', 0)):>8}{_gb(d['working']):>8}{_gb(sum(p.host.values())):>8}"
+                     f"{_gb(d.get('masters', 0)):>8}{_gb(d['working']):>8}{_ref_column(_gb(d.get('reference')), reference)}"
+                     f"{_gb(sum(p.host.values())):>8}"
                      f"{_gb(p.per_sample):>11}{micro or f'{largest}*':>6}{_gb(peak):>8}{'yes' if fits else 'no':>6}"
                      f"{largest:>8}{_gb(theirs):>8}")
         if fits:
@@ -176,11 +213,11 @@ def main(argv=None) -> int:
     prepare_environment()
     try:
         args = parse(argv)
-        named = configs(args)
-        plans = measure(args, named)
+        named, task = configs(args), task_of(args)
+        plans = measure(args, named, task)
     except UserError as e:
         return report(e)
-    for line in table(args, named, plans):
+    for line in table(args, named, plans, getattr(task, "reference_kind", "")):
         print(line)
     skipped = [f"{n} ({why})" for n, why in NOT_PLANNED.items() if not args.deepspeed_config]
     if skipped:

@@ -37,6 +37,27 @@ def test_no_step_waits_on_the_device_with_two_ranks(tmp_path, corpus):
     assert all(count == 1 for _, _, _, count in counted(eager))
 
 
+def test_no_preference_step_waits_on_the_device(tmp_path):
+    """Preference pairs on 2 ranks, eager, against each reference: a frozen copy (ZeRO 0 and 2), the adapters off
+    (LoRA), precomputed (ZeRO 1). The only waits are the model's own: transformers' masking code asks once per
+    forward whether the rows are packed, the model's forward and the reference's."""
+    from app.tools.instructions import write_pairs
+    # 1,000 pairs: no epoch ends inside the counted steps (a new epoch's order is drawn on the host)
+    llama = ["--model", write_model(tmp_path, seed=0, layers=1), "--dataset", write_pairs(tmp_path, 1000, seed=0),
+             "--block_size", 64, "--eval_answers", 0]
+    names = {"frozen copy at ZeRO 0": ("dp",), "frozen copy at ZeRO 2": ("zero2",),
+             "adapters off": ("dp", "--lora"), "precomputed": ("zero1", "--reference", "precompute")}
+    jobs = [sync_job(name, "off", tmp_path / label.replace(" ", "-"), *llama, *extra)
+            for label, (name, *extra) in names.items()]
+    for label, report in zip(names, count_in_launch(2, jobs)):
+        assert report["code"] == 0 and f"reference: {label.split(' at ')[0]}" in report["output"], report["output"]
+        found = counted(report)
+        assert {source.split(" at ")[1].split(":")[0] for _, _, source, _ in found} <= {
+            "transformers/masking_utils.py"}, (label, found)
+        forwards = 1 if label == "precomputed" else 2
+        assert all(count == forwards for _, _, _, count in found), (label, found)
+
+
 def test_no_step_waits_on_the_device_with_one_rank(tmp_path):
     """One rank on one thread, as each of the 2 ranks above has: inductor's CPU kernels depend on the thread count,
     so the compiled jobs reuse the kernels the 2-rank jobs built."""

@@ -1,12 +1,15 @@
-"""Text data: every file format, column choice, blocks that cover the text once, a reused cache, labels."""
+"""Text data: every file format, column choice, blocks that cover the text once, a reused cache, labels, and the
+tasks that refuse preference pairs."""
 import json
 
+import datasets
 import pytest
 
-from app.data import text
+from app.data import chat, text
 from app.data.tokenizers import byte_tokenizer
 from app.errors import UserError
-from conftest import sentences, write_text_rows
+from app.settings import Settings
+from conftest import REPO, sentences, write_text_rows
 
 FORMATS = [".txt", ".json", ".jsonl", ".csv", ".parquet"]
 

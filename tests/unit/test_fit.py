@@ -66,3 +66,23 @@ def test_lora_plans_a_frozen_model_whose_backward_keeps_fewer_activations():
     held = {frozen: estimate.activation_bytes(*fit.workload(task, 128, frozen=frozen), 4, torch.bfloat16, False)
             for frozen in (False, True)}
     assert 0 < held[True] < held[False]
+
+
+def test_a_preference_run_is_weighed_with_its_pairs_and_its_frozen_copy():
+    """A pair is two sequences and the reference a frozen copy of the weights (fp32 under autocast): on a GPU where
+    the pairs fit under autocast only without the copy, and bf16 weights with a bf16 copy fit, the preference run
+    takes bf16 weights; a plain run of the same micro batch keeps autocast."""
+    pairs = Settings(model="gpt2-tiny", block_size=128, task="preference")
+    task = tasks.build(pairs)
+    ds, note = on_a_gpu(32)
+    work, named = fit.workload(task, 128), {"autocast": ds, "bf16": fit.with_bf16_weights(ds)}
+    alone, beside = (fit.plans(work, named, 1, reference=copy) for copy in (False, True))
+    assert beside["autocast"].device["reference"] == beside["autocast"].device["weights"], "fp32, as the policy's"
+    assert beside["bf16"].device["reference"] == beside["bf16"].device["weights"], "bf16, as the policy's"
+    assert beside["bf16"].peak(32) < alone["autocast"].peak(32) < beside["autocast"].peak(32)
+    assert peaks(32)[0] < alone["autocast"].peak(32) / 1.5, "32 pairs: about twice 32 plain samples' activations"
+    memory = int((alone["autocast"].peak(32) + beside["autocast"].peak(32)) / 2 / estimate.USABLE)
+    assert fit.weigh(ds, note, tasks.build(SETTINGS), SETTINGS, 1, memory) == (ds, note), "a plain run: autocast"
+    weighed, said = fit.weigh(ds, note, task, pairs, 1, memory)
+    assert weighed["bf16"] == {"enabled": True}, said
+    assert f"{beside['autocast'].peak(32) / 1e9:.1f} GB a rank with autocast's fp32 weights" in said

@@ -81,10 +81,16 @@ def test_build_picks_the_task(model, task, kind, name):
     assert built.correct is (tasks.next_token_correct if language_model else tasks.class_correct)
 
 
-def test_task_is_refused_for_image_models():
-    with pytest.raises(UserError, match=r"--task 'causal_lm' is not one of auto, causal_lm, instruction, sequence_classification "
-                                        r"for image models \(leave --task auto\)"):
-        tasks.build(Settings(model="cnn", task="causal_lm"))
+@pytest.mark.parametrize("task", ["causal_lm", "preference"])
+def test_a_text_task_is_refused_for_image_models(task):
+    with pytest.raises(UserError, match=rf"--task {task} trains a transformers model on text; cnn is an image model"):
+        tasks.build(Settings(model="cnn", task=task))
+
+
+def test_an_unknown_task_for_an_image_model_names_the_choices():
+    with pytest.raises(UserError, match=r"--task 'translation' is not one of auto, causal_lm, instruction, preference, "
+                                        r"sequence_classification for image models \(leave --task auto\)"):
+        tasks.build(Settings(model="cnn", task="translation"))
 
 
 def test_packing_is_refused_for_image_models():
@@ -94,7 +100,7 @@ def test_packing_is_refused_for_image_models():
 
 def test_an_unknown_task_names_the_choices():
     with pytest.raises(UserError, match="--task 'translation' is not one of auto, causal_lm, instruction, "
-                                        "sequence_classification"):
+                                        "preference, sequence_classification"):
         tasks.build(Settings(model="gpt2-tiny", task="translation"))
 
 

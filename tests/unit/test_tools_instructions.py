@@ -1,4 +1,5 @@
-"""The worked instruction example's files: chats answering each word's opposite, and the tiny Llama folder."""
+"""The worked instruction example's files: chats answering each word's opposite, preference pairs choosing it, and the
+tiny Llama folder."""
 import json
 import re
 
@@ -81,3 +82,42 @@ def test_the_command_writes_both_and_says_where(tmp_path, capsys):
     assert len(_rows(folder / "chats.jsonl")) == 12
     assert (folder / "model" / "config.json").is_file() and (folder / "model" / "tokenizer.json").is_file()
     assert json.loads((folder / "model" / "config.json").read_text())["num_hidden_layers"] == 2
+
+
+def test_every_pair_chooses_the_opposite_and_rejects_another_word(tmp_path):
+    path = instructions.write_pairs(tmp_path / "example", 400, seed=0)
+    assert path == tmp_path / "example" / "pairs.jsonl"
+    rows = _rows(path)
+    opposite, words = dict(instructions.OPPOSITES), {w for both in instructions.OPPOSITES for w in both}
+    rejected = set()
+    for row in rows:
+        assert set(row) == {"prompt", "chosen", "rejected"}
+        *system, user = row["prompt"]
+        assert system in ([], [{"role": "system", "content": instructions.SYSTEM}]) and user["role"] == "user"
+        _, word = _asked(user["content"])
+        assert row["chosen"] == [{"role": "assistant", "content": opposite[word]}], row
+        [wrong] = row["rejected"]
+        assert wrong["role"] == "assistant" and wrong["content"] in words and wrong["content"] != opposite[word]
+        rejected.add(wrong["content"])
+    assert len(rows) == 400 and len(rejected) > len(words) // 2, "the rejected word varies"
+    assert instructions.write_pairs(tmp_path / "again", 400, seed=0).read_text() == path.read_text()
+    assert instructions.write_pairs(tmp_path / "other", 400, seed=1).read_text() != path.read_text()
+
+
+def test_the_pairs_are_conversational_preference_data_the_app_reads(tmp_path):
+    from app.data import chat, preference
+    from app.data.tokenizers import byte_tokenizer
+    tokenizer = byte_tokenizer()
+    chat.ensure_template(tokenizer)
+    rows = _rows(instructions.write_pairs(tmp_path, 20, seed=3))
+    assert preference.form_of(list(rows[0])) == "explicit"
+    for i, row in enumerate(rows):
+        encoded = preference.encode_row(tokenizer, row, f"row {i}", 1000)
+        answer = tokenizer.decode(encoded["chosen"][encoded["prompt"]:])
+        assert answer == row["chosen"][0]["content"] + "<|endoftext|>" and not encoded["same"]
+
+
+def test_the_command_writes_pairs_instead_of_chats_when_asked(tmp_path, capsys):
+    instructions.main([str(tmp_path), "--rows", "7", "--pairs"])
+    assert capsys.readouterr().out == f"wrote {tmp_path / 'pairs.jsonl'} and {tmp_path / 'model'}\n"
+    assert len(_rows(tmp_path / "pairs.jsonl")) == 7 and not (tmp_path / "chats.jsonl").exists()

@@ -15,6 +15,10 @@ def test_memory_sizes(text, count):
     (["--gpu_memory", "0GB"], "is not a memory size"),
     ([], "no GPU here to read the memory of: pass --gpu_memory"),
     (["--gpu_memory", "8GB", "--model", "nope-9000"], "unknown model 'nope-9000'"),
+    (["--gpu_memory", "8GB", "--reference", "precompute"], "--reference and --preference_loss plan preference "
+                                                           "tuning: add --preference"),
+    (["--gpu_memory", "8GB", "--preference"], "--task preference trains a transformers model on text; cnn is an "
+                                              "image model"),
 ])
 def test_mistakes_are_one_line(argv, message, capsys):
     assert plan_tool.main(argv) == 2  # the CPU tests see no GPU (conftest hides them)
@@ -54,3 +58,73 @@ def test_each_autocast_config_is_also_planned_with_bf16_weights_which_win_where_
     out = capsys.readouterr().out
     assert f"recommended: {argv[-1]}+bf16" in out and "with bf16 weights in place of autocast's fp32 ones" in out
     assert f"({argv[-1]} would peak at" in out
+
+
+PLANNED = ("dp", "dp+bf16", "zero2", "zero3", "zero3_offload")
+
+
+def preference_plans(folder, *flags, world_size=4, only=PLANNED) -> dict:
+    """{config: MemoryPlan} of gpt2-tiny's shape at 128 tokens, as the command plans them with these flags."""
+    args = plan_tool.parse(["--model", str(folder), "--world_size", str(world_size), "--seq_len", "128",
+                            "--gpu_memory", "10GB", *flags])
+    named = {name: ds for name, ds in plan_tool.configs(args).items() if name in only}
+    return plan_tool.measure(args, named, plan_tool.task_of(args))
+
+
+@pytest.fixture(scope="module")
+def gpt2_folder(tmp_path_factory):
+    from app.core import models
+    folder = tmp_path_factory.mktemp("plan") / "gpt2"
+    models.hf_spec("gpt2-tiny").config.save_pretrained(folder)  # config.json, no weights
+    return folder
+
+
+def test_a_preference_plan_counts_two_sequences_a_pair_and_the_frozen_copys_weights(gpt2_folder):
+    """A sample is a pair: twice the activations of a plain run's sample at the same length. The frozen copy holds
+    the policy's weights as its engine does: fp32 under autocast, bf16 with the bf16 section, whole on every rank
+    under ZeRO 0-2, a quarter each on 4 ranks under ZeRO-3, on the host with parameter offload; no gradient,
+    optimizer state nor master of its own."""
+    plain, pairs = preference_plans(gpt2_folder), preference_plans(gpt2_folder, "--preference")
+    total = plain["dp"].parameters
+    for name in PLANNED:
+        assert pairs[name].per_sample == pytest.approx(2 * plain[name].per_sample, rel=1e-4), name
+        assert pairs[name].fixed == plain[name].fixed, "what a micro batch needs whatever its size: as before"
+        assert "reference" not in plain[name].device and "reference" not in plain[name].host
+        extra = {k: v for k, v in pairs[name].device.items() if k != "reference"}
+        assert extra == plain[name].device, "the policy's own states do not change"
+        # 8 pairs peak as 16 plain samples do, and the copy beside them
+        assert pairs[name].peak(8) == pytest.approx(plain[name].peak(16) + pairs[name].device["reference"], rel=1e-6)
+    assert pairs["dp"].device["reference"] == 4 * total and pairs["zero2"].device["reference"] == 4 * total
+    assert pairs["dp+bf16"].device["reference"] == 2 * total
+    assert pairs["zero3"].device["reference"] == pytest.approx(4 * total / 4, rel=1e-4), "a quarter on each of 4 ranks"
+    offloaded = pairs["zero3_offload"]
+    assert offloaded.device["reference"] == 0 and offloaded.host["reference"] == pairs["zero3"].device["reference"]
+
+
+@pytest.mark.parametrize("flags, same_as", [(["--lora"], ["--lora"]), (["--reference", "precompute"], []),
+                                            (["--preference_loss", "simpo"], [])])
+def test_no_reference_bytes_under_lora_precomputed_or_simpo(gpt2_folder, flags, same_as):
+    """The policy with its adapters off, log-probabilities computed before training and SimPO's loss hold no model
+    of their own: the model states are the plain run's, and only the pairs double the activations."""
+    pairs = preference_plans(gpt2_folder, "--preference", *flags, only=("zero3", "zero3_offload"))
+    plain = preference_plans(gpt2_folder, *same_as, only=("zero3", "zero3_offload"))
+    for name, found in pairs.items():
+        assert "reference" not in found.device and "reference" not in found.host
+        assert (found.device, found.host) == (plain[name].device, plain[name].host), name
+        assert found.per_sample == pytest.approx(2 * plain[name].per_sample, rel=1e-4)
+
+
+def test_the_table_says_which_reference_and_shows_its_column(gpt2_folder, capsys):
+    dp = str(plan_tool.ds_config.REPO / "ds_configs" / "dp.json")
+    argv = ["--model", str(gpt2_folder), "--world_size", "2", "--micro_batch", "4", "--seq_len", "128",
+            "--gpu_memory", "10GB", "--deepspeed_config", dp, "--preference"]
+    assert plan_tool.main(argv) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[1].startswith("preference pairs: act/sample is a pair's two sequences; reference: frozen copy, its "
+                               "weights per rank in the ref column"), lines[1]
+    header, row = lines[2].split(), lines[3].split()
+    assert header[5:8] == ["working", "ref", "host"] and row[0] == dp and row[6] == row[1], "the copy: fp32 weights"
+    assert plan_tool.main([*argv, "--lora"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert "reference: adapters off, the model itself with its LoRA adapters off: no memory of its own" in lines[1]
+    assert lines[3].split()[6] == "-"

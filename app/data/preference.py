@@ -1,0 +1,187 @@
+"""Preference data: rows of two answers to one prompt, `chosen` and `rejected`, in the forms TRL documents (plain text
+or lists of messages, the prompt in its own column or the shared start of both), rendered with the chat template.
+
+A row becomes two token sequences, the prompt followed by each answer, labelled on the answer's tokens alone: the
+prompt rendered as the model sees it before it answers (add_generation_prompt), each answer the rest of the whole
+conversation's rendering, tokenized on its own as chat.py does.
+"""
+import torch
+from torch.utils.data import Dataset
+
+from app.data import DataInfo, chat
+from app.data.chat import IGNORE
+from app.distributed import dist
+from app.errors import UserError
+
+
+def form_of(columns) -> str:
+    """'explicit' (a prompt column, or ShareGPT's conversations, beside chosen and rejected), 'implicit' (chosen and
+    rejected hold whole texts or conversations that start alike), or '' when the rows are not preference pairs."""
+    if "chosen" not in columns or "rejected" not in columns:
+        return ""
+    return "explicit" if "prompt" in columns or "conversations" in columns else "implicit"
+
+
+def _shared_start(chosen, rejected) -> int:
+    """Where two texts, or two lists of turns, first differ; for texts, a space just before stays with the answers,
+    and where one is the start of the other, its last character or turn does (TRL's rules for an implicit
+    prompt)."""
+    n, shorter = 0, min(len(chosen), len(rejected))
+    while n < shorter and chosen[n] == rejected[n]:
+        n += 1
+    if n == shorter:  # one is the start of the other: its last character, or turn, stays an answer
+        return max(n - 1, 0)
+    if isinstance(chosen, str) and n > 0 and chosen[n - 1] == " ":
+        n -= 1
+    return n
+
+
+def _as_turns(value, index: str, what: str) -> list:
+    """A list of {role, content} turns; LLaMA-Factory's answers ({"from": "gpt", "value": ...}) are one turn."""
+    return chat._turns([value] if isinstance(value, dict) else value, index, what)
+
+
+def split_row(row: dict, index: str) -> tuple:
+    """(prompt, chosen, rejected): three texts, or three lists of turns."""
+    chosen, rejected = row["chosen"], row["rejected"]
+    prompt = row.get("prompt", row.get("conversations"))
+    if isinstance(chosen, str) != isinstance(rejected, str) or (prompt is not None and
+                                                                isinstance(prompt, str) != isinstance(chosen, str)):
+        raise UserError(f"{index}: its prompt, chosen and rejected are not all text nor all lists of turns")
+    if isinstance(chosen, str):
+        if prompt is None:
+            cut = _shared_start(chosen, rejected)
+            prompt, chosen, rejected = chosen[:cut], chosen[cut:], rejected[cut:]
+        return prompt, chosen, rejected
+    chosen, rejected = _as_turns(chosen, index, "its chosen"), _as_turns(rejected, index, "its rejected")
+    if prompt is None:
+        cut = _shared_start(chosen, rejected)
+        prompt, chosen, rejected = chosen[:cut], chosen[cut:], rejected[cut:]
+    else:
+        prompt = _as_turns(prompt, index, "its prompt")
+    return prompt, chosen, rejected
+
+
+def _rendered(tokenizer, prompt, answer, index: str, which: str) -> tuple:
+    """(prompt text, answer text) as the template renders them, the answer the rest of the whole conversation."""
+    if isinstance(answer, str):
+        if not answer:
+            raise UserError(f"{index}: its {which} answer is empty")
+        return prompt, answer + (tokenizer.eos_token or "")
+    if not any(turn["role"] == "assistant" for turn in answer):
+        raise UserError(f"{index}: its {which} answer has no assistant turn after the prompt they share")
+    start = chat._render(tokenizer, prompt, True, index) if prompt else ""
+    whole = chat._render(tokenizer, prompt + answer, False, index)
+    if not whole.startswith(start):
+        raise UserError(f"the chat template does not render the prompt as the start of the whole conversation "
+                        f"({index}); pass --tokenizer with one that does")
+    return start, whole[len(start):]
+
+
+def encode_row(tokenizer, row: dict, index: str, block: int) -> dict:
+    """The row's prompt and answers as tokens cut to block: each answer's ids (prompt first) and labels, how many
+    answer tokens each keeps, whether a cut was made, and whether the two answers are the same."""
+    prompt, chosen, rejected = split_row(row, index)
+    encoded = {}
+    for which, answer in (("chosen", chosen), ("rejected", rejected)):
+        start, text = _rendered(tokenizer, prompt, answer, index, which)
+        asked = tokenizer(start, add_special_tokens=False)["input_ids"] if start else []
+        said = tokenizer(text, add_special_tokens=False)["input_ids"]
+        ids = (asked + said)[:block]
+        encoded[which] = ids
+        encoded[f"{which}_labels"] = ([IGNORE] * len(asked) + said)[:block]
+        encoded[f"{which}_units"] = chat.answer_tokens(encoded[f"{which}_labels"])
+        encoded["prompt"] = min(len(asked), block)
+        encoded["cut"] = encoded.get("cut", False) or len(asked) + len(said) > block
+    encoded["same"] = encoded["chosen"] == encoded["rejected"]
+    return encoded
+
+
+def encoder(tokenizer, block: int, what: str):
+    """The batched map function of preference rows; what names the split in errors."""
+    keys = ("chosen", "chosen_labels", "chosen_units", "rejected", "rejected_labels", "rejected_units", "prompt",
+            "cut", "same")
+
+    def encode(batch, indices):
+        out = {key: [] for key in keys}
+        for n, index in enumerate(indices):
+            encoded = encode_row(tokenizer, {c: batch[c][n] for c in batch}, f"row {index} of the {what} "
+                                 f"preference data", block)
+            for key in keys:
+                out[key].append(encoded[key])
+        return out
+    return encode
+
+
+class PairRows(Dataset):
+    """((the two sequences' ids, each padded on the right to length), (their labels, the reference's
+    log-probabilities of the two answers)), chosen first. The pair is the loss's unit: a step's loss is a mean over
+    its pairs. reference: a (rows, 2) tensor once precomputed (app/core/preference.py), NaN until then."""
+
+    def __init__(self, dataset, pad_id: int, length: int):
+        self.dataset, self.pad_id, self.length = dataset.with_format("torch"), pad_id, length
+        self.units = [1.0] * len(dataset)
+        self.reference = None
+
+    def __len__(self):
+        return len(self.dataset)
+
+    def __getitem__(self, i):
+        row = self.dataset[i]
+        ids = torch.full((2, self.length), self.pad_id, dtype=torch.long)
+        labels = torch.full((2, self.length), IGNORE, dtype=torch.long)
+        for k, which in enumerate(("chosen", "rejected")):
+            ids[k, :len(row[which])], labels[k, :len(row[which])] = row[which], row[f"{which}_labels"]
+        reference = self.reference[i] if self.reference is not None else torch.full((2,), float("nan"))
+        return ids, (labels, reference)
+
+    def per_sample(self) -> dict:
+        """Rows (pairs) and real (not padding) tokens per sample, on average over the set."""
+        real = sum(len(ids) for which in ("chosen", "rejected") for ids in self.dataset.data.column(which).to_pylist())
+        return {"rows": 1.0, "real_tokens": real / len(self)}
+
+    def prompt(self, i: int) -> tuple:
+        """(prompt ids, chosen answer ids) of row i, for the answers shown at each evaluation."""
+        row = self.dataset[i]
+        ids, start = row["chosen"].tolist(), int(row["prompt"])
+        return ids[:start], ids[start:]
+
+
+def pair_rows(dataset, tokenizer, block: int, what: str):
+    """Pairs rendered and labelled on their answers (app/data/preference.py), cut to block tokens; says how many
+    were cut, and leaves out (saying so) pairs whose two answers are the same or lost every answer token."""
+    from app.data.text import _cache_key, _mapped
+    key = _cache_key(dataset, tokenizer, "preference", block, tokenizer.chat_template)
+    rows = _mapped(dataset, encoder(tokenizer, block, what), key, what, "preference pairs", with_indices=True)
+    kept = [bool(c and r) for c, r in zip(rows["chosen_units"], rows["rejected_units"])]
+    cut, empty = sum(rows["cut"]), kept.count(False)
+    same = sum(1 for k, s in zip(kept, rows["same"]) if k and s)
+    if cut:
+        dist.print0(f"{what}: {cut} of {len(rows)} pairs are longer than the block of {block} tokens and were cut"
+                    f"{f'; {empty} lost every token of an answer and are left out' if empty else ''} (--block_size "
+                    f"sets the block)")
+    if same:
+        dist.print0(f"{what}: {same} of {len(rows)} pairs have the same answer chosen and rejected (within the "
+                    f"block); they teach nothing and are left out")
+    if cut or same:
+        rows = rows.filter(lambda c, r, s: c > 0 and r > 0 and not s, input_columns=["chosen_units", "rejected_units",
+                                                                                      "same"],
+                           new_fingerprint=key + "-kept")
+        rows = rows.flatten_indices(new_fingerprint=key + "-flat")
+    if not len(rows):
+        raise UserError(f"no {what} preference pair keeps two different answers within the block of {block} "
+                        f"tokens; raise --block_size, or check the chosen and rejected columns")
+    return rows
+
+
+def pair_sets(train, eval_set, tokenizer, block: int, settings) -> tuple:
+    """(train, held-out, DataInfo) of preference pairs, each answer padded to the longest kept."""
+    from app.data.text import _longest
+    if settings.packing == "on":
+        raise UserError("--packing on packs instruction rows; preference pairs are not packed: leave --packing "
+                        "auto or pass off")
+    train = pair_rows(train, tokenizer, block, "train")
+    eval_set = pair_rows(eval_set, tokenizer, block, "held-out")
+    length = max(_longest(rows, which) for rows in (train, eval_set) for which in ("chosen", "rejected"))
+    sets = [PairRows(rows, tokenizer.pad_token_id, length) for rows in (train, eval_set)]
+    return (*sets, DataInfo(0, task="causal_lm", vocab_size=len(tokenizer), seq_len=length))

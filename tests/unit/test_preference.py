@@ -1,0 +1,110 @@
+"""The DPO family's losses and rewards against their formulas, the answers' log-probabilities against a direct sum,
+and the frozen reference's DeepSpeed dict."""
+import math
+
+import pytest
+import torch
+
+from app.core import preference
+from app.data.chat import IGNORE
+
+BETA, GAMMA = 0.3, 0.7
+# pairs of (chosen, rejected) policy log-probabilities, their token counts and the reference's log-probabilities
+POLICY = [(-8.0, -15.5), (-40.25, -31.0), (-3.5, -3.25)]
+TOKENS = [(6, 9), (20, 11), (2, 2)]
+REFERENCE = [(-13.0, -14.0), (-38.0, -33.5), (-3.5, -3.25)]
+
+
+def sigmoid(x: float) -> float:
+    return 1 / (1 + math.exp(-x))
+
+
+def inputs(requires_grad: bool = False) -> tuple:
+    policy = torch.tensor([[[p, n] for p, n in zip(ps, ns)] for ps, ns in zip(POLICY, TOKENS)], dtype=torch.float64,
+                          requires_grad=requires_grad)
+    return policy, torch.tensor(REFERENCE, dtype=torch.float64)
+
+
+def by_hand(kind: str) -> list:
+    """[(loss, chosen's reward, rejected's reward)] of each pair, from the formulas."""
+    out = []
+    for (pc, pr), (nc, nr), (rc, rr) in zip(POLICY, TOKENS, REFERENCE):
+        d = (pc - rc) - (pr - rr)
+        if kind == "sigmoid":
+            out.append((-math.log(sigmoid(BETA * d)), BETA * (pc - rc), BETA * (pr - rr)))
+        elif kind == "hinge":
+            out.append((max(0.0, 1 - BETA * d), BETA * (pc - rc), BETA * (pr - rr)))
+        elif kind == "ipo":
+            per_token = (pc - rc) / nc - (pr - rr) / nr
+            out.append(((per_token - 1 / (2 * BETA)) ** 2, BETA * (pc - rc) / nc, BETA * (pr - rr) / nr))
+        else:
+            out.append((-math.log(sigmoid(BETA * (pc / nc - pr / nr) - GAMMA)), BETA * pc / nc, BETA * pr / nr))
+    return out
+
+
+@pytest.mark.parametrize("kind", preference.LOSSES)
+def test_each_loss_and_its_rewards_follow_the_formula(kind):
+    policy, reference = inputs()
+    got = torch.stack(preference.pair_losses(kind, BETA, GAMMA, policy, reference), 1)
+    assert got.shape == (3, 3) and torch.allclose(got, torch.tensor(by_hand(kind), dtype=torch.float64))
+    if kind == "hinge":
+        assert got[:, 0].tolist()[0::2] == [0.0, 1.0], "past the margin free; a pair the policy has not moved 1"
+
+
+def test_simpo_ignores_the_reference():
+    policy, reference = inputs()
+    for kind, same in (("simpo", True), ("sigmoid", False)):
+        a = preference.pair_losses(kind, BETA, GAMMA, policy, reference)[0]
+        b = preference.pair_losses(kind, BETA, GAMMA, policy, reference + 5 * torch.tensor([[1.0, -1.0]]))[0]
+        assert torch.equal(a, b) == same, kind
+
+
+def test_the_sigmoid_loss_pulls_the_chosen_up_and_the_rejected_down_by_beta_sigmoid():
+    policy, reference = inputs(requires_grad=True)
+    loss = preference.pair_losses("sigmoid", BETA, GAMMA, policy, reference)[0].sum()
+    loss.backward()
+    for i, ((pc, pr), (rc, rr)) in enumerate(zip(POLICY, REFERENCE)):
+        pull = BETA * sigmoid(-BETA * ((pc - rc) - (pr - rr)))
+        assert math.isclose(policy.grad[i, 0, 0].item(), -pull, rel_tol=1e-12)
+        assert math.isclose(policy.grad[i, 1, 0].item(), pull, rel_tol=1e-12)
+    assert (policy.grad[..., 1] == 0).all(), "token counts are data"
+
+
+def test_answer_logps_sum_the_labelled_next_tokens_and_count_them():
+    torch.manual_seed(0)
+    logits = torch.randn(3, 7, 11)
+    labels = torch.randint(0, 11, (3, 7))
+    labels[0, :4], labels[1, :2], labels[2, :] = IGNORE, IGNORE, IGNORE
+    labels[1, 5] = IGNORE  # a hole inside the answer too
+    got = preference.answer_logps(logits, labels)
+    for s in range(3):
+        logp = torch.log_softmax(logits[s].double(), -1)
+        counted = [t for t in range(1, 7) if labels[s, t] != IGNORE]
+        assert math.isclose(got[s, 0].item(), sum(logp[t - 1, labels[s, t]].item() for t in counted), rel_tol=1e-5,
+                            abs_tol=1e-5)
+        assert got[s, 1].item() == max(len(counted), 1)
+    assert got[2, 0] == 0 and got[:, 1].tolist() == [3.0, 4.0, 1.0]
+    changed = logits.clone()
+    changed[1, 4] += 100 * torch.randn(11)  # predicts position 5, left out
+    changed[:, -1] += 100  # predicts nothing
+    assert torch.equal(preference.answer_logps(changed, labels), got)
+
+
+def test_the_reference_dict_keeps_precision_and_zero3_partitioning_and_drops_the_optimizer():
+    ds = {"train_micro_batch_size_per_gpu": 8, "gradient_accumulation_steps": 4, "bf16": {"enabled": True},
+          "fp16": {"enabled": False}, "optimizer": {"type": "AdamW"}, "scheduler": {"type": "WarmupLR"},
+          "gradient_clipping": 1.0}
+    three = {"stage": 3, "offload_param": {"device": "cpu"}, "offload_optimizer": {"device": "cpu"},
+             "stage3_prefetch_bucket_size": 100}
+    ref = preference.reference_dict({**ds, "zero_optimization": three}, 4)
+    assert "optimizer" not in ref and "scheduler" not in ref
+    assert ref["bf16"] == {"enabled": True} and ref["fp16"] == {"enabled": False}
+    assert ref["zero_optimization"] == {"stage": 3, "offload_param": {"device": "cpu"},
+                                        "stage3_prefetch_bucket_size": 100}
+    assert "offload_optimizer" in three and ds["train_micro_batch_size_per_gpu"] == 8, "the policy's dict is kept"
+    assert (ref["train_micro_batch_size_per_gpu"], ref["gradient_accumulation_steps"], ref["train_batch_size"]) == \
+        (1, 1, 4), "it never steps: one sample per replica"
+    for stage in (1, 2):
+        zero = {"stage": stage, "offload_optimizer": {"device": "cpu"}}
+        assert preference.reference_dict({**ds, "zero_optimization": zero}, 2)["zero_optimization"] == {"stage": 0}
+    assert preference.reference_dict(ds, 1)["zero_optimization"] == {"stage": 0}
