@@ -46,7 +46,8 @@ class Settings:
     """Preference pairs: sigmoid (DPO), ipo, hinge, or simpo (no reference; length-normalised, margin
     --simpo_gamma)."""
     beta: float = 0.1
-    """Preference pairs: how far from the reference the loss lets the model go (smaller: further)."""
+    """Preference pairs: how far from the reference the loss lets the model go (smaller: further; SimPO's paper
+    uses 2 to 2.5)."""
     simpo_gamma: float = 0.5
     """Preference pairs, --preference_loss simpo: the reward margin the loss asks of the chosen answer."""
     reference: str = "live"

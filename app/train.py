@@ -184,7 +184,7 @@ def fit(job: Job) -> int:
     rates = throughput_for(task, job.flops, engine, settings)
     folder, saved = job.resumed
     if hasattr(task, "prepare"):  # preference: its reference, from the engine's weights before any checkpoint's
-        task.prepare(engine, job.ds, folder is not None, job.ranks.replicas, output_dir)
+        task.prepare(engine, job.ds, output_dir)
     start = resume.load(engine, folder, saved, job.ranks.replicas) if folder else (0, 0)
     if loop.nothing_to_do(engine, job.steps):
         return 0

@@ -35,14 +35,15 @@ def pair_losses(kind: str, beta: float, gamma: float, policy: torch.Tensor, refe
     sigmoid (DPO): -log sigmoid(beta * d), d the chosen answer's log-ratio to the reference minus the rejected one's;
     hinge: max(0, 1 - beta * d); ipo: (d' - 1 / (2 beta))^2, d' of log-ratios averaged over each answer's tokens;
     simpo: -log sigmoid(beta * (mean log-probability of chosen - of rejected) - gamma), no reference. A reward is
-    beta times the log-ratio the loss uses (SimPO: times the mean log-probability)."""
+    beta times an answer's log-ratio to the reference, summed over its tokens (SimPO: beta times its mean
+    log-probability), as TRL logs them."""
     logp, tokens = policy[..., 0], policy[..., 1]
     if kind == "simpo":
         rewards = beta * logp / tokens
         return -F.logsigmoid(rewards[:, 0] - rewards[:, 1] - gamma), rewards[:, 0], rewards[:, 1]
-    ratios = (logp - reference) / tokens if kind == "ipo" else logp - reference
-    rewards = beta * ratios
+    rewards = beta * (logp - reference)
     if kind == "ipo":
+        ratios = (logp - reference) / tokens
         loss = (ratios[:, 0] - ratios[:, 1] - 1 / (2 * beta)) ** 2
     elif kind == "hinge":
         loss = torch.relu(1 - (rewards[:, 0] - rewards[:, 1]))
@@ -158,20 +159,17 @@ class Preference:
         if self.reference_kind == "frozen copy":
             self.frozen = reference.frozen_copy(self, ds, replicas)
 
-    def prepare(self, engine, ds: dict, resumed: bool, replicas: int, output_dir):
-        """Before training and before a checkpoint is loaded (the engine holds the base model's weights then): the
+    def prepare(self, engine, ds: dict, output_dir):
+        """Before training and before a checkpoint is loaded, while the engine holds the base model's weights: the
         precomputed log-probabilities; says which reference the run trains against."""
         from app.core import reference
         from app.distributed import dist
         from app.ds.precision import compute_dtype
         kind = self.reference_kind
         if kind == "precomputed":
-            def reference_of():  # the engine before its checkpoint is loaded holds the base model
-                if self.settings.lora or not resumed:
-                    return Reference(engine, adapters_off=self.settings.lora)
-                return Reference(reference.frozen_copy(self, ds, replicas), False)
-            reference.precompute(reference_of, [self.train_set, self.eval_set], self.base(),
-                                 compute_dtype(engine), ds["train_micro_batch_size_per_gpu"], output_dir)
+            reference.precompute(lambda: Reference(engine, adapters_off=self.settings.lora),
+                                 [self.train_set, self.eval_set], self.base(), compute_dtype(engine),
+                                 ds["train_micro_batch_size_per_gpu"], output_dir)
         dist.print0(f"preference: {self.loss_kind} loss, beta {self.beta:g}"
                     f"{f', gamma {self.gamma:g}' if self.loss_kind == 'simpo' else ''}; reference: {kind}")
 

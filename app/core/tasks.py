@@ -209,9 +209,14 @@ class Preference(preference.Preference, TextTask):
         return 2 * super().flops_per_sample(model, info) * (4 / 3 if live else 1)
 
     def build_model(self, info: DataInfo, ds_config: dict) -> nn.Module:
-        """As for any text task; a preset's weights drawn from --seed alone, so a frozen copy is the same model."""
+        """As for any text task, its dropout off (the model and the reference must score an answer alike, as TRL's
+        disable_dropout does); a preset's weights drawn from --seed alone, so a frozen copy is the same model."""
         with lora.seeded(self.settings.seed) if not self.spec.pretrained else contextlib.nullcontext():
-            return super().build_model(info, ds_config)
+            model = super().build_model(info, ds_config)
+        for module in model.modules():
+            if isinstance(module, nn.Dropout):
+                module.p = 0.0
+        return model
 
 
 def settled(task, ranks):

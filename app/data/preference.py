@@ -67,7 +67,8 @@ def _rendered(tokenizer, prompt, answer, index: str, which: str) -> tuple:
     if isinstance(answer, str):
         if not answer:
             raise UserError(f"{index}: its {which} answer is empty")
-        return prompt, answer + (tokenizer.eos_token or "")
+        eos = tokenizer.eos_token or ""
+        return prompt, answer if answer.endswith(eos) else answer + eos
     if not any(turn["role"] == "assistant" for turn in answer):
         raise UserError(f"{index}: its {which} answer has no assistant turn after the prompt they share")
     start = chat._render(tokenizer, prompt, True, index) if prompt else ""
@@ -116,7 +117,8 @@ def encoder(tokenizer, block: int, what: str):
 class PairRows(Dataset):
     """((the two sequences' ids, each padded on the right to length), (their labels, the reference's
     log-probabilities of the two answers)), chosen first. The pair is the loss's unit: a step's loss is a mean over
-    its pairs. reference: a (rows, 2) tensor once precomputed (app/core/preference.py), NaN until then."""
+    its pairs. reference: a (rows, 2) tensor once precomputed (app/core/reference.py); zeros until then, which only
+    the micro batch search's trial steps read."""
 
     def __init__(self, dataset, pad_id: int, length: int):
         self.dataset, self.pad_id, self.length = dataset.with_format("torch"), pad_id, length
@@ -132,7 +134,7 @@ class PairRows(Dataset):
         labels = torch.full((2, self.length), IGNORE, dtype=torch.long)
         for k, which in enumerate(("chosen", "rejected")):
             ids[k, :len(row[which])], labels[k, :len(row[which])] = row[which], row[f"{which}_labels"]
-        reference = self.reference[i] if self.reference is not None else torch.full((2,), float("nan"))
+        reference = self.reference[i] if self.reference is not None else torch.zeros(2)  # before precompute
         return ids, (labels, reference)
 
     def per_sample(self) -> dict:
@@ -163,7 +165,7 @@ def pair_rows(dataset, tokenizer, block: int, what: str):
     if same:
         dist.print0(f"{what}: {same} of {len(rows)} pairs have the same answer chosen and rejected (within the "
                     f"block); they teach nothing and are left out")
-    if cut or same:
+    if cut or same or empty:
         rows = rows.filter(lambda c, r, s: c > 0 and r > 0 and not s, input_columns=["chosen_units", "rejected_units",
                                                                                       "same"],
                            new_fingerprint=key + "-kept")

@@ -123,6 +123,9 @@ def _trial(ds: dict, micro: int, layout, task, build, train_set, where: str, ran
         return _trial_steps(trial, micro, layout, task, build, train_set,
                             lambda part: _agreed(part, micro, where, ran, board))
     finally:  # the trial's frame is gone: its engine is garbage now, unless DeepSpeed's globals still hold it
+        frozen = getattr(task, "frozen", None)  # preference: the reference's engine outlives the trials
+        if frozen is not None and frozen.zero_optimization_partition_weights():
+            frozen.empty_partition_cache()  # what a trial that ran out of memory left gathered
         ds_internals.forget_parallel_groups()
         ds_internals.forget_unfinished_forward()
         here = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")

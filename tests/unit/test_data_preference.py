@@ -142,7 +142,7 @@ def test_a_block_shorter_than_the_row_cuts_it_and_counts_the_kept_answer_tokens(
     assert lost["cut"] and lost["prompt"] == p - 2 and lost["chosen_units"] == lost["rejected_units"] == 0
 
 
-def test_pair_rows_are_padded_pairs_with_the_reference_nan_until_set():
+def test_pair_rows_are_padded_pairs_with_the_reference_zero_until_set():
     tok = tokenizer()
     rows = load("trl-zen-standard_explicit.jsonl")
     encoded = rows.map(preference.encoder(tok, BIG, "train"), batched=True, with_indices=True,
@@ -152,7 +152,7 @@ def test_pair_rows_are_padded_pairs_with_the_reference_nan_until_set():
     assert len(pairs) == len(rows) == 19
     for i in (0, 8):
         ids, (labels, reference) = pairs[i]
-        assert ids.shape == labels.shape == (2, length) and reference.shape == (2,) and reference.isnan().all()
+        assert ids.shape == labels.shape == (2, length) and reference.tolist() == [0.0, 0.0]
         for k, which in enumerate(("chosen", "rejected")):
             n = len(encoded[i][which])
             assert ids[k, :n].tolist() == encoded[i][which] and (ids[k, n:] == tok.pad_token_id).all()
@@ -234,3 +234,12 @@ def test_the_form_of_preference_pairs_and_the_tasks_that_refuse_them():
     with pytest.raises(UserError, match="pairs.jsonl holds preference pairs .* llama-tiny is a sequence "
                                         "classifier: pass a causal LM$"):
         text.instruction_form(pairs, "sequence_classification", settings)
+
+
+def test_a_plain_answer_that_ends_with_the_end_of_text_token_gets_no_second_one():
+    tok = tokenizer()
+    row = {"prompt": "Beautiful is better than", "chosen": f" ugly.{EOS}", "rejected": " the moon."}
+    encoded = preference.encode_row(tok, row, "r", BIG)
+    p = encoded["prompt"]
+    assert tok.decode(encoded["chosen"][p:]) == f" ugly.{EOS}" and tok.decode(encoded["rejected"][p:]) == \
+        f" the moon.{EOS}"

@@ -36,7 +36,7 @@ def by_hand(kind: str) -> list:
             out.append((max(0.0, 1 - BETA * d), BETA * (pc - rc), BETA * (pr - rr)))
         elif kind == "ipo":
             per_token = (pc - rc) / nc - (pr - rr) / nr
-            out.append(((per_token - 1 / (2 * BETA)) ** 2, BETA * (pc - rc) / nc, BETA * (pr - rr) / nr))
+            out.append(((per_token - 1 / (2 * BETA)) ** 2, BETA * (pc - rc), BETA * (pr - rr)))  # TRL's rewards
         else:
             out.append((-math.log(sigmoid(BETA * (pc / nc - pr / nr) - GAMMA)), BETA * pc / nc, BETA * pr / nr))
     return out

@@ -126,3 +126,19 @@ def test_benchmark_data_of_a_language_model():
     assert (info.task, info.vocab_size, info.seq_len, lm.tokens_per_sample) == ("causal_lm", 8192, 16, 16)
     with pytest.raises(UserError, match="bert-tiny is a sequence classifier"):
         tasks.build(Settings(model="bert-tiny")).sample_data(6, 16)
+
+
+def test_a_preference_model_has_its_dropout_off_and_a_preset_is_drawn_from_the_seed(tmp_path):
+    """TRL's disable_dropout: the model and its reference score an answer alike. A folder saved with dropout 0.1
+    (GPT-2's defaults) comes back without it; a preset built twice is the same model (its frozen copy)."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+    from app.data.tokenizers import byte_tokenizer
+    GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=320)).save_pretrained(tmp_path / "gpt2")
+    info = DataInfo(0, task="causal_lm", vocab_size=320, seq_len=16)
+    for name in (str(tmp_path / "gpt2"), "llama-tiny"):
+        task = tasks.build(Settings(model=name, task="preference"))
+        task.tokenizer = byte_tokenizer()
+        models = [task.build_model(info, {}) for _ in range(2)]
+        dropouts = [m for m in models[0].modules() if isinstance(m, torch.nn.Dropout)]
+        assert all(m.p == 0.0 for m in dropouts) and (dropouts or name == "llama-tiny"), name
+        assert all(torch.equal(a, b) for a, b in zip(models[0].state_dict().values(), models[1].state_dict().values()))
