@@ -66,8 +66,8 @@ class Answers:
 
 
 def for_run(engine, task, output_dir: Path, count: int, max_new_tokens: int):
-    """The Answers of an instruction or preference run (None for other tasks, when count is 0, and on a pipeline, whose stages
-    cannot run the whole model; it says so)."""
+    """The Answers of an instruction or preference run (None for other tasks, when count is 0, and on a pipeline,
+    whose stages cannot run the whole model; it says so)."""
     if count == 0 or getattr(task, "name", "") not in ("instruction", "preference"):
         return None
     if engine.pipeline_parallelism:

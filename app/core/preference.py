@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from app.core.step import TrainStep
+from app.ds import internals as ds_internals
 from app.data.chat import IGNORE
 from app.observe.metrics import Meter
 
@@ -78,7 +79,9 @@ class Reference:
         engine.eval()
         try:
             with torch.no_grad(), torch.compiler.set_stance("force_eager"), off:
-                return answer_logps(engine(ids), labels)[:, 0]
+                # the policy's own engine: its forward counts as part of the policy's step (ZeRO-3's gather order)
+                logits = ds_internals.forward_within_the_step(engine, ids) if self.adapters_off else engine(ids)
+                return answer_logps(logits, labels)[:, 0]
         finally:
             engine.train(training)
 

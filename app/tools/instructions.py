@@ -43,22 +43,22 @@ def pair(rng: random.Random) -> dict:
             "rejected": [{"role": "assistant", "content": wrong}]}
 
 
-def write_pairs(folder: Path, rows: int, seed: int) -> Path:
-    """folder/pairs.jsonl with rows preference pairs."""
+def _rows(folder: Path, name: str, make, rows: int, seed: int) -> Path:
     rng = random.Random(seed)
     folder.mkdir(parents=True, exist_ok=True)
-    path = folder / "pairs.jsonl"
-    path.write_text("".join(json.dumps(pair(rng)) + "\n" for _ in range(rows)))
+    path = folder / name
+    path.write_text("".join(json.dumps(make(rng)) + "\n" for _ in range(rows)))
     return path
+
+
+def write_pairs(folder: Path, rows: int, seed: int) -> Path:
+    """folder/pairs.jsonl with rows preference pairs."""
+    return _rows(folder, "pairs.jsonl", pair, rows, seed)
 
 
 def write(folder: Path, rows: int, seed: int) -> Path:
     """folder/chats.jsonl with rows conversations."""
-    rng = random.Random(seed)
-    folder.mkdir(parents=True, exist_ok=True)
-    path = folder / "chats.jsonl"
-    path.write_text("".join(json.dumps(chat(rng)) + "\n" for _ in range(rows)))
-    return path
+    return _rows(folder, "chats.jsonl", chat, rows, seed)
 
 
 def write_model(folder: Path, seed: int, layers: int = SHAPE["num_hidden_layers"]) -> Path:

@@ -9,7 +9,7 @@ import sys
 import pytest
 import torch
 
-from conftest import REPO, assert_one_error_line, read_metrics, read_summary, run, train_jobs
+from conftest import FAULTS, REPO, assert_one_error_line, read_metrics, read_summary, run, train_jobs
 
 SPLITS = {"micro 4 x accumulation 1 x 2 ranks": (4, 1, 2), "micro 1 x accumulation 4 x 2 ranks": (1, 4, 2),
           "micro 8 x 1 rank": (8, 1, 1)}
@@ -75,20 +75,33 @@ def runs(tmp_path_factory):
         two[path.stem] = ["--model", longer, "--dataset", path, *zero3, "--max_steps", 2, "--block_size", 512,
                           "--eval_fraction", 0.25, "--eval_answers", 0]
     two["pipeline"] = [*tiny, "--dataset", few, "--deepspeed_config", REPO / "ds_configs" / "pipeline.json"]
+    # the micro batch "auto" with a frozen ZeRO-3 copy: out of memory from 17 sequences on (9 pairs; the copy's forward
+    # of the trial's pairs runs first), so 8 pairs a micro batch, 4 accumulation steps; the same losses as by hand
+    auto = json.loads((REPO / "ds_configs" / "zero3.json").read_text())
+    auto.pop("gradient_accumulation_steps")
+    (tmp / "auto.json").write_text(json.dumps({**auto, "train_micro_batch_size_per_gpu": "auto",
+                                               "train_batch_size": 64}))
+    (tmp / "by-hand.json").write_text(json.dumps({**auto, "train_micro_batch_size_per_gpu": 8,
+                                                  "gradient_accumulation_steps": 4}))
+    two["auto"] = {"argv": [*short, "--deepspeed_config", tmp / "auto.json"], "env": {"APP_OOM_AT": "17"}}
+    two["by hand"] = [*short, "--deepspeed_config", tmp / "by-hand.json"]
     one["classifier"] = ["--model", "bert-tiny", "--tokenizer", "bytes", "--dataset", few]
     one["image"] = ["--model", "cnn", "--task", "preference"]
     one["other world size"] = {"argv": [*short, "--max_steps", 8, "--reference", "precompute", "--resume", "auto"],
                                "folder": "stopped on 2 ranks"}
     refused = {"pipeline", "classifier", "image"}
 
+    def folder(name, job):
+        return tmp / (job.get("folder", name) if isinstance(job, dict) else name)
+
     def argv(name, job):
-        folder = tmp / (job["folder"] if isinstance(job, dict) else name)
-        return [*(job["argv"] if isinstance(job, dict) else job), "--output_dir", folder]
+        given = job if isinstance(job, dict) else {"argv": job}
+        return {"argv": [*given["argv"], "--output_dir", folder(name, job)], "env": given.get("env", {})}
     outputs = train_jobs("ranks", 2, [argv(n, j) for n, j in two.items()],
-                         codes=[2 if n in refused else 0 for n in two])
+                         codes=[2 if n in refused else 0 for n in two], wrapper=(FAULTS,))
     outputs += train_jobs("python", 1, [argv(n, j) for n, j in one.items()],
                           codes=[2 if n in refused else 0 for n in one])
-    return {name: (tmp / (job["folder"] if isinstance(job, dict) else name), output)
+    return {name: (folder(name, job), output)
             for (name, job), output in zip([*two.items(), *one.items()], outputs)} | {"data": (tmp / "few", "")}
 
 
@@ -182,6 +195,13 @@ def test_a_resumed_run_continues_exactly_also_on_another_world_size(runs):
     other = runs["other world size"][1]
     assert "converting it to a universal checkpoint" in other and "read from" in other
     assert [r["step"] for r in read_metrics(runs["stopped on 2 ranks"][0])[0]] == list(range(1, 9))
+
+
+def test_the_micro_batch_auto_counts_pairs_and_its_trials_leave_no_trace(runs):
+    output, folder = runs["auto"][1], runs["auto"][0]
+    line = next(line for line in output.splitlines() if line.startswith("micro batch: "))
+    assert '"auto" picked 8, the largest of' in line and "4 accumulation step(s)" in line, line
+    assert losses(folder) == losses(runs["by hand"][0])
 
 
 def test_the_exported_model_holds_the_chat_template(runs):

@@ -7,7 +7,8 @@ against WRITTEN_FOR; `version_note()` says in one line what to do when another v
 from app.ds.internals.parser import Recorder, parse_config, scalar_defaults, section_fields
 from app.ds.internals.engine import (config_saved_as, count_every_stage_in_grad_norm, count_skipped_steps,
                                      bad_norms, drop_other_stages, engine_hooks_eager, forget_unfinished_forward,
-                                     forget_parallel_groups, gathered_state_dict, lighten_plain_step, note_clip_norms,
+                                     forget_parallel_groups, forward_within_the_step, gathered_state_dict,
+                                     lighten_plain_step, note_clip_norms,
                                      replay_cpu_adam_steps, skip_bad_steps_on_device, step_bf16_weights_on_device,
                                      uncompile)
 from app.ds.internals.device_constants import constants_on_device
@@ -20,7 +21,8 @@ from app.ds.internals.state import (deepspeed_estimate, held_weights, module_sta
 WRITTEN_FOR = "0.19.8"
 __all__ = ["Recorder", "parse_config", "scalar_defaults", "section_fields", "config_saved_as",
            "count_every_stage_in_grad_norm", "count_skipped_steps", "bad_norms", "drop_other_stages",
-           "engine_hooks_eager", "forget_parallel_groups", "forget_unfinished_forward", "gathered_state_dict",
+           "engine_hooks_eager", "forget_parallel_groups", "forget_unfinished_forward", "forward_within_the_step",
+           "gathered_state_dict",
            "lighten_plain_step", "note_clip_norms", "replay_cpu_adam_steps", "skip_bad_steps_on_device",
            "step_bf16_weights_on_device", "constants_on_device", "uncompile", "cpu_info_once", "drop_shm_names",
            "launcher_world_info", "node_shell_line", "pdsh_exports", "pdsh_words", "started_by_pdsh", "op_loads_quiet",

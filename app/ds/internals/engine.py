@@ -269,3 +269,15 @@ def replay_cpu_adam_steps(engine):
     for step in range(1, steps + 1):
         inner.ds_opt_adam.adam_update(inner.opt_id, step, group["lr"], beta1, beta2, group["eps"],
                                       group["weight_decay"], group["bias_correction"], empty, empty, empty, empty)
+
+
+def forward_within_the_step(engine, *inputs):
+    """engine(*inputs) as DeepSpeed's forward runs the module (in its torch_autocast), but without the hooks of the
+    engine's root module: under ZeRO-3 the root's pre-forward hook starts a new window of the parameter
+    coordinator's recorded gather order, so a second forward in each micro step (preference tuning's reference, the
+    LoRA adapters off) would make every window differ from the last: DeepSpeed would then drop its recorded order,
+    compare module ids across ranks at each window (host reads) and never prefetch. The root module holds no
+    parameters of its own (the app's HFLogits wraps the model); its children gather theirs as in any forward."""
+    from deepspeed.runtime.torch_autocast import autocast_if_enabled
+    with autocast_if_enabled(engine):
+        return engine.module.forward(*inputs)
