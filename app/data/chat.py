@@ -7,25 +7,35 @@ tokenized on its own (as the prompt is at inference, before the model answers), 
 import torch
 from torch.utils.data import Dataset
 
+from app.data import tools
 from app.errors import UserError, first_line
 
 IGNORE = -100  # a label the loss leaves out (transformers' convention)
-ROLES = ("system", "user", "assistant")
+ROLES = ("system", "user", "assistant", "tool")
 # The template a tokenizer without one gets (docs/data-and-models.md, "Instruction data"), saved with it so the exported
-# model answers in the format it learned: each turn a role header, its text and the end-of-text token.
+# model answers in the format it learned: the tools offered, as JSON, in a first turn of their own; each turn a role
+# header, its text, each of its tool calls as <tool_call>{"name": ..., "arguments": ...}</tool_call>, and the
+# end-of-text token; a tool's result is a turn of the role tool.
 DEFAULT_TEMPLATE = (
+    "{%- if tools %}{{- '<|tools|>\n' + (tools | tojson) + eos_token }}{%- endif %}"
     "{%- for message in messages %}"
-    "{%- if message['role'] not in ['system', 'user', 'assistant'] %}"
-    "{{- raise_exception('role ' + message['role'] + ' is not one of system, user, assistant') }}{%- endif %}"
+    "{%- if message['role'] not in ['system', 'user', 'assistant', 'tool'] %}"
+    "{{- raise_exception('role ' + message['role'] + ' is not one of system, user, assistant, tool') }}{%- endif %}"
     "{%- if message['content'] is not string %}"
     "{{- raise_exception('a ' + message['role'] + ' turn whose content is not text') }}{%- endif %}"
-    "{{- '<|' + message['role'] + '|>\n' + message['content'] + eos_token }}"
+    "{{- '<|' + message['role'] + '|>\n' + message['content'] }}"
+    "{%- for call in message['tool_calls'] or [] %}"
+    "{{- '<tool_call>' + ({'name': call['function']['name'], 'arguments': call['function']['arguments']} | tojson)"
+    " + '</tool_call>' }}{%- endfor %}"
+    "{{- eos_token }}"
     "{%- endfor %}"
     "{%- if add_generation_prompt %}{{- '<|assistant|>\n' }}{%- endif %}")
 
 
-# ShareGPT's speakers (axolotl, LLaMA-Factory and FastChat read its `conversations` of {"from", "value"} turns)
-SPEAKERS = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "system": "system"}
+# ShareGPT's speakers (axolotl, LLaMA-Factory and FastChat read its `conversations` of {"from", "value"} turns), and
+# LLaMA-Factory's for tool use: a function_call turn holds the call as JSON, an observation turn the tool's result
+SPEAKERS = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "system": "system",
+            "function_call": "assistant", "observation": "tool", "tool": "tool"}
 
 
 def form_of(columns) -> str:
@@ -59,22 +69,51 @@ def ensure_template(tokenizer) -> bool:
     return True
 
 
-def _render(tokenizer, messages: list, generation: bool, row: str) -> str:
+def _render(tokenizer, messages: list, generation: bool, row: str, tools=None) -> str:
     try:
-        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation)
+        return tokenizer.apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=generation)
     except Exception as e:  # jinja's TemplateError, or a message that is not a dict
         raise UserError(f"{row}: the chat template cannot render it ({first_line(e)}); "
                         f"each turn needs a role ({', '.join(ROLES)}) and text content") from None
 
 
+def _text(content, row: str, role: str):
+    """A turn's content: text as it is; parts ([{"type": "text", "text": ...}], LLaMA-Factory's "value" for
+    "text") joined when all are text."""
+    if not isinstance(content, list):
+        return content
+    texts = [part.get("text", part.get("value")) if isinstance(part, dict) and part.get("type") == "text" else None
+             for part in content]
+    if not all(isinstance(text, str) for text in texts):
+        kinds = sorted({str(part.get("type")) if isinstance(part, dict) else type(part).__name__ for part in content})
+        raise UserError(f"{row}: a turn of role {role} holds parts of type {', '.join(kinds)}; only text parts "
+                        f"({{\"type\": \"text\", \"text\": ...}}) are read")
+    return "".join(texts)
+
+
+def _turn(m: dict, row: str) -> dict:
+    """One turn as the chat template takes it: role, text content, tool calls and their ids where given."""
+    if m.get("role"):
+        turn = {"role": m["role"], "content": _text(m.get("content"), row, m["role"])}
+        turn.update({k: m[k] for k in ("name", "tool_call_id") if m.get(k) is not None})
+        calls = m.get("tool_calls")
+    else:
+        turn = {"role": SPEAKERS.get(m["from"], m["from"]), "content": m.get("value")}
+        calls = m.get("value") if m["from"] == "function_call" else None
+        turn["content"] = "" if calls else turn["content"]
+    if calls:
+        turn["tool_calls"] = tools.calls(calls, row)
+        turn["content"] = turn["content"] if turn["content"] is not None else ""
+    return turn
+
+
 def _turns(value, row: str, what: str) -> list:
-    """A list of {role, content} dicts, checked; ShareGPT's {from, value} turns are read as such."""
+    """A list of turns, checked; ShareGPT's {from, value} turns are read as such."""
     if not isinstance(value, list) or not value or not all(isinstance(m, dict) and (m.get("role") or m.get("from"))
                                                            for m in value):
         raise UserError(f"{row}: {what} is not a list of turns like "
                         f"{{\"role\": \"user\", \"content\": \"...\"}}")
-    return [{"role": m["role"], "content": m.get("content")} if m.get("role") else
-            {"role": SPEAKERS.get(m["from"], m["from"]), "content": m.get("value")} for m in value]
+    return [_turn(m, row) for m in value]
 
 
 def pieces(tokenizer, row: dict, form: str, index: str) -> list:
@@ -93,9 +132,11 @@ def pieces(tokenizer, row: dict, form: str, index: str) -> list:
     if not answers:
         raise UserError(f"{index} has no assistant turn to learn from; every "
                         f"conversation needs at least one")
-    whole, cuts = _render(tokenizer, messages, False, index), [0]
+    offered = tools.offered(row, index)
+    whole, cuts = _render(tokenizer, messages, False, index, offered), [0]
     for i in answers:
-        start, end = _render(tokenizer, messages[:i], True, index), _render(tokenizer, messages[:i + 1], False, index)
+        start = _render(tokenizer, messages[:i], True, index, offered)
+        end = _render(tokenizer, messages[:i + 1], False, index, offered)
         if not (whole.startswith(start) and whole.startswith(end)) or len(start) < cuts[-1]:
             raise UserError(f"the chat template does not render the start of a conversation as the start of the "
                             f"whole ({index}): it rewrites earlier turns; pass --tokenizer with one that does not")

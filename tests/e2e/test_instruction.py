@@ -201,3 +201,26 @@ def test_a_model_whose_packed_rows_would_see_each_other_is_refused_in_one_line(t
     assert_one_error_line(result.stdout + result.stderr, "packing: OpenAIGPTLMHeadModel with attention",
                           "lets packed rows see each other", "pass --packing off")
     assert not (tmp_path / "run" / "metrics.csv").exists()
+
+
+def test_public_tool_calling_chats_train_under_zero3_on_two_ranks(tmp_path):
+    """Chats with tool calls and results from public files (tests/data/tools) on a 1-layer Llama that reads 1,024
+    positions; the file whose turns hold reasoning and calls as parts is one line."""
+    from app.tools.instructions import write_model
+    from conftest import assert_one_error_line, read_metrics
+    model = write_model(tmp_path, seed=0, layers=1)
+    config = json.loads((model / "config.json").read_text())
+    (model / "config.json").write_text(json.dumps({**config, "max_position_embeddings": 1024}))  # RoPE: same weights
+    files = sorted((REPO / "tests" / "data" / "tools").glob("*.jsonl"))
+    refused = [path.stem.endswith("-parts") for path in files]
+    jobs = [["--model", model, "--dataset", path, "--deepspeed_config", REPO / "ds_configs" / "zero3.json",
+             "--max_steps", 4, "--log_interval", 1, "--block_size", 1024, "--eval_fraction", 0.25, "--eval_answers", 0,
+             "--output_dir", tmp_path / path.stem] for path in files]
+    outputs = train_jobs("ranks", 2, jobs, codes=[2 if r else 0 for r in refused])
+    for path, output, refuse in zip(files, outputs, refused):
+        if refuse:
+            assert_one_error_line(output, "holds parts of type reasoning", "only text parts")
+            continue
+        train, held = read_metrics(tmp_path / path.stem)
+        assert len(train) == 4 and all(r["loss"] == r["loss"] for r in train + held), (path.name, train)
+        assert "rows (" in output and "ZeRO stage 3" in output

@@ -3,6 +3,7 @@
 and one line for each kind of bad row."""
 import json
 
+import datasets
 import pytest
 import torch
 
@@ -10,6 +11,7 @@ from app.data import TextModel, chat, text
 from app.data.tokenizers import TOKENIZER_DIR, byte_tokenizer, run_tokenizer
 from app.errors import UserError
 from app.settings import Settings
+from conftest import REPO
 
 EOS = "<|endoftext|>"
 TWO_TURNS = {"messages": [{"role": "system", "content": "Add."}, {"role": "user", "content": "1+2?"},
@@ -80,11 +82,21 @@ def test_sharegpt_conversations_read_as_chats():
 
 
 @pytest.mark.parametrize("row, said", [
-    ({"messages": [{"role": "tool", "content": "x"}, {"role": "assistant", "content": "y"}]},
-     "the chat template cannot render it (role tool is not one of system, user, assistant)"),
+    ({"messages": [{"role": "ipython", "content": "x"}, {"role": "assistant", "content": "y"}]},
+     "the chat template cannot render it (role ipython is not one of system, user, assistant, tool)"),
     ({"messages": [{"role": "user", "content": "x"}]}, "has no assistant turn to learn from"),
     ({"messages": [{"role": "user", "content": ["x"]}, {"role": "assistant", "content": "y"}]},
-     "a user turn whose content is not text"),
+     "a turn of role user holds parts of type str; only text parts"),
+    ({"messages": [{"role": "user", "content": "x"}, {"role": "assistant", "content": 3}]},
+     "a assistant turn whose content is not text"),
+    ({"messages": [{"role": "user", "content": "x"},
+                   {"role": "assistant", "tool_calls": [{"type": "function", "function": {"arguments": "{}"}}]}]},
+     "a tool call without a function name"),
+    ({"messages": [{"role": "user", "content": "x"},
+                   {"role": "assistant", "tool_calls": [{"function": {"name": "f", "arguments": "{symbol: GS"}}]}]},
+     "a tool call's arguments is not valid JSON: '{symbol: GS'"),
+    ({"conversations": [{"from": "human", "value": "x"}, {"from": "function_call", "value": "f(1)"}]},
+     "a tool call is not valid JSON: 'f(1)'"),
     ({"messages": "hello"}, "its messages is not a list of turns"),
     ({"prompt": "x", "completion": ""}, "its completion is empty or not text"),
 ])
