@@ -183,7 +183,8 @@ def fit(job: Job) -> int:
         dist.print0(ds_auto.say(job.ds, job.filled, output_dir, dist.is_main()))
     rates = throughput_for(task, job.flops, engine, settings)
     folder, saved = job.resumed
-    if hasattr(task, "prepare"):  # preference: its reference, from the engine's weights before any checkpoint's
+    finished = saved is not None and saved.step >= job.steps  # nothing_to_do says so below
+    if hasattr(task, "prepare") and not finished:  # preference: its reference, from the weights before any load
         task.prepare(engine, job.ds, output_dir)
     start = resume.load(engine, folder, saved, job.ranks.replicas) if folder else (0, 0)
     if loop.nothing_to_do(engine, job.steps):

@@ -226,8 +226,9 @@ def save_hf_files(config, tokenizer, folder):
     tokenizer.save_pretrained(folder)
 
 
-def train_flops_per_token(model: nn.Module, seq_len: int) -> float:
-    """6 x parameters in matmuls + 12 x layers x width x sequence (forward and backward; PaLM, appendix B).
+def train_flops_per_token(model: nn.Module, seq_len: int, forward_only: bool = False) -> float:
+    """6 x parameters in matmuls + 12 x layers x width x sequence (forward and backward; PaLM, appendix B); a
+    forward alone (forward_only: a reference model's) is a third of that: 2 and 4.
 
     Embedding lookups are not matmuls; an output layer tied to the input embedding is. A frozen weight (LoRA's base
     model) takes 4, not 6: its backward computes the input's gradient but not its own.
@@ -237,9 +238,9 @@ def train_flops_per_token(model: nn.Module, seq_len: int) -> float:
     if out is not None:
         tied.add(id(out.weight))
     lookups = {id(m.weight) for m in hf.modules() if isinstance(m, nn.Embedding)} - tied
-    flops = sum((6.0 if p.requires_grad else 4.0) * getattr(p, "ds_numel", p.numel()) for p in hf.parameters()
-                if id(p) not in lookups)
-    return flops + 12.0 * hf.config.num_hidden_layers * hf.config.hidden_size * seq_len
+    flops = sum((2.0 if forward_only else 6.0 if p.requires_grad else 4.0) * getattr(p, "ds_numel", p.numel())
+                for p in hf.parameters() if id(p) not in lookups)
+    return flops + (4.0 if forward_only else 12.0) * hf.config.num_hidden_layers * hf.config.hidden_size * seq_len
 
 
 def model_names() -> list:

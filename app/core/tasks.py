@@ -203,10 +203,11 @@ class Preference(preference.Preference, TextTask):
         return sets
 
     def flops_per_sample(self, model: nn.Module, info: DataInfo) -> float:
-        """A pair's training FLOPs: two sequences forward and backward, and a live reference's forward of both
-        (a third of that again)."""
-        live = self.reference_kind in ("adapters off", "frozen copy")
-        return 2 * super().flops_per_sample(model, info) * (4 / 3 if live else 1)
+        """A pair's training FLOPs: two sequences forward and backward, and a live reference's forward of both."""
+        sequence = super().flops_per_sample(model, info)
+        if self.reference_kind in ("adapters off", "frozen copy"):
+            sequence += models.train_flops_per_token(model, info.seq_len, forward_only=True) * info.seq_len
+        return 2 * sequence
 
     def build_model(self, info: DataInfo, ds_config: dict) -> nn.Module:
         """As for any text task, its dropout off (the model and the reference must score an answer alike, as TRL's

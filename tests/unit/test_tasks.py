@@ -142,3 +142,21 @@ def test_a_preference_model_has_its_dropout_off_and_a_preset_is_drawn_from_the_s
         dropouts = [m for m in models[0].modules() if isinstance(m, torch.nn.Dropout)]
         assert all(m.p == 0.0 for m in dropouts) and (dropouts or name == "llama-tiny"), name
         assert all(torch.equal(a, b) for a, b in zip(models[0].state_dict().values(), models[1].state_dict().values()))
+
+
+def test_a_pairs_flops_are_two_sequences_trained_and_the_live_references_forward_of_both():
+    """Full training: 6 per weight and 2 for the reference (4/3 of training); LoRA: 4 per frozen weight and 2 (3/2);
+    precomputed: training alone."""
+    from app.core import models
+    from app.data.tokenizers import byte_tokenizer
+    info = DataInfo(0, task="causal_lm", vocab_size=320, seq_len=16)
+    ratios = {}
+    for lora, reference in ((False, "live"), (True, "live"), (False, "precompute")):
+        task = tasks.build(Settings(model="llama-tiny", task="preference", lora=lora, reference=reference))
+        task.tokenizer = byte_tokenizer()
+        model = task.build_model(info, {})
+        trained = models.train_flops_per_token(model, 16) * 16
+        ratios[lora, reference] = task.flops_per_sample(model, info) / (2 * trained)
+    assert ratios[False, "precompute"] == 1.0
+    assert abs(ratios[False, "live"] - 4 / 3) < 1e-9
+    assert 1.45 < ratios[True, "live"] < 1.5  # the adapters' own 6 per weight pull it a little below 3/2
