@@ -186,6 +186,7 @@ def fit(job: Job) -> int:
     finished = saved is not None and saved.step >= job.steps  # nothing_to_do says so below
     if hasattr(task, "prepare") and not finished:  # preference: its reference, from the weights before any load
         task.prepare(engine, job.ds, output_dir)
+    compiled = compiling.wanted(settings.compile, engine.device, getattr(task, "eager_because", lambda _: "")(engine))
     start = resume.load(engine, folder, saved, job.ranks.replicas) if folder else (0, 0)
     if loop.nothing_to_do(engine, job.steps):
         return 0
@@ -194,7 +195,7 @@ def fit(job: Job) -> int:
     log = runlog.RunLog(output_dir, job.steps, engine.global_steps, throughput=rates,
                         columns=getattr(task, "log_columns", ()))
     metrics.reset_peak_memory(world.device)  # the summary's peak is the training's, not the start-up probe's
-    step = job.ranks.train_step(engine, task, compiling.wanted(settings.compile, engine.device), job.board)
+    step = job.ranks.train_step(engine, task, compiled, job.board)
     schedule = loop.Schedule(job.steps, settings.log_interval, settings.eval_interval, settings.save_interval,
                              settings.max_nonfinite_steps)
     with log.discarded_on_error(lambda: complete_checkpoints(checkpoint_root(output_dir))):

@@ -50,8 +50,10 @@ def parts(out: Path) -> list:
              "the digits CNN, 20 steps: the app's losses against stock DeepSpeed's, ZeRO 1-3 and bf16 weights"),
         Part("bench", 170, bench, "gpt2-124m, micro 32 x 1024: raw, raw + compile + fused AdamW, the app at ZeRO 0-3"),
         Part("plan_peak", 60, cuda_test("plan_predicts"), "the memory plan's peak against max_memory_allocated"),
+        Part("preference", 150, cuda_test("preference"),
+             "DPO in bf16 under ZeRO-3 on 2 ranks sharing the GPU, each reference; its host syncs counted"),
         Part("cuda_tests", 240, cuda_test("not synchronises and not stock_deepspeed_on_two_ranks and not "
-                                          "losses_are_stock and not plan_predicts"),
+                                          "losses_are_stock and not plan_predicts and not preference"),
              "the rest of tests/e2e/test_cuda.py"),
     ]
 

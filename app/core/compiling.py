@@ -17,8 +17,14 @@ from app.ds.internals import torch_private
 from app.errors import UserError, first_line
 
 
-def wanted(choice: str, device: torch.device) -> bool:
-    """--compile on/off, or auto: on for CUDA devices only (on CPU the compile time is not won back)."""
+def wanted(choice: str, device: torch.device, eager_because: str = "") -> bool:
+    """--compile on/off, or auto: on for CUDA devices only (on CPU the compile time is not won back). eager_because:
+    why this run must not compile ('' where it may): auto then trains eager and says why, on is refused."""
+    if eager_because and choice == "on":
+        raise UserError(f"--compile on: {eager_because}; pass --compile off (or auto, which trains eager here)")
+    if eager_because and choice == "auto" and device.type == "cuda":
+        dist.print0(f"compile: off, eager: {eager_because}")
+        return False
     return choice == "on" or (choice == "auto" and device.type == "cuda")
 
 

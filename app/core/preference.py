@@ -176,6 +176,14 @@ class Preference:
         dist.print0(f"preference: {self.loss_kind} loss, beta {self.beta:g}"
                     f"{f', gamma {self.gamma:g}' if self.loss_kind == 'simpo' else ''}; reference: {kind}")
 
+    def eager_because(self, engine) -> str:
+        """Why the run trains eager whatever --compile asks ('' where it may compile): under ZeRO-3, LoRA's
+        reference forward inside the compiled step ended both ranks with a segmentation fault on an H100
+        (docs/preference-tuning.md, "On a GPU"); eager, the same run trains."""
+        if self.reference_kind == "adapters off" and engine.zero_optimization_stage() == 3:
+            return "LoRA's reference (the adapters off) inside ZeRO-3's compiled step crashed on a GPU"
+        return ""
+
     def base(self) -> str:
         """What identifies the base model the reference is (app/core/lora.py's fingerprint)."""
         from app.core import lora

@@ -9,7 +9,7 @@ import sys
 import pytest
 
 from conftest import REPO, cuda_env, launch_script, read_metrics, read_summary, train, train_jobs
-from helpers.host_syncs import check_report, count_in_launch, sync_job
+from helpers.host_syncs import check_preference_waits, check_report, count_in_launch, sync_job
 
 pytestmark = pytest.mark.cuda
 
@@ -108,42 +108,42 @@ def test_the_plan_predicts_the_peak_the_gpu_reaches(tmp_path):
     assert abs(peak - measured) <= 0.1 * measured, (peak, measured)
 
 
-def test_one_gpu_auto_mode_compiles_and_picks_bf16(tmp_path):
+def test_preference_tuning_under_zero3_on_two_ranks_sharing_the_gpu(tmp_path):
+    """DPO in bf16 autocast under ZeRO-3 on 2 ranks sharing the GPU, against each reference: a frozen copy and the
+    adapters off (LoRA), each live and precomputed. The first step's loss is log 2 (the reference is the policy), a
+    precomputed reference trains as the live one does, and the worked example learns the preferred answers."""
     need(1)
-    result = gpu_train(tmp_path / "run")
-    assert "mode: no launcher and one GPU: plain single-device training on cuda:0" in result.stdout
-    assert 'precision: bf16 autocast (torch_autocast "auto": the CUDA device supports bf16)' in result.stdout
-    assert "compile: compiling the model and its loss" in result.stdout and "could not be compiled" not in result.stdout
-    summary = read_summary(tmp_path / "run")
-    assert summary["precision"] == "bfloat16" and summary["peak_memory_bytes"] > 0
-    losses = [r["loss"] for r in read_metrics(tmp_path / "run")[0]]
-    assert losses[-1] < losses[0]
+    import math
+    from app.tools.instructions import write_model, write_pairs
+    base = ["--model", write_model(tmp_path, seed=0), "--dataset", write_pairs(tmp_path, 2000, seed=0),
+            "--block_size", 128, "--deepspeed_config", REPO / "ds_configs" / "zero3.json", "--eval_answers", 0]
+    jobs = {f"{kind} {reference}": [*base, "--max_steps", 6, "--log_interval", 1, "--reference", reference,
+                                    *(["--lora"] if kind == "lora" else [])]
+            for kind in ("copy", "lora") for reference in ("live", "precompute")}
+    jobs["learnt"] = [*base, "--max_steps", 40, "--eval_interval", 20, "--log_interval", 10]
+    outputs = dict(zip(jobs, train_jobs("ranks", 2, [[*argv, "--output_dir", tmp_path / name.replace(" ", "-")]
+                                                     for name, argv in jobs.items()],
+                                        base_env={**cuda_env(), **SHARED})))
+    losses = {name: [r["loss"] for r in read_metrics(tmp_path / name.replace(" ", "-"))[0]] for name in jobs}
+    for kind in ("copy", "lora"):
+        live, precomputed = losses[f"{kind} live"], losses[f"{kind} precompute"]
+        apart = max(abs(a - b) for a, b in zip(live, precomputed))
+        figure(f"preference_{kind}_first_loss_minus_log2", live[0] - math.log(2))
+        figure(f"preference_{kind}_live_vs_precomputed", apart)
+        assert "cuda:gloo on cuda" in outputs[f"{kind} live"] and "precision: bf16 autocast" in outputs[f"{kind} live"]
+        assert abs(live[0] - math.log(2)) < 1e-3 and live[-1] < live[0], (kind, live)
+        assert len(precomputed) == 6 and apart < 2e-2, (kind, live, precomputed)
+    train_rows, held = read_metrics(tmp_path / "learnt")
+    accuracy = [row["eval_reward_accuracy"] for row in held]
+    figure("preference_learnt_eval_reward_accuracy", accuracy[-1])
+    assert train_rows[-1]["reward_margin"] > 0 and accuracy[-1] >= 0.85, accuracy
+    assert read_summary(tmp_path / "learnt")["precision"] == "bfloat16"
 
 
-def test_every_zero_stage_trains_in_bf16_on_one_gpu_and_a_diverging_run_stops(tmp_path):
-    """Each ZeRO stage trains gpt2-tiny compiled in bf16 (one launch, the jobs one after another); and a ZeRO-3 run
-    whose learning rate diverges skips and counts its steps on the device and ends in one line."""
+def test_no_preference_step_waits_on_the_gpu_but_the_models_own(tmp_path):
+    """tests/e2e/test_host_syncs.py's preference count on CUDA, 2 ranks sharing the GPU."""
     need(1)
-    import json
-    corpus = _corpus(tmp_path)
-    names = ["dp", "zero1", "zero2", "zero3", "zero2_offload"]
-    common = ["--model", "gpt2-tiny", "--dataset", corpus, "--max_steps", 12, "--log_interval", 1]
-    jobs = [["--deepspeed_config", REPO / "ds_configs" / f"{name}.json", *common, "--output_dir", tmp_path / name]
-            for name in names]
-    diverging = json.loads((REPO / "ds_configs" / "zero3.json").read_text())
-    diverging["optimizer"]["params"]["lr"] = 1e6
-    (tmp_path / "diverging.json").write_text(json.dumps(diverging))
-    jobs.append(["--deepspeed_config", tmp_path / "diverging.json", *common, "--max_nonfinite_steps", 3,
-                 "--save_interval", 2, "--output_dir", tmp_path / "diverging"])
-    outputs = train_jobs("ranks", 1, jobs, base_env=cuda_env(), codes=[0] * len(names) + [2])
-    for name in names:
-        summary = read_summary(tmp_path / name)
-        assert summary["precision"] == "bfloat16" and 0 < summary["mfu"] < 1, name
-        losses = [r["loss"] for r in read_metrics(tmp_path / name)[0]]
-        assert losses[-1] < losses[0], name
-    assert "error: the run diverged: its loss or gradient norm has not been finite since step " in outputs[-1], \
-        outputs[-1][-3000:]
-    assert "skipped_steps" in outputs[-1], outputs[-1][-3000:]
+    check_preference_waits(tmp_path, base_env={**cuda_env(), **SHARED})
 
 
 def test_fp32_on_cuda_uses_tf32_unless_turned_off(tmp_path):
@@ -156,39 +156,6 @@ def test_fp32_on_cuda_uses_tf32_unless_turned_off(tmp_path):
                          base_env=cuda_env())
     assert "precision: fp32; TF32 matmuls" in on
     assert "precision: fp32; full-fp32 matmuls (--tf32 off)" in off
-
-
-def test_a_one_stage_pipeline_trains_in_bf16_on_one_gpu(tmp_path):
-    """DeepSpeed's pipeline engine on CUDA (one GPU holds one stage): bf16, the tied GPT-2 split, eval."""
-    need(1)
-    from conftest import config_variant
-    config = config_variant(tmp_path, "pipeline", pipeline={"stages": 1})
-    result = gpu_train(tmp_path / "run", "--deepspeed_config", config, "--model", "gpt2-tiny",
-                       "--dataset", _corpus(tmp_path))
-    assert "pipeline: 1 stage x 1 data-parallel replica(s)" in result.stdout
-    assert "compile: pipeline stages run eager" in result.stdout
-    summary = read_summary(tmp_path / "run")
-    assert summary["precision"] == "bfloat16" and summary["pipeline_stages"] == 1
-    losses = [r["loss"] for r in read_metrics(tmp_path / "run")[0]]
-    assert losses[-1] < losses[0]
-
-
-def test_two_ranks_share_one_gpu_behind_a_device_only_group(tmp_path):
-    """The multi-rank CUDA paths on a one-GPU machine: a CPU tensor handed to the device group fails there as
-    on NCCL, so summaries, throughput probes, stop votes and checkpoints must all keep to the host group."""
-    need(1)
-    corpus = _corpus(tmp_path)
-    names = ("dp", "zero1", "zero2", "zero3")
-    jobs = [["--deepspeed_config", REPO / "ds_configs" / f"{name}.json", "--model", "gpt2-tiny", "--dataset", corpus,
-             "--max_steps", 8, "--log_interval", 2, "--save_interval", 4, "--output_dir", tmp_path / name]
-            for name in names]
-    outputs = train_jobs("ranks", 2, jobs, base_env={**cuda_env(), **SHARED})
-    for name, output in zip(names, outputs):
-        assert "cuda:gloo on cuda" in output, output[-2000:]
-        summary = read_summary(tmp_path / name)
-        assert summary["world_size"] == 2 and summary["precision"] == "bfloat16" and summary["tokens_per_s"] > 0
-        losses = [r["loss"] for r in read_metrics(tmp_path / name)[0]]
-        assert losses[-1] < losses[0], name
 
 
 def test_two_ranks_sharing_one_gpu_make_no_host_sync(tmp_path):
@@ -229,6 +196,77 @@ def test_auto_takes_bf16_weights_where_only_they_fit_the_gpu(tmp_path):
     assert f'precision: bf16 (torch_autocast "auto" gave way to bf16 weights: the memory plan puts a micro batch of ' \
            f'{micro} at ' in result.stdout, result.stdout[-3000:]
     assert read_summary(tmp_path / "run")["precision"] == "bfloat16"
+
+
+def test_one_gpu_auto_mode_compiles_and_picks_bf16(tmp_path):
+    need(1)
+    result = gpu_train(tmp_path / "run")
+    assert "mode: no launcher and one GPU: plain single-device training on cuda:0" in result.stdout
+    assert 'precision: bf16 autocast (torch_autocast "auto": the CUDA device supports bf16)' in result.stdout
+    assert "compile: compiling the model and its loss" in result.stdout and "could not be compiled" not in result.stdout
+    summary = read_summary(tmp_path / "run")
+    assert summary["precision"] == "bfloat16" and summary["peak_memory_bytes"] > 0
+    losses = [r["loss"] for r in read_metrics(tmp_path / "run")[0]]
+    assert losses[-1] < losses[0]
+
+
+def test_every_zero_stage_trains_in_bf16_on_one_gpu_and_a_diverging_run_stops(tmp_path):
+    """Each ZeRO stage trains gpt2-tiny compiled in bf16 (one launch, the jobs one after another); and a ZeRO-3 run
+    whose learning rate diverges skips and counts its steps on the device and ends in one line."""
+    need(1)
+    import json
+    corpus = _corpus(tmp_path)
+    names = ["dp", "zero1", "zero2", "zero3", "zero2_offload"]
+    common = ["--model", "gpt2-tiny", "--dataset", corpus, "--max_steps", 12, "--log_interval", 1]
+    jobs = [["--deepspeed_config", REPO / "ds_configs" / f"{name}.json", *common, "--output_dir", tmp_path / name]
+            for name in names]
+    diverging = json.loads((REPO / "ds_configs" / "zero3.json").read_text())
+    diverging["optimizer"]["params"]["lr"] = 1e6
+    (tmp_path / "diverging.json").write_text(json.dumps(diverging))
+    jobs.append(["--deepspeed_config", tmp_path / "diverging.json", *common, "--max_nonfinite_steps", 3,
+                 "--save_interval", 2, "--output_dir", tmp_path / "diverging"])
+    outputs = train_jobs("ranks", 1, jobs, base_env=cuda_env(), codes=[0] * len(names) + [2])
+    for name in names:
+        summary = read_summary(tmp_path / name)
+        assert summary["precision"] == "bfloat16" and 0 < summary["mfu"] < 1, name
+        losses = [r["loss"] for r in read_metrics(tmp_path / name)[0]]
+        assert losses[-1] < losses[0], name
+    assert "error: the run diverged: its loss or gradient norm has not been finite since step " in outputs[-1], \
+        outputs[-1][-3000:]
+    assert "skipped_steps" in outputs[-1], outputs[-1][-3000:]
+
+
+def test_a_one_stage_pipeline_trains_in_bf16_on_one_gpu(tmp_path):
+    """DeepSpeed's pipeline engine on CUDA (one GPU holds one stage): bf16, the tied GPT-2 split, eval."""
+    need(1)
+    from conftest import config_variant
+    config = config_variant(tmp_path, "pipeline", pipeline={"stages": 1})
+    result = gpu_train(tmp_path / "run", "--deepspeed_config", config, "--model", "gpt2-tiny",
+                       "--dataset", _corpus(tmp_path))
+    assert "pipeline: 1 stage x 1 data-parallel replica(s)" in result.stdout
+    assert "compile: pipeline stages run eager" in result.stdout
+    summary = read_summary(tmp_path / "run")
+    assert summary["precision"] == "bfloat16" and summary["pipeline_stages"] == 1
+    losses = [r["loss"] for r in read_metrics(tmp_path / "run")[0]]
+    assert losses[-1] < losses[0]
+
+
+def test_two_ranks_share_one_gpu_behind_a_device_only_group(tmp_path):
+    """The multi-rank CUDA paths on a one-GPU machine: a CPU tensor handed to the device group fails there as
+    on NCCL, so summaries, throughput probes, stop votes and checkpoints must all keep to the host group."""
+    need(1)
+    corpus = _corpus(tmp_path)
+    names = ("dp", "zero1", "zero2", "zero3")
+    jobs = [["--deepspeed_config", REPO / "ds_configs" / f"{name}.json", "--model", "gpt2-tiny", "--dataset", corpus,
+             "--max_steps", 8, "--log_interval", 2, "--save_interval", 4, "--output_dir", tmp_path / name]
+            for name in names]
+    outputs = train_jobs("ranks", 2, jobs, base_env={**cuda_env(), **SHARED})
+    for name, output in zip(names, outputs):
+        assert "cuda:gloo on cuda" in output, output[-2000:]
+        summary = read_summary(tmp_path / name)
+        assert summary["world_size"] == 2 and summary["precision"] == "bfloat16" and summary["tokens_per_s"] > 0
+        losses = [r["loss"] for r in read_metrics(tmp_path / name)[0]]
+        assert losses[-1] < losses[0], name
 
 
 def test_two_ranks_with_nccl(tmp_path):

@@ -5,7 +5,8 @@ import pytest
 
 from app.tools.instructions import write_model
 from conftest import write_text_rows
-from helpers.host_syncs import DEEPSPEED_WAITS, STEPS, check_report, count_in_launch, counted, sync_job
+from helpers.host_syncs import DEEPSPEED_WAITS, STEPS, check_preference_waits, check_report, count_in_launch, \
+    counted, sync_job
 
 # bf16.json is dp.json with bf16 autocast on everywhere: as a GPU resolves them, the same run, counted once
 CONFIGS = ("dp", "zero1", "zero2", "zero3", "zero2_offload", "zero3_offload", "activation_checkpointing")
@@ -41,31 +42,7 @@ def test_no_preference_step_waits_on_the_device(tmp_path):
     """Preference pairs on 2 ranks, eager, against each reference: a frozen copy (ZeRO 0 and 2), the adapters off
     (LoRA), precomputed (ZeRO 1). The only waits are the model's own: transformers' masking code asks once per
     forward whether the rows are packed, the model's forward and the reference's."""
-    from app.tools.instructions import write_pairs
-    # 1,000 pairs: no epoch ends inside the counted steps (a new epoch's order is drawn on the host)
-    llama = ["--model", write_model(tmp_path, seed=0, layers=1), "--dataset", write_pairs(tmp_path, 1000, seed=0),
-             "--block_size", 64, "--eval_answers", 0]
-    names = {"frozen copy at ZeRO 0": ("dp",), "frozen copy at ZeRO 2": ("zero2",),
-             "adapters off at ZeRO 0": ("dp", "--lora"), "adapters off at ZeRO 3": ("zero3", "--lora"),
-             "precomputed at ZeRO 1": ("zero1", "--reference", "precompute")}
-    jobs = [sync_job(name, "off", tmp_path / label.replace(" ", "-"), *llama, *extra)
-            for label, (name, *extra) in names.items()]
-    for label, report in zip(names, count_in_launch(2, jobs)):
-        assert report["code"] == 0 and f"reference: {label.split(' at ')[0]}" in report["output"], report["output"]
-        found = counted(report)
-        model = [(rank, window, count) for rank, window, source, count in found if "masking_utils.py" in source]
-        assert all(count == (1 if label.startswith("precomputed") else 2) for _, _, count in model), (label, found)
-        rest = [f for f in found if "masking_utils.py" not in f[2]]
-        if "ZeRO 3" not in label:
-            assert not rest, (label, rest)
-            continue
-        # ZeRO-3: DeepSpeed's own waits of every step, as for any ZeRO-3 run, and no more: the reference's forward
-        # is part of the step's recorded gather order (app/ds/internals: forward_within_the_step)
-        functions, per_step = DEEPSPEED_WAITS["zero3"]
-        assert {source.split()[-1] for _, _, source, _ in rest} <= functions, rest
-        for rank in range(2):
-            counts = [sum(c for r, w, _, c in rest if (r, w) == (rank, window)) for window in report["ranks"][rank]]
-            assert counts == [per_step[2][rank]] * (STEPS - 2), (label, rank, counts)
+    check_preference_waits(tmp_path)
 
 
 def test_no_step_waits_on_the_device_with_one_rank(tmp_path):

@@ -71,6 +71,15 @@ def test_compile_on_compiles_anywhere_and_auto_only_for_cuda(choice, device, com
     assert compiling.wanted(choice, torch.device(device)) is compiled
 
 
+def test_a_run_that_must_not_compile_trains_eager_on_auto_and_refuses_on(capsys):
+    why = "LoRA's reference inside ZeRO-3's compiled step crashed on a GPU"
+    assert compiling.wanted("auto", torch.device("cuda"), why) is False
+    assert capsys.readouterr().out == f"compile: off, eager: {why}\n"
+    assert compiling.wanted("off", torch.device("cuda"), why) is False
+    with pytest.raises(UserError, match="--compile on: LoRA's reference .* pass --compile off"):
+        compiling.wanted("on", torch.device("cpu"), why)
+
+
 def test_the_compilers_own_refusal_is_a_compile_outcome_naming_the_innermost_error(refusal):
     assert compiling._outcome(None) == ("", "")
     assert compiling._outcome(refusal) == ("compile", REFUSED)
