@@ -15,7 +15,8 @@ class Settings:
     a save_pretrained folder, or a hub model name."""
     dataset: str = "digits"
     """Images: digits, synthetic, mnist, fashion_mnist, cifar10, imagefolder. Text (transformers models): a
-    .txt/.json/.jsonl/.csv/.parquet file or a folder of them, or a hub dataset name."""
+    .txt/.json/.jsonl/.csv/.parquet file or a folder of them, or a hub dataset name; several, comma-separated (a,b),
+    train together (--mix_weights)."""
     task: str = "auto"
     """Text: causal_lm, instruction, preference or sequence_classification; auto takes the model's own (presets:
     gpt2-* and llama-* causal_lm, bert-tiny sequence_classification; folders and hub models: the architecture in
@@ -70,7 +71,13 @@ class Settings:
     dataset_config: str = ""
     """Text: the configuration name of a hub dataset (e.g. wikitext-2-raw-v1)."""
     eval_file: str = ""
-    """Text: a file of held-out rows; otherwise the dataset's validation/test split, else --eval_fraction."""
+    """Text: a file of held-out rows (with several --dataset sources, one per source: a,b); otherwise the dataset's
+    validation/test split, else --eval_fraction."""
+    mix_weights: str = ""
+    """Text, several --dataset sources: each one's weight in the mix, in order (e.g. 2,1); each epoch draws its rows
+    from them by these shares. Default: the sources concatenated, each row once an epoch."""
+    mix_by: str = "rows"
+    """Text, --mix_weights: the weights are shares of the rows drawn (rows) or of their tokens (tokens)."""
     eval_fraction: float = 0.1
     """Text: share of the training rows held out when there is no --eval_file or validation split."""
     peak_flops: float = 0.0
@@ -132,7 +139,7 @@ class Settings:
         if self.num_workers < -1:
             raise UserError(f"--num_workers must be -1 (auto) or more, got {self.num_workers}")
         for name, allowed in (("compile", ("auto", "on", "off")), ("tf32", ("on", "off")),
-                              ("packing", ("auto", "on", "off")),
+                              ("packing", ("auto", "on", "off")), ("mix_by", ("rows", "tokens")),
                               ("pin_memory", ("auto", "on", "off")), ("reference", ("live", "precompute")),
                               ("preference_loss", ("sigmoid", "ipo", "hinge", "simpo"))):
             if getattr(self, name) not in allowed:

@@ -17,7 +17,7 @@ from app.checkpoint import outdir, resume
 from app.checkpoint.save import TrainerState, checkpoint_root, complete_checkpoints, save_checkpoint
 from app.core import answers as sample_answers
 from app.core import compiling, loop, lora, packing, tasks
-from app.data.loader import build_loader, feeding
+from app.data.loader import build_loader, feeding, held_out_loaders
 from app.distributed import dist, endings, launch, node_shell, preemption
 from app.distributed.cores import usable_cores
 from app.distributed.dist import World
@@ -193,7 +193,7 @@ def fit(job: Job) -> int:
     outdir.clear(output_dir, folder, settings.overwrite)  # only now: a mistake found before leaves it all
     job.stop = preemption.StopRequest(job.board, settings.grace_period, world.launcher != "none")
     log = runlog.RunLog(output_dir, job.steps, engine.global_steps, throughput=rates,
-                        columns=getattr(task, "log_columns", ()))
+                        columns=runlog.columns(task, *job.data[:2]))
     metrics.reset_peak_memory(world.device)  # the summary's peak is the training's, not the start-up probe's
     step = job.ranks.train_step(engine, task, compiled, job.board)
     schedule = loop.Schedule(job.steps, settings.log_interval, settings.eval_interval, settings.save_interval,
@@ -237,7 +237,7 @@ def loaders(train_set, eval_set, ds: dict, settings: Settings, world: World, ran
                 pin_memory=pin)
     micro = ds["train_micro_batch_size_per_gpu"]
     return (build_loader(train_set, micro, shuffle=True, accumulation=ds["gradient_accumulation_steps"], **args),
-            build_loader(eval_set, micro, shuffle=False, persistent=False, normalise=False, **args))
+            held_out_loaders(eval_set, micro, **args))
 
 
 def say_mode(settings: Settings, world: World, engine, steps: int, output_dir: Path, ranks: layout.RankLayout,

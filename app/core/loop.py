@@ -83,6 +83,21 @@ class Schedule:
         return step >= self.total_steps
 
 
+def evaluate(step, loaders) -> dict:
+    """The step's evaluation of the held-out set, or of each source's (loaders: {name: loader}) and all of them
+    together: each source's metrics as eval_x/<name>, and as eval_x their means weighted by the units (samples or
+    answer tokens) each source holds, the task's derived ones (perplexity) from the combined loss."""
+    if not isinstance(loaders, dict):
+        return step.evaluate(loaders)
+    parts = {name: step.evaluate(loader) for name, loader in loaders.items()}
+    units = {name: float(loader.batch_sampler.units.sum()) for name, loader in loaders.items()}
+    derived = set(step.task.eval_metrics(1.0))
+    combined = {key: sum(parts[name][key] * units[name] for name in parts) / sum(units.values())
+                for key in next(iter(parts.values())) if key not in derived}
+    combined.update(step.task.eval_metrics(combined["eval_loss"]))
+    return {**combined, **{f"{key}/{name}": value for name, result in parts.items() for key, value in result.items()}}
+
+
 class Loop:
     """Trains through the loaders by the schedule: micro steps, then at each optimizer step the log row,
     evaluation and checkpoint it calls for; stops at the last step or when every rank agrees to stop."""
@@ -98,6 +113,7 @@ class Loop:
         self.meter, self.clock = Meter(getattr(step, "metrics", ["loss"]), self.engine.device), Stopwatch()
         self.divergence = Divergence(self.engine, schedule.max_nonfinite_steps)
         self.samples, self.seconds, self.last_eval, self.stopped = 0.0, 0.0, {}, False
+        self.position = None  # (epoch, micro batches done in it) at the last log row
 
     def fit(self, start=(0, 0)) -> dict:
         """Train from (epoch, micro batch) start; the run's totals and its last evaluation."""
@@ -120,7 +136,8 @@ class Loop:
             epoch, skip = epoch + 1, 0
         return {"steps": self.engine.global_steps, "epochs": epoch, "samples": self.samples,
                 "train_s": self.seconds, **self.log.rates(self.samples, self.seconds),
-                "skipped_steps": self.engine.skipped_steps, "stopped_early": self.stopped, **self.last_eval}
+                "skipped_steps": self.engine.skipped_steps, "stopped_early": self.stopped, **self.last_eval,
+                **(self.train_loader.batch_sampler.drawn(*self.position) if self.position else {})}
 
     def _done(self) -> bool:
         return self.schedule.finished(self.engine.global_steps) or self.stopped
@@ -136,6 +153,8 @@ class Loop:
             result, elapsed = self.meter.reduce(), self.clock.lap()
             self.samples, self.seconds = self.samples + result["count"], self.seconds + elapsed
             extra = {name: result[name] for name in self.meter.names if name != "loss"}  # preference: rewards
+            self.position = epoch, batch_index
+            extra.update(self.train_loader.batch_sampler.drawn(epoch, batch_index))  # several sources: each one's
             self.log.train_row(step, epoch, result["loss"], self.engine.get_lr()[0], result["count"], elapsed,
                                skipped, extra)
         if schedule.eval_now(step):
@@ -148,7 +167,7 @@ class Loop:
 
     def _evaluate(self, epoch: int):
         with self.clock.paused():  # nor does evaluation
-            self.last_eval = self.step.evaluate(self.eval_loader)
+            self.last_eval = evaluate(self.step, self.eval_loader)
             self.log.write_row({"step": self.engine.global_steps, "epoch": epoch, **self.last_eval})
             if self.answers is not None:
                 self.answers(self.engine.global_steps)

@@ -113,7 +113,7 @@ class TextTask:
     def build_data(self, output_dir: Path) -> tuple:
         """(train set, eval set, DataInfo), tokenized once on the main rank and cached."""
         from app.data.images import BUILDERS
-        from app.data.text import build_text_sets
+        from app.data.text_sets import build_text_sets
         if self.settings.dataset in BUILDERS:
             raise UserError(f"{self.settings.model} is a transformers model and trains on text, not "
                             f"{self.settings.dataset}; pass --dataset <.txt/.json/.jsonl/.csv/.parquet file or "

@@ -24,7 +24,7 @@ class ShardSampler:
     """
 
     def __init__(self, size, batch_size, rank=0, world_size=1, shuffle=True, seed=0, accumulation=1, units=None,
-                 normalise=True):
+                 normalise=True, sources=None):
         if size == 0:
             raise UserError("the dataset is empty; check --dataset and --data_dir")
         self.size, self.batch_size, self.rank, self.world_size = size, batch_size, rank, world_size
@@ -33,6 +33,7 @@ class ShardSampler:
         # plain numbers on the host (numpy), never tensors: nothing the step might wait on
         self.units = np.ones(size) if units is None else np.asarray(units, dtype=np.float64)
         self._per_batch = {}  # epoch -> units of each global micro batch
+        self.sources, self._drawn = sources, {}  # app/data/sources.py: several sources; epoch -> (rows, tokens)
 
     def set_epoch(self, epoch: int, skip: int = 0):
         """Pick the order for an epoch (the same on every rank), leaving out its first `skip` batches; the units of
@@ -49,7 +50,23 @@ class ShardSampler:
     def _order(self, epoch: int) -> list:
         if not self.shuffle:
             return list(range(self.size))
+        if self.sources is not None and self.sources.mixture is not None:
+            return self.sources.mixture.order(epoch)
         return torch.randperm(self.size, generator=torch.Generator().manual_seed(self.seed + epoch)).tolist()
+
+    def drawn(self, epoch: int, done: int) -> dict:
+        """With several sources, the rows and tokens each gave from the run's start to global micro batch `done` of
+        epoch (metrics.csv's rows/<name> and tokens/<name>); padding left out. Else nothing."""
+        if self.sources is None:
+            return {}
+        span, names = self.batch_size * self.world_size, self.sources.names
+        rows, tokens = self.sources.counts(self._order(epoch)[:min(self.size, done * span)])
+        for past in range(epoch):
+            if past not in self._drawn:
+                self._drawn[past] = self.sources.counts(self._order(past))
+            rows, tokens = rows + self._drawn[past][0], tokens + self._drawn[past][1]
+        return {**{f"rows/{n}": int(r) for n, r in zip(names, rows)},
+                **{f"tokens/{n}": int(t) for n, t in zip(names, tokens)}}
 
     def _batch_units(self, epoch: int) -> list:
         """The units of each global micro batch of an epoch (a few epochs are kept)."""
@@ -77,6 +94,21 @@ class ShardSampler:
             mine = list(zip(chunk[self.rank::self.world_size], units))
             mine += [(chunk[0], 0.0)] * (self.batch_size - len(mine))
             yield mine
+
+
+class Part(Dataset):
+    """Samples first..end of a dataset (one source's held-out rows, app/data/sources.py), with their units."""
+
+    def __init__(self, dataset, first: int, end: int):
+        self.dataset, self.first, self.end = dataset, first, end
+        units = getattr(dataset, "units", None)
+        self.units = None if units is None else list(units[first:end])
+
+    def __len__(self):
+        return self.end - self.first
+
+    def __getitem__(self, i):
+        return self.dataset[self.first + i]
 
 
 class Weighted(Dataset):
@@ -114,8 +146,18 @@ def build_loader(dataset, batch_size, rank, world_size, shuffle, seed, num_worke
     """A DataLoader over this rank's shard of dataset; persistent: its workers live from epoch to epoch (the
     training loader's), else they start for each pass and end with it (evaluation's, so that a rank's worker
     budget is not held twice through training). accumulation and normalise: the weights' (ShardSampler); a
-    dataset's units attribute, if it has one, counts what each sample's loss averages over."""
+    dataset's units attribute, if it has one, counts what each sample's loss averages over; its sources attribute
+    (app/data/sources.py), what each sample's source is and how the training order mixes them."""
     sampler = ShardSampler(len(dataset), batch_size, rank, world_size, shuffle, seed, accumulation,
-                           getattr(dataset, "units", None), normalise)
+                           getattr(dataset, "units", None), normalise, getattr(dataset, "sources", None))
     return DataLoader(Weighted(dataset), batch_sampler=sampler, num_workers=num_workers, pin_memory=pin_memory,
                       persistent_workers=persistent and num_workers > 0)
+
+
+def held_out_loaders(eval_set, batch_size, **args):
+    """The evaluation's loader, or with several sources one for each ({name: loader}, app/core/loop.py: evaluate)."""
+    sources = getattr(eval_set, "sources", None)
+    parts = [(None, eval_set)] if sources is None else [(n, Part(eval_set, a, b)) for n, a, b in sources.parts()]
+    loaders = {name: build_loader(part, batch_size, shuffle=False, persistent=False, normalise=False, **args)
+               for name, part in parts}
+    return loaders[None] if sources is None else loaders

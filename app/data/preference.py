@@ -177,13 +177,11 @@ def pair_rows(dataset, tokenizer, block: int, what: str):
 
 
 def pair_sets(train, eval_set, tokenizer, block: int, settings) -> tuple:
-    """(train, held-out, DataInfo) of preference pairs, each answer padded to the longest kept."""
+    """(train, held-out, DataInfo) of tokenized preference pairs (pair_rows), each answer padded to the longest."""
     from app.data.text import _longest
     if settings.packing == "on":
         raise UserError("--packing on packs instruction rows; preference pairs are not packed: leave --packing "
                         "auto or pass off")
-    train = pair_rows(train, tokenizer, block, "train")
-    eval_set = pair_rows(eval_set, tokenizer, block, "held-out")
     length = max(_longest(rows, which) for rows in (train, eval_set) for which in ("chosen", "rejected"))
     sets = [PairRows(rows, tokenizer.pad_token_id, length) for rows in (train, eval_set)]
     return (*sets, DataInfo(0, task="causal_lm", vocab_size=len(tokenizer), seq_len=length))

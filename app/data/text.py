@@ -1,4 +1,5 @@
-"""Text data through HF datasets: local files or hub names -> a tokenizer -> fixed-length blocks or labelled rows."""
+"""Text data through HF datasets: local files or hub names -> a tokenizer -> fixed-length blocks or labelled rows
+(app/data/text_sets.py puts them together)."""
 import hashlib
 import os
 from pathlib import Path
@@ -7,38 +8,42 @@ import torch
 from torch.utils.data import Dataset
 
 from app.distributed import dist
-from app.data import DataInfo, TextModel, chat, preference
-from app.data.tokenizers import run_tokenizer
+from app.data import chat
 from app.errors import UserError, first_line
-from app.settings import Settings
 
 # datasets.load_dataset builder for each file suffix it can read
 FILE_BUILDERS = {".txt": "text", ".text": "text", ".json": "json", ".jsonl": "json", ".csv": "csv",
                  ".parquet": "parquet"}
 
 
-def load_splits(source: str, config_name: str, eval_file: str, eval_fraction: float, seed: int):
-    """(train, held-out) HF datasets from a local file or folder, or a hub dataset name."""
+def _local_splits(path: Path, source: str, eval_file: str):
+    """The splits of a local file or folder of one kind (and --eval_file as the validation split)."""
+    import datasets
+    files = sorted(p for p in path.rglob("*") if p.suffix in FILE_BUILDERS) if path.is_dir() else [path]
+    if eval_file:
+        files.append(Path(eval_file))
+    kinds = {FILE_BUILDERS.get(p.suffix) for p in files}
+    if not files or None in kinds or len(kinds) > 1:
+        raise UserError(f"--dataset {source}: need files of one kind among {', '.join(FILE_BUILDERS)}; "
+                        f"found {', '.join(sorted({p.suffix or p.name for p in files})) or 'none'}")
+    data_files = {"train": [str(p) for p in files if not eval_file or p != Path(eval_file)]}
+    if all(os.path.getsize(p) == 0 for p in data_files["train"]):
+        raise UserError(f"--dataset {source} has no training rows: its files are empty")
+    if eval_file:
+        data_files["validation"] = [eval_file]
+    try:
+        return datasets.load_dataset(kinds.pop(), data_files=data_files)
+    except Exception as e:  # malformed files surface as many exception types inside datasets
+        raise UserError(f"cannot read --dataset {source}: {first_line(e)}") from None
+
+
+def load_splits(source: str, config_name: str, eval_file: str, eval_fraction: float, seed: int, hold_out: bool = True):
+    """(train, held-out) HF datasets from a local file or folder, or a hub dataset name; hold_out False: (all of its
+    training rows, None), the held-out set coming from elsewhere."""
     import datasets
     datasets.disable_progress_bars()
-    path = Path(source)
-    if path.exists():
-        files = sorted(p for p in path.rglob("*") if p.suffix in FILE_BUILDERS) if path.is_dir() else [path]
-        if eval_file:
-            files.append(Path(eval_file))
-        kinds = {FILE_BUILDERS.get(p.suffix) for p in files}
-        if not files or None in kinds or len(kinds) > 1:
-            raise UserError(f"--dataset {source}: need files of one kind among {', '.join(FILE_BUILDERS)}; "
-                            f"found {', '.join(sorted({p.suffix or p.name for p in files})) or 'none'}")
-        data_files = {"train": [str(p) for p in files if not eval_file or p != Path(eval_file)]}
-        if all(os.path.getsize(p) == 0 for p in data_files["train"]):
-            raise UserError(f"--dataset {source} has no training rows: its files are empty")
-        if eval_file:
-            data_files["validation"] = [eval_file]
-        try:
-            splits = datasets.load_dataset(kinds.pop(), data_files=data_files)
-        except Exception as e:  # malformed files surface as many exception types inside datasets
-            raise UserError(f"cannot read --dataset {source}: {first_line(e)}") from None
+    if Path(source).exists():
+        splits = _local_splits(Path(source), source, eval_file)
     else:
         if eval_file:
             raise UserError("--eval_file goes with a local --dataset file or folder, not a hub dataset")
@@ -50,8 +55,8 @@ def load_splits(source: str, config_name: str, eval_file: str, eval_fraction: fl
                             f"{offline}: {first_line(e)}") from None
     if "train" not in splits or len(splits["train"]) == 0:
         raise UserError(f"--dataset {source} has no training rows; check the file or the split names")
-    eval_set = next((splits[s] for s in ("validation", "test") if s in splits), None)
-    if eval_set is not None:
+    eval_set = next((splits[s] for s in ("validation", "test") if s in splits), None) if hold_out else None
+    if eval_set is not None or not hold_out:
         return splits["train"], eval_set
     if len(splits["train"]) < 2:
         raise UserError(f"--dataset {source} has one row: not enough to hold some out; add rows or pass --eval_file")
@@ -190,91 +195,3 @@ class Rows(Dataset):
 def _longest(dataset, column: str = "input_ids") -> int:
     import pyarrow.compute as pc
     return pc.max(pc.list_value_length(dataset.data.column(column))).as_py() or 0
-
-
-def instruction_form(train, task: str, settings: Settings) -> str:
-    """The form of a causal LM's rows: preference pairs' (app/data/preference.py) or instruction data's
-    (app/data/chat.py) when they hold one, else ''; --task preference and --task instruction refuse rows without."""
-    pairs = preference.form_of(train.column_names)
-    if task == "preference" and not pairs:
-        raise UserError(f"--task preference needs rows with 'chosen' and 'rejected' columns (and 'prompt' unless "
-                        f"both start with it); {settings.dataset} has: {', '.join(train.column_names)}")
-    if pairs and task == "sequence_classification" and not settings.text_column:
-        raise UserError(f"{settings.dataset} holds preference pairs ('chosen' and 'rejected'), which train a causal "
-                        f"language model; {settings.model} is a sequence classifier: pass a causal LM")
-    if pairs and task in ("causal_lm", "preference") and not settings.text_column:
-        return pairs
-    form = chat.form_of(train.column_names) if task in ("causal_lm", "instruction") and not settings.text_column \
-        else ""
-    if task == "instruction" and not form:
-        raise UserError(f"--task instruction needs rows with a 'messages' column (chats), 'conversations' (ShareGPT), "
-                        f"'prompt' and 'completion', or 'instruction' and 'output' (Alpaca); {settings.dataset} has: "
-                        f"{', '.join(train.column_names)}")
-    return form
-
-
-def block_for(settings: Settings, model: TextModel, tokenizer) -> int:
-    """The block rows are cut to, checked against the model's embedding and positions."""
-    if len(tokenizer) > model.vocab_size:
-        raise UserError(f"the tokenizer has {len(tokenizer)} tokens but {settings.model} embeds only "
-                        f"{model.vocab_size}; use the model's own tokenizer, or --tokenizer bytes")
-    block = settings.block_size or min(model.max_positions, 1024)
-    if block > model.max_positions:
-        raise UserError(f"--block_size {block} is longer than {settings.model}'s {model.max_positions} positions; "
-                        f"pass --block_size {model.max_positions} or less")
-    return block
-
-
-def instruction_sets(train, eval_set, tokenizer, form: str, block: int, settings: Settings) -> tuple:
-    """(train, held-out, DataInfo) of instruction data: rows padded to the longest kept, or packed into blocks."""
-    train = instruction_rows(train, tokenizer, form, block, settings.train_on_prompt, "train")
-    eval_set = instruction_rows(eval_set, tokenizer, form, block, settings.train_on_prompt, "held-out")
-    length = max(_longest(train), _longest(eval_set))
-    sets = [chat.AnswerRows(rows, tokenizer.pad_token_id, length) for rows in (train, eval_set)]
-    packed = settings.packing != "off"
-    if packed:
-        sets = [chat.PackedRows(rows, block) for rows in sets]
-        dist.print0(f"packing: {len(sets[0].rows)} rows into {len(sets[0])} blocks of {block} tokens, "
-                    f"{sum(len(ids) for ids in train['input_ids']) / (len(sets[0]) * block):.0%} full")
-    info = DataInfo(0, task="causal_lm", vocab_size=len(tokenizer), seq_len=block if packed else length,
-                    packed=packed)
-    return (*sets, info)
-
-
-def build_text_sets(settings: Settings, model: TextModel, task: str, output_dir: Path):
-    """(train, held-out, DataInfo, tokenizer, task) for a transformers model, tokenized on the main rank first.
-    task: the one asked for; causal_lm becomes instruction when the rows hold chats or prompts and completions."""
-    with dist.main_process_first():
-        train, eval_set = load_splits(settings.dataset, settings.dataset_config, settings.eval_file,
-                                      settings.eval_fraction, settings.seed)
-        form = instruction_form(train, task, settings)
-        column = "" if form else pick_column(train, settings.text_column, "text", ("text",))
-        texts = (lambda: chat_texts(train, form)) if form else \
-            (lambda: (batch[column] for batch in train.iter(batch_size=1000)))
-        tokenizer = run_tokenizer(settings, model, texts, output_dir, chat=bool(form))
-        block = block_for(settings, model, tokenizer)
-        if form in ("explicit", "implicit"):
-            return (*preference.pair_sets(train, eval_set, tokenizer, block, settings), tokenizer, "preference")
-        if form:
-            return (*instruction_sets(train, eval_set, tokenizer, form, block, settings), tokenizer, "instruction")
-        if settings.packing == "on":
-            raise UserError("--packing on packs instruction data (rows of 'messages', or 'prompt' and 'completion'); "
-                            "blocks of text are packed already; leave --packing auto")
-        if task == "causal_lm":
-            train = lm_blocks(train, tokenizer, column, block, "train")
-            eval_set = lm_blocks(eval_set, tokenizer, column, block, "held-out")
-            if not len(train) or not len(eval_set):
-                raise UserError(f"the {'training' if not len(train) else 'held-out'} text is shorter than one block of "
-                                f"{block} tokens; lower --block_size or add text")
-            length, classes = 0, 0
-        else:
-            label = pick_column(train, settings.label_column, "label", ("label", "labels"))
-            names = label_names(train, label)
-            train = labelled_rows(train, tokenizer, column, label, names, block, "train")
-            eval_set = labelled_rows(eval_set, tokenizer, column, label, names, block, "held-out")
-            length, classes = max(_longest(train), _longest(eval_set), 1), len(names)
-            if classes < 2:
-                raise UserError(f"--label_column {label!r} has a single class; classification needs two or more")
-    info = DataInfo(classes, task=task, vocab_size=len(tokenizer), seq_len=length or block)
-    return (Rows(train, tokenizer.pad_token_id, length), Rows(eval_set, tokenizer.pad_token_id, length), info,
-            tokenizer, task)

@@ -17,6 +17,17 @@ SHOWN = ("loss", "lr", "skipped_steps", "samples_per_s", "tokens_per_s", "mfu", 
          "eval_perplexity")
 
 
+def columns(task, train_set, held_set) -> tuple:
+    """metrics.csv's columns: the task's own, and with several sources each one's evaluation (eval_loss/<name>, ...)
+    and the rows and tokens it gave to training (rows/<name>, tokens/<name>)."""
+    own = tuple(getattr(task, "log_columns", ()))
+    held, train = getattr(held_set, "sources", None), getattr(train_set, "sources", None)
+    evals = [c for c in (*CSV_FIELDS, *own) if c.startswith("eval_")]
+    each_held = tuple(f"{c}/{n}" for n in held.names for c in evals) if held is not None else ()
+    each_trained = tuple(f"{what}/{n}" for what in ("rows", "tokens") for n in train.names) if train is not None else ()
+    return own + each_held + each_trained
+
+
 class RunLog:
     """Everything the main rank writes; on other ranks (and with no output_dir) it writes nothing."""
 
@@ -26,7 +37,8 @@ class RunLog:
         True draws the bar, False prints plain lines, None (default) draws it only on a terminal. columns: the
         task's own, after the others (preference tuning's rewards, and their eval_ ones)."""
         self.active = dist.is_main() and output_dir is not None
-        self.fields, self.shown = CSV_FIELDS + list(columns), SHOWN + tuple(c for c in columns if "accuracy" in c)
+        self.fields = CSV_FIELDS + list(columns)
+        self.shown = SHOWN + tuple(c for c in columns if "accuracy" in c and "/" not in c)  # not each source's
         self.output_dir, self.resumed = output_dir, bool(resumed_step)
         self.throughput = throughput or Throughput()
         self.rows = []

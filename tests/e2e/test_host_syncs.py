@@ -5,8 +5,7 @@ import pytest
 
 from app.tools.instructions import write_model
 from conftest import write_text_rows
-from helpers.host_syncs import DEEPSPEED_WAITS, STEPS, check_preference_waits, check_report, count_in_launch, \
-    counted, sync_job
+from helpers.host_syncs import check_preference_waits, check_report, count_in_launch, counted, sync_job
 
 # bf16.json is dp.json with bf16 autocast on everywhere: as a GPU resolves them, the same run, counted once
 CONFIGS = ("dp", "zero1", "zero2", "zero3", "zero2_offload", "zero3_offload", "activation_checkpointing")

@@ -7,7 +7,7 @@ import datasets
 import pytest
 import torch
 
-from app.data import TextModel, chat, text
+from app.data import TextModel, chat, text, text_sets
 from app.data.tokenizers import TOKENIZER_DIR, byte_tokenizer, run_tokenizer
 from app.errors import UserError
 from app.settings import Settings
@@ -175,4 +175,4 @@ def test_instruction_needs_one_of_the_two_forms(tmp_path):
     with pytest.raises(UserError, match="--task instruction needs rows with a 'messages' column \\(chats\\), "
                                         "'conversations' \\(ShareGPT\\), 'prompt' and 'completion', or "
                                         "'instruction' and 'output' \\(Alpaca\\); .* has: text, source"):
-        text.build_text_sets(settings, TextModel("", 8192, 128), "instruction", tmp_path / "run")
+        text_sets.build_text_sets(settings, TextModel("", 8192, 128), "instruction", tmp_path / "run")

@@ -7,7 +7,7 @@ import datasets
 import pytest
 import torch
 
-from app.data import chat, preference, text
+from app.data import chat, preference, text_sets
 from app.data.tokenizers import byte_tokenizer
 from app.errors import UserError
 from app.settings import Settings
@@ -209,7 +209,8 @@ def test_pair_rows_cut_to_the_block_leave_out_pairs_that_lost_an_answer_and_say_
 
 def test_pair_sets_pad_both_splits_to_the_longest_answer_and_refuse_packing():
     tok, pairs = _chat_tokenizer(), _pair_rows()
-    train, held = datasets.Dataset.from_list(pairs[:15]), datasets.Dataset.from_list(pairs[15:])
+    train, held = (preference.pair_rows(datasets.Dataset.from_list(rows), tok, 1000, what)
+                   for rows, what in ((pairs[:15], "train"), (pairs[15:], "held-out")))
     with pytest.raises(UserError, match="--packing on packs instruction rows; preference pairs are not packed"):
         preference.pair_sets(train, held, tok, 1000, Settings(model="llama-tiny", packing="on"))
     train_pairs, held_pairs, info = preference.pair_sets(train, held, tok, 1000, Settings(model="llama-tiny"))
@@ -225,15 +226,15 @@ def test_the_form_of_preference_pairs_and_the_tasks_that_refuse_them():
     implicit = pairs.remove_columns("prompt")
     plain = datasets.Dataset.from_list([{"text": "a"}, {"text": "b"}])
     settings = Settings(model="llama-tiny", dataset="pairs.jsonl")
-    assert text.instruction_form(pairs, "preference", settings) == "explicit"
-    assert text.instruction_form(implicit, "causal_lm", settings) == "implicit"
-    assert text.instruction_form(implicit, "causal_lm", Settings(model="llama-tiny", text_column="chosen")) == ""
+    assert text_sets.instruction_form(pairs, "preference", settings) == "explicit"
+    assert text_sets.instruction_form(implicit, "causal_lm", settings) == "implicit"
+    assert text_sets.instruction_form(implicit, "causal_lm", Settings(model="llama-tiny", text_column="chosen")) == ""
     with pytest.raises(UserError, match="--task preference needs rows with 'chosen' and 'rejected' columns .*"
                                         "pairs.jsonl has: text$"):
-        text.instruction_form(plain, "preference", settings)
+        text_sets.instruction_form(plain, "preference", settings)
     with pytest.raises(UserError, match="pairs.jsonl holds preference pairs .* llama-tiny is a sequence "
                                         "classifier: pass a causal LM$"):
-        text.instruction_form(pairs, "sequence_classification", settings)
+        text_sets.instruction_form(pairs, "sequence_classification", settings)
 
 
 def test_a_plain_answer_that_ends_with_the_end_of_text_token_gets_no_second_one():

@@ -1,0 +1,208 @@
+"""The training and held-out sets of a transformers model, from one text source or several (app/data/sources.py):
+each source loaded, its form found (plain text, labelled text, instruction data, preference pairs), tokenized on the
+main rank first and cached; several sources concatenated, mixed by weight when asked, evaluated each on its own."""
+from pathlib import Path
+
+import numpy as np
+
+from app.data import DataInfo, TextModel, chat, preference, sources, text
+from app.data.tokenizers import run_tokenizer
+from app.distributed import dist
+from app.errors import UserError
+from app.settings import Settings
+
+KINDS = {"explicit": "preference pairs", "implicit": "preference pairs", "": "text"}
+
+
+def instruction_form(train, task: str, settings: Settings) -> str:
+    """The form of a causal LM's rows: preference pairs' (app/data/preference.py) or instruction data's
+    (app/data/chat.py) when they hold one, else ''; --task preference and --task instruction refuse rows without."""
+    pairs = preference.form_of(train.column_names)
+    if task == "preference" and not pairs:
+        raise UserError(f"--task preference needs rows with 'chosen' and 'rejected' columns (and 'prompt' unless "
+                        f"both start with it); {settings.dataset} has: {', '.join(train.column_names)}")
+    if pairs and task == "sequence_classification" and not settings.text_column:
+        raise UserError(f"{settings.dataset} holds preference pairs ('chosen' and 'rejected'), which train a causal "
+                        f"language model; {settings.model} is a sequence classifier: pass a causal LM")
+    if pairs and task in ("causal_lm", "preference") and not settings.text_column:
+        return pairs
+    form = chat.form_of(train.column_names) if task in ("causal_lm", "instruction") and not settings.text_column \
+        else ""
+    if task == "instruction" and not form:
+        raise UserError(f"--task instruction needs rows with a 'messages' column (chats), 'conversations' (ShareGPT), "
+                        f"'prompt' and 'completion', or 'instruction' and 'output' (Alpaca); {settings.dataset} has: "
+                        f"{', '.join(train.column_names)}")
+    return form
+
+
+def block_for(settings: Settings, model: TextModel, tokenizer) -> int:
+    """The block rows are cut to, checked against the model's embedding and positions."""
+    if len(tokenizer) > model.vocab_size:
+        raise UserError(f"the tokenizer has {len(tokenizer)} tokens but {settings.model} embeds only "
+                        f"{model.vocab_size}; use the model's own tokenizer, or --tokenizer bytes")
+    block = settings.block_size or min(model.max_positions, 1024)
+    if block > model.max_positions:
+        raise UserError(f"--block_size {block} is longer than {settings.model}'s {model.max_positions} positions; "
+                        f"pass --block_size {model.max_positions} or less")
+    return block
+
+
+def instruction_sets(train, eval_set, tokenizer, block: int, packing: str, pack_held: bool = True) -> tuple:
+    """(train, held-out, DataInfo) of tokenized instruction rows: padded to the longest kept, or packed into blocks
+    unless --packing is off (the held-out rows too, unless pack_held is False: evaluated per source, row by row)."""
+    length = max(text._longest(train), text._longest(eval_set))
+    sets = [chat.AnswerRows(rows, tokenizer.pad_token_id, length) for rows in (train, eval_set)]
+    packed = packing != "off"
+    if packed:
+        sets = [chat.PackedRows(sets[0], block), chat.PackedRows(sets[1], block) if pack_held else sets[1]]
+        dist.print0(f"packing: {len(sets[0].rows)} rows into {len(sets[0])} blocks of {block} tokens, "
+                    f"{sum(len(ids) for ids in train['input_ids']) / (len(sets[0]) * block):.0%} full")
+    info = DataInfo(0, task="causal_lm", vocab_size=len(tokenizer), seq_len=block if packed else length,
+                    packed=packed)
+    return (*sets, info)
+
+
+def _lengths(rows, *columns) -> np.ndarray:
+    """Each row's tokens: the lengths of its token columns added up."""
+    import pyarrow.compute as pc
+    return sum(np.asarray(pc.list_value_length(rows.data.column(c)).to_numpy(zero_copy_only=False), dtype=np.float64)
+               for c in columns)
+
+
+def _joined(parts: list):
+    """(one dataset, where each part starts, the total last) of tokenized parts."""
+    import datasets
+    offsets = np.cumsum([0, *map(len, parts)]).tolist()
+    return (parts[0] if len(parts) == 1 else datasets.concatenate_datasets(parts)), offsets
+
+
+def _label_names(trains: list, column: str) -> list:
+    """The classes of every source together (text.label_names of each, merged)."""
+    found = [text.label_names(train, column) for train in trains]
+    if all(isinstance(v, int) for names in found for v in names):
+        return list(range(max(len(names) for names in found)))
+    return sorted({v for names in found for v in names}, key=str)
+
+
+def _load(settings: Settings, listed: list) -> tuple:
+    """([(train, held-out or None)] of each source, the held-out set of all of them or None): each source's own
+    held-out split or --eval_file, or one --eval_file for every source."""
+    files = sources.eval_files(settings.eval_file, listed)
+    shared = len(listed) > 1 and len(files) == 1
+    loaded = [text.load_splits(source, settings.dataset_config, "" if shared or not files else files[i],
+                               settings.eval_fraction, settings.seed, hold_out=not shared)
+              for i, source in enumerate(listed)]
+    return loaded, text.load_splits(files[0], "", "", 0.1, 0, hold_out=False)[0] if shared else None
+
+
+def _kind(forms: list, names: list, task: str) -> str:
+    """What the sources make together: preference, instruction, or the task asked for (plain or labelled text)."""
+    kinds = [KINDS.get(form, "instruction data") for form in forms]
+    if len(set(kinds)) > 1:
+        raise UserError("the --dataset sources and held-out files hold different kinds of rows (" + ", ".join(
+            f"{n}: {k}" for n, k in zip([*names, "--eval_file"], kinds)) + "); one run trains one kind")
+    return "preference" if kinds[0] == "preference pairs" else "instruction" if forms[0] else task
+
+
+def _packing(settings: Settings, kind: str, weights) -> str:
+    """--packing as this run takes it: off where weights draw the rows anew each epoch (auto), refused where on."""
+    if kind not in ("instruction", "preference") and settings.packing == "on":
+        raise UserError("--packing on packs instruction data (rows of 'messages', or 'prompt' and 'completion'); "
+                        "blocks of text are packed already; leave --packing auto")
+    if not (weights and kind == "instruction" and settings.packing != "off"):
+        return settings.packing
+    if settings.packing == "on":
+        raise UserError("--packing on packs the rows once before training, and --mix_weights draws them anew each "
+                        "epoch; pass --packing off, or leave the weights out to pack every row")
+    dist.print0("packing: off: --mix_weights draws the rows anew each epoch, and packing groups them once, before "
+                "training")
+    return "off"
+
+
+def _encoder(kind: str, tokenizer, block: int, settings: Settings, trains: list):
+    """encode(data, form, column, what): the tokenized rows of one source's split, as its kind tokenizes them; and
+    the classes (labelled text) or None."""
+    classes = label = None
+    if kind == "sequence_classification":
+        label = text.pick_column(trains[0], settings.label_column, "label", ("label", "labels"))
+        classes = _label_names(trains, label)
+        if len(classes) < 2:
+            raise UserError(f"--label_column {label!r} has a single class; classification needs two or more")
+
+    def encode(data, form, column, what):
+        if kind == "preference":
+            return preference.pair_rows(data, tokenizer, block, what)
+        if kind == "instruction":
+            return text.instruction_rows(data, tokenizer, form, block, settings.train_on_prompt, what)
+        if kind == "sequence_classification":
+            return text.labelled_rows(data, tokenizer, column, label, classes, block, what)
+        blocks = text.lm_blocks(data, tokenizer, column, block, what)
+        if not len(blocks):
+            raise UserError(f"the {what} text is shorter than one block of {block} tokens; lower --block_size or "
+                            f"add text")
+        return blocks
+    return encode, classes
+
+
+def _sets(kind: str, train, held, tokenizer, block: int, settings: Settings, packing: str, pack_held: bool,
+          classes) -> tuple:
+    """(train set, held-out set, DataInfo) of the tokenized rows, as the kind trains on them."""
+    if kind == "preference":
+        return preference.pair_sets(train, held, tokenizer, block, settings)
+    if kind == "instruction":
+        return instruction_sets(train, held, tokenizer, block, packing, pack_held)
+    length = max(text._longest(train), text._longest(held), 1) if classes else 0
+    return (text.Rows(train, tokenizer.pad_token_id, length), text.Rows(held, tokenizer.pad_token_id, length),
+            DataInfo(len(classes or ()), task=kind, vocab_size=len(tokenizer), seq_len=length or block))
+
+
+def _tell_sources(made: tuple, kind: str, names: list, train, train_at, held, held_at, weights, settings):
+    """With several sources: the training set's Sources (and Mixture with weights), the held-out set's when each
+    source has its own part."""
+    train_set, held_set, info = made
+    counted = ("chosen", "rejected") if kind == "preference" else ("input_ids",)
+    if len(names) > 1:
+        tokens, mixture = _lengths(train, *counted), None
+        if weights:
+            mixture = sources.Mixture(np.diff(train_at).tolist(), [tokens[a:b].sum() for a, b in
+                                                                   zip(train_at, train_at[1:])],
+                                      weights, settings.mix_by, settings.seed)
+            dist.print0(mixture.describe(names, settings.mix_by))
+        train_set.sources = sources.Sources(names, train_at, tokens, mixture,
+                                            train_set.groups if info.packed else None)
+    if len(held_at) > 2:
+        held_set.sources = sources.Sources(names, held_at, _lengths(held, *counted))
+
+
+def build_text_sets(settings: Settings, model: TextModel, task: str, output_dir: Path):
+    """(train, held-out, DataInfo, tokenizer, task) for a transformers model, tokenized on the main rank first.
+    task: the one asked for; causal_lm becomes instruction when the rows hold chats or prompts and completions."""
+    listed = sources.split_sources(settings.dataset)
+    names, several = sources.source_names(listed), len(listed) > 1
+    weights = sources.mix_weights(settings.mix_weights, len(listed))
+    with dist.main_process_first():
+        loaded, shared = _load(settings, listed)
+        trains = [train for train, _ in loaded]
+        read = trains + ([shared] if shared else [])
+        forms = [instruction_form(data, task, settings) for data in read]
+        kind = _kind(forms, names, task)
+        columns = ["" if form else text.pick_column(data, settings.text_column, "text", ("text",))
+                   for data, form in zip(read, forms)]
+
+        def texts():
+            for data, form, column in zip(trains, forms, columns):
+                yield from text.chat_texts(data, form) if form else \
+                    (batch[column] for batch in data.iter(batch_size=1000))
+        tokenizer = run_tokenizer(settings, model, texts, output_dir, chat=bool(forms[0]))
+        block = block_for(settings, model, tokenizer)
+        packing = _packing(settings, kind, weights)
+        encode, classes = _encoder(kind, tokenizer, block, settings, trains)
+        named = [f"{{}} {name}" if several else "{}" for name in names]
+        train, train_at = _joined([encode(data, form, column, n.format("train"))
+                                   for data, form, column, n in zip(trains, forms, columns, named)])
+        held, held_at = _joined([encode(data, form, column, n.format("held-out")) for (_, data), form, column, n in
+                                 zip(loaded, forms, columns, named)] if shared is None else
+                                [encode(shared, forms[-1], columns[-1], "held-out")])
+        made = _sets(kind, train, held, tokenizer, block, settings, packing, len(held_at) == 2, classes)
+    _tell_sources(made, kind, names, train, train_at, held, held_at, weights, settings)
+    return (*made, tokenizer, kind)
