@@ -76,6 +76,11 @@ class Settings:
     mix_weights: str = ""
     """Text, several --dataset sources: each one's weight in the mix, in order (e.g. 2,1); each epoch draws its rows
     from them by these shares. Default: the sources concatenated, each row once an epoch."""
+    streaming: str = "off"
+    """Text: on reads the training source as a stream, tokenized on the fly, never loaded whole (needs --max_steps,
+    and held-out rows from --eval_file or a hub validation split)."""
+    shuffle_buffer: int = 10000
+    """Text, --streaming on: rows shuffled in a buffer of this many (0: in file order)."""
     mix_by: str = "rows"
     """Text, --mix_weights: the weights are shares of the rows drawn (rows) or of their tokens (tokens)."""
     eval_fraction: float = 0.1
@@ -133,17 +138,21 @@ class Settings:
             if getattr(self, name) < 1:
                 raise UserError(f"--{name} must be at least 1, got {getattr(self, name)}")
         for name in ("max_steps", "eval_interval", "save_interval", "keep_last", "block_size", "peak_flops",
-                     "eval_answers", "answer_tokens", "max_nonfinite_steps"):
+                     "eval_answers", "answer_tokens", "max_nonfinite_steps", "shuffle_buffer"):
             if getattr(self, name) < 0:
                 raise UserError(f"--{name} must be 0 or more, got {getattr(self, name)}")
         if self.num_workers < -1:
             raise UserError(f"--num_workers must be -1 (auto) or more, got {self.num_workers}")
         for name, allowed in (("compile", ("auto", "on", "off")), ("tf32", ("on", "off")),
                               ("packing", ("auto", "on", "off")), ("mix_by", ("rows", "tokens")),
+                              ("streaming", ("off", "on")),
                               ("pin_memory", ("auto", "on", "off")), ("reference", ("live", "precompute")),
                               ("preference_loss", ("sigmoid", "ipo", "hinge", "simpo"))):
             if getattr(self, name) not in allowed:
                 raise UserError(f"--{name} must be one of {', '.join(allowed)}, got {getattr(self, name)!r}")
+        if self.streaming == "on" and not self.max_steps:
+            raise UserError("--streaming on reads the data pass after pass, with no end an epoch could count: set "
+                            "--max_steps")
         if self.lora_rank < 1:
             raise UserError(f"--lora_rank must be at least 1 (the adapters' inner size; 8 to 64 is usual), got "
                             f"{self.lora_rank}")

@@ -17,7 +17,7 @@ from app.checkpoint import outdir, resume
 from app.checkpoint.save import TrainerState, checkpoint_root, complete_checkpoints, save_checkpoint
 from app.core import answers as sample_answers
 from app.core import compiling, loop, lora, packing, tasks
-from app.data.loader import build_loader, feeding, held_out_loaders
+from app.data.loader import feeding, held_out_loaders, training_loader
 from app.distributed import dist, endings, launch, node_shell, preemption
 from app.distributed.cores import usable_cores
 from app.distributed.dist import World
@@ -236,7 +236,7 @@ def loaders(train_set, eval_set, ds: dict, settings: Settings, world: World, ran
     args = dict(rank=ranks.replica, world_size=ranks.replicas, seed=settings.seed, num_workers=workers,
                 pin_memory=pin)
     micro = ds["train_micro_batch_size_per_gpu"]
-    return (build_loader(train_set, micro, shuffle=True, accumulation=ds["gradient_accumulation_steps"], **args),
+    return (training_loader(train_set, micro, accumulation=ds["gradient_accumulation_steps"], **args),
             held_out_loaders(eval_set, micro, **args))
 
 

@@ -247,6 +247,9 @@ def build(settings: Settings):
         if settings.lora:
             raise UserError(f"--lora trains adapters on a transformers model (HF peft); {settings.model} is an image "
                             f"model: pass a transformers model folder, hub name or preset, or leave --lora out")
+        if settings.streaming == "on":
+            raise UserError(f"--streaming on streams text for a transformers model; {settings.model} is an image "
+                            f"model: leave it off")
         if settings.packing == "on":
             raise UserError("--packing on packs the rows of instruction data for a transformers model; "
                             f"{settings.model} is an image model: leave --packing auto")

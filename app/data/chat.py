@@ -178,6 +178,29 @@ def encoder(tokenizer, form: str, block: int, whole_text: bool, what: str):
     return encode
 
 
+def padded(ids, labels, length: int, pad_id: int) -> tuple:
+    """(input ids, labels) of one row padded on the right to length: padding is never a label."""
+    padded_ids = torch.full((length,), pad_id, dtype=torch.long)
+    padded_labels = torch.full((length,), IGNORE, dtype=torch.long)
+    padded_ids[:len(ids)], padded_labels[:len(labels)] = torch.as_tensor(ids), torch.as_tensor(labels)
+    return padded_ids, padded_labels
+
+
+def packed_block(rows: list, block: int, pad_id: int) -> tuple:
+    """((input ids, position ids), labels) of rows [(ids, labels), ...] packed into one block (PackedRows)."""
+    ids = torch.full((block,), pad_id, dtype=torch.long)
+    labels = torch.full((block,), IGNORE, dtype=torch.long)
+    positions = torch.zeros(block, dtype=torch.long)
+    at = 0
+    for row_ids, row_labels in rows:
+        n = len(row_ids)
+        ids[at:at + n], labels[at + 1:at + n] = torch.as_tensor(row_ids), torch.as_tensor(row_labels)[1:]
+        positions[at:at + n] = torch.arange(n)
+        at += n
+    positions[at:] = torch.arange(block - at)  # the padding: one more sequence, never a label
+    return (ids, positions), labels
+
+
 class AnswerRows(Dataset):
     """(input ids, labels) padded on the right to one length: the causal attention never lets a real token see
     the padding after it, and padding is never a label. units: each row's answer tokens, for the loss's weights."""
@@ -191,10 +214,7 @@ class AnswerRows(Dataset):
 
     def __getitem__(self, i):
         row = self.dataset[i]
-        ids = torch.full((self.length,), self.pad_id, dtype=torch.long)
-        labels = torch.full((self.length,), IGNORE, dtype=torch.long)
-        ids[:len(row["input_ids"])], labels[:len(row["labels"])] = row["input_ids"], row["labels"]
-        return ids, labels
+        return padded(row["input_ids"], row["labels"], self.length, self.pad_id)
 
     def per_sample(self) -> dict:
         """Rows and real (not padding) tokens per sample, on average over the set."""
@@ -238,18 +258,8 @@ class PackedRows(Dataset):
         return len(self.groups)
 
     def __getitem__(self, i):
-        ids = torch.full((self.block,), self.rows.pad_id, dtype=torch.long)
-        labels = torch.full((self.block,), IGNORE, dtype=torch.long)
-        positions = torch.zeros(self.block, dtype=torch.long)
-        at = 0
-        for index in self.groups[i]:
-            row = self.rows.dataset[index]
-            n = len(row["input_ids"])
-            ids[at:at + n], labels[at + 1:at + n] = row["input_ids"], row["labels"][1:]
-            positions[at:at + n] = torch.arange(n)
-            at += n
-        positions[at:] = torch.arange(self.block - at)  # the padding: one more sequence, never a label
-        return (ids, positions), labels
+        rows = (self.rows.dataset[index] for index in self.groups[i])
+        return packed_block([(row["input_ids"], row["labels"]) for row in rows], self.block, self.rows.pad_id)
 
     def per_sample(self) -> dict:
         """Rows and real (not padding) tokens per block, on average over the set."""

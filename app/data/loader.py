@@ -154,6 +154,15 @@ def build_loader(dataset, batch_size, rank, world_size, shuffle, seed, num_worke
                       persistent_workers=persistent and num_workers > 0)
 
 
+def training_loader(dataset, batch_size, rank, world_size, seed, num_workers=0, pin_memory=False, accumulation=1):
+    """The training loader: a streamed set's StreamLoader (app/data/stream.py), else build_loader's, shuffled."""
+    if hasattr(dataset, "stream"):
+        from app.data.stream import StreamLoader
+        return StreamLoader(dataset.stream, batch_size, rank, world_size, accumulation, num_workers, pin_memory)
+    return build_loader(dataset, batch_size, rank, world_size, True, seed, num_workers, pin_memory,
+                        accumulation=accumulation)
+
+
 def held_out_loaders(eval_set, batch_size, **args):
     """The evaluation's loader, or with several sources one for each ({name: loader}, app/core/loop.py: evaluate)."""
     sources = getattr(eval_set, "sources", None)

@@ -16,9 +16,9 @@ FILE_BUILDERS = {".txt": "text", ".text": "text", ".json": "json", ".jsonl": "js
                  ".parquet": "parquet"}
 
 
-def _local_splits(path: Path, source: str, eval_file: str):
-    """The splits of a local file or folder of one kind (and --eval_file as the validation split)."""
-    import datasets
+def local_files(path: Path, source: str, eval_file: str = "") -> tuple:
+    """(datasets builder, data_files) of a local file or folder of one kind (and --eval_file as the validation
+    split)."""
     files = sorted(p for p in path.rglob("*") if p.suffix in FILE_BUILDERS) if path.is_dir() else [path]
     if eval_file:
         files.append(Path(eval_file))
@@ -31,8 +31,15 @@ def _local_splits(path: Path, source: str, eval_file: str):
         raise UserError(f"--dataset {source} has no training rows: its files are empty")
     if eval_file:
         data_files["validation"] = [eval_file]
+    return kinds.pop(), data_files
+
+
+def _local_splits(path: Path, source: str, eval_file: str):
+    """The splits of a local file or folder of one kind (and --eval_file as the validation split)."""
+    import datasets
+    builder, data_files = local_files(path, source, eval_file)
     try:
-        return datasets.load_dataset(kinds.pop(), data_files=data_files)
+        return datasets.load_dataset(builder, data_files=data_files)
     except Exception as e:  # malformed files surface as many exception types inside datasets
         raise UserError(f"cannot read --dataset {source}: {first_line(e)}") from None
 

@@ -177,6 +177,9 @@ def _tell_sources(made: tuple, kind: str, names: list, train, train_at, held, he
 def build_text_sets(settings: Settings, model: TextModel, task: str, output_dir: Path):
     """(train, held-out, DataInfo, tokenizer, task) for a transformers model, tokenized on the main rank first.
     task: the one asked for; causal_lm becomes instruction when the rows hold chats or prompts and completions."""
+    if settings.streaming == "on":
+        from app.data import stream
+        return stream.build(settings, model, task, output_dir)
     listed = sources.split_sources(settings.dataset)
     names, several = sources.source_names(listed), len(listed) > 1
     weights = sources.mix_weights(settings.mix_weights, len(listed))

@@ -1,0 +1,233 @@
+"""Streamed training text (docs/data-and-models.md, "Streaming"): `--streaming on` reads the training source as a
+stream instead of loading and tokenizing it whole. Rows are read lazily (datasets' streaming mode), shuffled in a
+buffer of --shuffle_buffer rows seeded by the seed and the pass, tokenized on the fly in the loader's worker, cut
+into blocks (text) or rendered, labelled and packed or padded to the block (instruction data). The passes follow one
+another as one endless sequence of samples, so the run counts --max_steps, every global micro batch is full and
+every rank takes the same number of steps. Each rank reads the whole sequence and keeps its share of each global
+micro batch, as the sampler of loaded data does; a resume reads the sequence again up to where the run stopped,
+so it continues with exactly the batches it would have taken, on any world size."""
+import itertools
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch.utils.data import DataLoader, Dataset, IterableDataset, default_collate
+
+from app.data import chat
+from app.errors import UserError
+
+HEAD = 256  # samples read at start-up: the micro batch search's trials and the packing check draw on them
+
+
+def read_rows(source: str, config: str, seed: int, buffer: int, one_pass: int):
+    """The rows of one pass over the source, read lazily, shuffled in a buffer of `buffer` rows (0: in file order)
+    drawn from the seed and the pass."""
+    import datasets
+    datasets.disable_progress_bars()
+    from app.data.text import local_files
+    if Path(source).exists():
+        builder, files = local_files(Path(source), source)
+        rows = iter(datasets.load_dataset(builder, data_files=files, split="train", streaming=True))
+    else:
+        rows = iter(datasets.load_dataset(source, config or None, split="train", streaming=True))
+    if buffer <= 0:
+        yield from rows
+        return
+    rng = np.random.default_rng([seed, one_pass])
+    held = list(itertools.islice(rows, buffer))
+    for row in rows:
+        slot = int(rng.integers(len(held)))
+        yield held[slot]
+        held[slot] = row
+    for slot in rng.permutation(len(held)):
+        yield held[slot]
+
+
+class Stream:
+    """The endless sequence of training samples (input, labels, units) of a source: what every rank reads alike.
+    kind: 'causal_lm' (blocks of text, `column`) or 'instruction' (rows of `form`, packed or padded to the block)."""
+
+    def __init__(self, source: str, settings, tokenizer, kind: str, form: str, column: str, block: int,
+                 packed: bool):
+        self.source, self.config, self.seed, self.buffer = source, settings.dataset_config, settings.seed, \
+            settings.shuffle_buffer
+        self.tokenizer, self.kind, self.form, self.column, self.block = tokenizer, kind, form, column, block
+        self.packed, self.whole_text = packed, settings.train_on_prompt
+
+    def samples(self):
+        for one_pass in itertools.count():
+            rows = read_rows(self.source, self.config, self.seed, self.buffer, one_pass)
+            made = self._blocks(rows) if self.kind == "causal_lm" else self._answers(rows, one_pass)
+            first = next(made, None)
+            if first is None:
+                raise UserError(f"--dataset {self.source} gives no training sample of {self.block} tokens when "
+                                f"streamed; add rows or lower --block_size")
+            yield first
+            yield from made
+
+    def _blocks(self, rows):
+        """Every text followed by the separator, concatenated and cut into blocks (the pass's tail left out)."""
+        tokenizer = self.tokenizer
+        sep = tokenizer.eos_token_id if tokenizer.eos_token_id is not None else tokenizer.sep_token_id
+        carry = []
+        for row in rows:
+            carry += tokenizer(row[self.column] or "", add_special_tokens=False)["input_ids"] + \
+                ([sep] if sep is not None else [])
+            while len(carry) >= self.block:
+                ids = torch.tensor(carry[:self.block])
+                carry = carry[self.block:]
+                yield ids, ids, 1.0
+
+    def _answers(self, rows, one_pass: int):
+        """Rows rendered and labelled on their answers, cut to the block, padded or packed in order into blocks;
+        rows left without an answer token are passed over."""
+        pad, group, used = self.tokenizer.pad_token_id, [], 0
+        for i, row in enumerate(rows):
+            where = f"row {i} of pass {one_pass} over {self.source}"
+            ids, labels, _, _ = chat.encode_row(self.tokenizer, row, self.form, where, self.block, self.whole_text)
+            units = chat.answer_tokens(labels)
+            if not units:
+                continue
+            if not self.packed:
+                yield (*chat.padded(ids, labels, self.block, pad), float(units))
+                continue
+            if used + len(ids) > self.block:
+                yield (*chat.packed_block([r for r, _ in group], self.block, pad), float(sum(u for _, u in group)))
+                group, used = [], 0
+            group.append(((ids, labels), units))
+            used += len(ids)
+        if group:
+            yield (*chat.packed_block([r for r, _ in group], self.block, pad), float(sum(u for _, u in group)))
+
+
+class Batches(IterableDataset):
+    """This rank's micro batches (inputs, labels, weights) of the stream, from global micro batch `skip` on. Global
+    micro batch g is samples g x B x W onwards; rank r takes every W-th of it. The weights make each optimizer
+    step's loss the mean over the units of its window's samples on every rank (app/data/loader.py: ShardSampler),
+    its window the `accumulation` global micro batches counted from the run's start."""
+
+    def __init__(self, stream: Stream, batch: int, rank: int, world: int, accumulation: int, skip: int):
+        self.stream, self.batch, self.rank, self.world = stream, batch, rank, world
+        self.accumulation, self.skip = accumulation, skip
+
+    def __iter__(self):
+        samples, span, g = self.stream.samples(), self.batch * self.world, 0
+        scale = self.world * self.accumulation
+        while True:
+            window = [list(itertools.islice(samples, span)) for _ in range(self.accumulation)]
+            total = sum(units for chunk in window for _, _, units in chunk)
+            for chunk in window:
+                if g >= self.skip:
+                    yield default_collate([(x, y, torch.tensor(scale * units / total, dtype=torch.float32))
+                                           for x, y, units in chunk[self.rank::self.world]])
+                g += 1
+
+
+class StreamSet(Dataset):
+    """The training set of a streamed run: its stream, and the first HEAD samples as a set of its own (the micro
+    batch search's trial steps; with packing, the rows of the packing check)."""
+
+    def __init__(self, stream: Stream):
+        self.stream, self.block = stream, stream.block
+        self.head = list(itertools.islice(stream.samples(), HEAD))
+        self.units = [units for _, _, units in self.head]
+        if stream.packed:
+            self.rows = _head_rows(stream)
+
+    def __len__(self):
+        return len(self.head)
+
+    def __getitem__(self, i):
+        return self.head[i][:2]
+
+
+def _head_rows(stream: Stream):
+    """The stream's first rows as AnswerRows (what app/core/packing.py's check packs)."""
+    import datasets
+    found = []
+    for i, row in enumerate(read_rows(stream.source, stream.config, stream.seed, stream.buffer, 0)):
+        ids, labels, answer, _ = chat.encode_row(stream.tokenizer, row, stream.form, f"row {i}", stream.block,
+                                                 stream.whole_text)
+        if chat.answer_tokens(labels):
+            found.append({"input_ids": ids, "labels": labels, "answer": answer, "units": chat.answer_tokens(labels)})
+        if len(found) == 2:
+            break
+    return chat.AnswerRows(datasets.Dataset.from_list(found), stream.tokenizer.pad_token_id, stream.block)
+
+
+class StreamLoader:
+    """The training loader of a streamed run: one endless epoch (0), its position the global micro batches done
+    (set_epoch's skip), read in at most one worker process so that the order stays one sequence."""
+
+    def __init__(self, stream: Stream, batch: int, rank: int, world: int, accumulation: int, workers: int,
+                 pin: bool):
+        self.stream, self.args, self.workers, self.pin = stream, (batch, rank, world, accumulation), workers, pin
+        self.batch_sampler, self.skip, self.batch_size = self, 0, batch
+
+    def set_epoch(self, epoch: int, skip: int = 0):
+        self.skip = skip
+
+    def drawn(self, epoch: int, done: int) -> dict:
+        return {}
+
+    def __len__(self):
+        return 2 ** 62  # endless: the run ends at --max_steps
+
+    def __iter__(self):
+        return iter(DataLoader(Batches(self.stream, *self.args, self.skip), batch_size=None,
+                               num_workers=min(self.workers, 1), pin_memory=self.pin))
+
+
+def _held_out(settings, source: str):
+    """The held-out rows of a streamed run, loaded whole: --eval_file, else the hub dataset's validation split."""
+    import datasets
+    from app.data.text import load_splits
+    if settings.eval_file:
+        return load_splits(settings.eval_file, "", "", settings.eval_fraction, settings.seed, hold_out=False)[0]
+    if not Path(source).exists():
+        for split in ("validation", "test"):
+            try:
+                return datasets.load_dataset(source, settings.dataset_config or None, split=split)
+            except Exception:  # no such split, or offline: the line below says what to do
+                continue
+    raise UserError(f"--streaming on evaluates on held-out rows it can load whole: pass --eval_file (a local file of "
+                    f"them){'' if Path(source).exists() else ', or a hub dataset with a validation split'}")
+
+
+def build(settings, model, task: str, output_dir):
+    """(train, held-out, DataInfo, tokenizer, task) of a streamed run: the training set a StreamSet, the held-out
+    set loaded and tokenized as for any run; the tokenizer's texts and the rows' form from the first rows."""
+    import datasets
+    from app.data import DataInfo, sources, text
+    from app.data.text_sets import block_for, instruction_form
+    from app.data.tokenizers import run_tokenizer
+    from app.distributed import dist
+    if len(sources.split_sources(settings.dataset)) > 1:
+        raise UserError("--streaming on reads one --dataset source; mix several with it off")
+    with dist.main_process_first():
+        held = _held_out(settings, settings.dataset)
+        first = datasets.Dataset.from_list(list(itertools.islice(read_rows(settings.dataset, settings.dataset_config,
+                                                                           0, 0, 0), 10000)))
+        form = instruction_form(first, task, settings)
+        if form in ("explicit", "implicit") or task == "sequence_classification":
+            raise UserError("--streaming on streams text and instruction data; preference pairs and labelled rows "
+                            "load whole: pass --streaming off")
+        column = "" if form else text.pick_column(first, settings.text_column, "text", ("text",))
+        if column and column not in held.column_names:
+            raise UserError(f"--eval_file {settings.eval_file} has no {column!r} column, which the training text is "
+                            f"in; its columns are: {', '.join(held.column_names)}")
+        texts = (lambda: text.chat_texts(first, form)) if form else (lambda: iter([first[column]]))
+        tokenizer = run_tokenizer(settings, model, texts, output_dir, chat=bool(form))
+        block, packed = block_for(settings, model, tokenizer), bool(form) and settings.packing != "off"
+        if form:
+            rows = text.instruction_rows(held, tokenizer, form, block, settings.train_on_prompt, "held-out")
+            held_set = chat.AnswerRows(rows, tokenizer.pad_token_id, text._longest(rows))
+            held_set = chat.PackedRows(held_set, block) if packed else held_set
+        else:
+            held_set = text.Rows(text.lm_blocks(held, tokenizer, column, block, "held-out"), tokenizer.pad_token_id)
+    train_set = StreamSet(Stream(settings.dataset, settings, tokenizer, "instruction" if form else "causal_lm", form,
+                                 column, block, packed))
+    dist.print0(f"train: streamed from {settings.dataset} ({'packed into ' if packed else ''}blocks of {block} "
+                f"tokens, a shuffle buffer of {settings.shuffle_buffer} rows)")
+    info = DataInfo(0, task="causal_lm", vocab_size=len(tokenizer), seq_len=block, packed=packed)
+    return train_set, held_set, info, tokenizer, "instruction" if form else task
