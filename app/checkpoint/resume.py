@@ -123,12 +123,17 @@ def _weights_of(ds: dict) -> str:
 
 
 def check_compatible(saved: TrainerState, current: TrainerState, folder: Path):
-    """Refuse a checkpoint made for another model, dataset, ZeRO stage, pipeline split, weights' precision or
-    LoRA adapters."""
+    """Refuse a checkpoint made for another model, dataset, order of its rows, ZeRO stage, pipeline split, weights'
+    precision or LoRA adapters."""
     for key in ("model", "dataset", "zero_stage", "pipeline_stages", "tensor_parallel_size"):
         if getattr(saved, key) != getattr(current, key):
             raise UserError(f"checkpoint {folder} was made with {key}={getattr(saved, key)!r} but this run has "
                             f"{key}={getattr(current, key)!r}; use the same settings or start a new --output_dir")
+    for key, default in {"mix_weights": "", "mix_by": "rows", "streaming": "off", "shuffle_buffer": 10000}.items():
+        then, now = (state.settings.get(key, default) for state in (saved, current))
+        if then != now:  # the order of the rows would change under the resumed run
+            raise UserError(f"checkpoint {folder} was made with --{key} {then!r} but this run has {now!r}, which "
+                            f"trains on other rows; pass the same or start a new --output_dir")
     weights = [_weights_of(state.deepspeed_config) for state in (saved, current)]
     if weights[0] != weights[1]:
         raise UserError(f"checkpoint {folder} was trained with {weights[0]} weights and this run has {weights[1]} "

@@ -59,14 +59,24 @@ class ShardSampler:
         epoch (metrics.csv's rows/<name> and tokens/<name>); padding left out. Else nothing."""
         if self.sources is None:
             return {}
-        span, names = self.batch_size * self.world_size, self.sources.names
-        rows, tokens = self.sources.counts(self._order(epoch)[:min(self.size, done * span)])
+        rows, tokens = self._counted(epoch)[min(done, len(self))]
         for past in range(epoch):
-            if past not in self._drawn:
-                self._drawn[past] = self.sources.counts(self._order(past))
-            rows, tokens = rows + self._drawn[past][0], tokens + self._drawn[past][1]
+            rows, tokens = rows + self._counted(past)[-1][0], tokens + self._counted(past)[-1][1]
+        names = self.sources.names
         return {**{f"rows/{n}": int(r) for n, r in zip(names, rows)},
                 **{f"tokens/{n}": int(t) for n, t in zip(names, tokens)}}
+
+    def _counted(self, epoch: int) -> list:
+        """(rows, tokens) of each source in an epoch's first k global micro batches, for k = 0..len (kept)."""
+        if epoch not in self._drawn:
+            order, span = self._order(epoch), self.batch_size * self.world_size
+            steps = [self.sources.counts(order[k:k + span]) for k in range(0, self.size, span)]
+            zero = np.zeros(len(self.sources.names))
+            rows, tokens = (np.cumsum([zero] + [step[i] for step in steps], axis=0) for i in (0, 1))
+            self._drawn[epoch] = list(zip(rows, tokens))
+            top = max(self._drawn)  # the epoch being trained keeps every count, the ones before their totals
+            self._drawn = {e: kept if e == top else kept[-1:] for e, kept in self._drawn.items()}
+        return self._drawn[epoch]
 
     def _batch_units(self, epoch: int) -> list:
         """The units of each global micro batch of an epoch (a few epochs are kept)."""
@@ -138,6 +148,7 @@ def feeding(dataset, cuda: bool, cores_per_rank: int, num_workers: int = -1, pin
     in_memory = isinstance(base, TensorDataset)
     workers = num_workers if num_workers >= 0 else \
         min(4, max(0, cores_per_rank - 1)) if cuda and not in_memory else 0
+    workers = min(workers, 1) if hasattr(dataset, "stream") else workers  # one sequence: one reader
     return workers, (cuda if pin_memory == "auto" else pin_memory == "on")
 
 

@@ -23,7 +23,8 @@ def split_sources(dataset: str) -> list:
 def source_names(sources: list) -> list:
     """A short name for each source: a file's stem, a folder's name, a hub dataset's last part; numbered where two
     are alike. They name the per-source columns: eval_loss/<name>, rows/<name>, tokens/<name>."""
-    names = [Path(s).stem if Path(s).is_file() else s.rstrip("/").split("/")[-1] for s in sources]
+    names = [Path(s).stem if Path(s).is_file() else Path(s).resolve().name if Path(s).is_dir() else
+             s.rstrip("/").split("/")[-1] for s in sources]
     return [f"{name}-{names[:i].count(name) + 1}" if names.count(name) > 1 else name for i, name in enumerate(names)]
 
 
@@ -86,7 +87,8 @@ class Mixture:
     def describe(self, names: list, by: str) -> str:
         """The line the run says once: each source's rows an epoch against its size."""
         def one(name, size, count):
-            how = f"repeated, {count / size:.2g}x" if count > size else "sampled" if count < size else "each row once"
+            how = f"repeated, {count / size:.1f}x" if count > size else "none" if not count else \
+                "sampled" if count < size else "each row once"
             return f"{name} {count:,} of its {size:,} ({how})"
         return f"mix by {by}: rows an epoch from " + "; ".join(map(one, names, self.sizes, self.counts)) + \
             "; drawn anew each epoch"

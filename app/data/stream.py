@@ -14,7 +14,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset, IterableDataset, default_collate
 
 from app.data import chat
-from app.errors import UserError
+from app.errors import UserError, first_line
 
 HEAD = 256  # samples read at start-up: the micro batch search's trials and the packing check draw on them
 
@@ -29,7 +29,11 @@ def read_rows(source: str, config: str, seed: int, buffer: int, one_pass: int):
         builder, files = local_files(Path(source), source)
         rows = iter(datasets.load_dataset(builder, data_files=files, split="train", streaming=True))
     else:
-        rows = iter(datasets.load_dataset(source, config or None, split="train", streaming=True))
+        try:
+            rows = iter(datasets.load_dataset(source, config or None, split="train", streaming=True))
+        except Exception as e:  # a misspelt name, no train split, offline: many exception types
+            raise UserError(f"--dataset {source!r} is not a local file or folder, nor a hub dataset whose train split "
+                            f"streams: {first_line(e)}") from None
     if buffer <= 0:
         yield from rows
         return
@@ -185,13 +189,31 @@ def _held_out(settings, source: str):
     if settings.eval_file:
         return load_splits(settings.eval_file, "", "", settings.eval_fraction, settings.seed, hold_out=False)[0]
     if not Path(source).exists():
-        for split in ("validation", "test"):
-            try:
-                return datasets.load_dataset(source, settings.dataset_config or None, split=split)
-            except Exception:  # no such split, or offline: the line below says what to do
-                continue
+        try:
+            splits = datasets.get_dataset_split_names(source, settings.dataset_config or None)
+        except Exception as e:
+            raise UserError(f"--dataset {source!r}: cannot list its splits: {first_line(e)}") from None
+        split = next((name for name in ("validation", "test") if name in splits), None)
+        if split is not None:  # streamed and kept: loading the split alone would download every split
+            rows = datasets.load_dataset(source, settings.dataset_config or None, split=split, streaming=True)
+            return datasets.Dataset.from_list(list(rows))
     raise UserError(f"--streaming on evaluates on held-out rows it can load whole: pass --eval_file (a local file of "
                     f"them){'' if Path(source).exists() else ', or a hub dataset with a validation split'}")
+
+
+def _held_set(held, form: str, column: str, tokenizer, block: int, packed: bool, settings):
+    """The held-out rows of a streamed run tokenized as when loaded: instruction rows (packed when the training
+    is), or blocks of text."""
+    from app.data import text
+    if form:
+        rows = text.instruction_rows(held, tokenizer, form, block, settings.train_on_prompt, "held-out")
+        held_set = chat.AnswerRows(rows, tokenizer.pad_token_id, text._longest(rows))
+        return chat.PackedRows(held_set, block) if packed else held_set
+    blocks = text.lm_blocks(held, tokenizer, column, block, "held-out")
+    if not len(blocks):
+        raise UserError(f"the held-out text is shorter than one block of {block} tokens; lower --block_size or add "
+                        f"held-out text")
+    return text.Rows(blocks, tokenizer.pad_token_id)
 
 
 def build(settings, model, task: str, output_dir):
@@ -199,16 +221,18 @@ def build(settings, model, task: str, output_dir):
     set loaded and tokenized as for any run; the tokenizer's texts and the rows' form from the first rows."""
     import datasets
     from app.data import DataInfo, sources, text
-    from app.data.text_sets import block_for, instruction_form
+    from app.data.text_sets import _kind, block_for, instruction_form
     from app.data.tokenizers import run_tokenizer
     from app.distributed import dist
     if len(sources.split_sources(settings.dataset)) > 1:
         raise UserError("--streaming on reads one --dataset source; mix several with it off")
+    sources.mix_weights(settings.mix_weights, 1)  # refused: nothing to weigh
     with dist.main_process_first():
         held = _held_out(settings, settings.dataset)
         first = datasets.Dataset.from_list(list(itertools.islice(read_rows(settings.dataset, settings.dataset_config,
                                                                            0, 0, 0), 10000)))
-        form = instruction_form(first, task, settings)
+        form, held_form = instruction_form(first, task, settings), instruction_form(held, task, settings)
+        _kind([form, held_form], [settings.dataset], task)
         if form in ("explicit", "implicit") or task == "sequence_classification":
             raise UserError("--streaming on streams text and instruction data; preference pairs and labelled rows "
                             "load whole: pass --streaming off")
@@ -219,12 +243,10 @@ def build(settings, model, task: str, output_dir):
         texts = (lambda: text.chat_texts(first, form)) if form else (lambda: iter([first[column]]))
         tokenizer = run_tokenizer(settings, model, texts, output_dir, chat=bool(form))
         block, packed = block_for(settings, model, tokenizer), bool(form) and settings.packing != "off"
-        if form:
-            rows = text.instruction_rows(held, tokenizer, form, block, settings.train_on_prompt, "held-out")
-            held_set = chat.AnswerRows(rows, tokenizer.pad_token_id, text._longest(rows))
-            held_set = chat.PackedRows(held_set, block) if packed else held_set
-        else:
-            held_set = text.Rows(text.lm_blocks(held, tokenizer, column, block, "held-out"), tokenizer.pad_token_id)
+        if not form and settings.packing == "on":
+            raise UserError("--packing on packs instruction data (rows of 'messages', or 'prompt' and 'completion'); "
+                            "blocks of text are packed already; leave --packing auto")
+        held_set = _held_set(held, held_form, column, tokenizer, block, packed, settings)
     train_set = StreamSet(Stream(settings.dataset, settings, tokenizer, "instruction" if form else "causal_lm", form,
                                  column, block, packed))
     dist.print0(f"train: streamed from {settings.dataset} ({'packed into ' if packed else ''}blocks of {block} "

@@ -76,12 +76,17 @@ def _joined(parts: list):
     return (parts[0] if len(parts) == 1 else datasets.concatenate_datasets(parts)), offsets
 
 
-def _label_names(trains: list, column: str) -> list:
-    """The classes of every source together (text.label_names of each, merged)."""
-    found = [text.label_names(train, column) for train in trains]
-    if all(isinstance(v, int) for names in found for v in names):
-        return list(range(max(len(names) for names in found)))
-    return sorted({v for names in found for v in names}, key=str)
+def _label_names(trains: list, labels: list) -> list:
+    """The classes of every source together (text.label_names of each, merged); ClassLabel sources must agree on
+    their names, which their labels index."""
+    names = [getattr(train.features[label], "names", None) for train, label in zip(trains, labels)]
+    if any(names) and (None in names or any(n != names[0] for n in names)):
+        raise UserError("the --dataset sources' labels differ in kind or order (ClassLabel names: " + "; ".join(
+            ", ".join(n) if n else "plain values" for n in names) + "); give every source the same labels")
+    found = [text.label_names(train, label) for train, label in zip(trains, labels)]
+    if all(isinstance(v, int) for values in found for v in values):
+        return list(range(max(len(values) for values in found)))
+    return sorted({v for values in found for v in values}, key=str)
 
 
 def _load(settings: Settings, listed: list) -> tuple:
@@ -122,12 +127,14 @@ def _packing(settings: Settings, kind: str, weights) -> str:
 def _encoder(kind: str, tokenizer, block: int, settings: Settings, trains: list):
     """encode(data, form, column, what): the tokenized rows of one source's split, as its kind tokenizes them; and
     the classes (labelled text) or None."""
-    classes = label = None
+    classes = None
+
+    def label(data):
+        return text.pick_column(data, settings.label_column, "label", ("label", "labels"))
     if kind == "sequence_classification":
-        label = text.pick_column(trains[0], settings.label_column, "label", ("label", "labels"))
-        classes = _label_names(trains, label)
+        classes = _label_names(trains, [label(train) for train in trains])
         if len(classes) < 2:
-            raise UserError(f"--label_column {label!r} has a single class; classification needs two or more")
+            raise UserError(f"--label_column {label(trains[0])!r} has a single class; classification needs two or more")
 
     def encode(data, form, column, what):
         if kind == "preference":
@@ -135,7 +142,7 @@ def _encoder(kind: str, tokenizer, block: int, settings: Settings, trains: list)
         if kind == "instruction":
             return text.instruction_rows(data, tokenizer, form, block, settings.train_on_prompt, what)
         if kind == "sequence_classification":
-            return text.labelled_rows(data, tokenizer, column, label, classes, block, what)
+            return text.labelled_rows(data, tokenizer, column, label(data), classes, block, what)
         blocks = text.lm_blocks(data, tokenizer, column, block, what)
         if not len(blocks):
             raise UserError(f"the {what} text is shorter than one block of {block} tokens; lower --block_size or "

@@ -102,12 +102,18 @@ def test_streamed_sets_refuse_what_they_cannot_stream(tmp_path):
         return text_sets.build_text_sets(settings, TextModel("", 8192, 128), "causal_lm", tmp_path / "run")
     with pytest.raises(UserError, match="held-out rows it can load whole: pass --eval_file"):
         build(dataset=str(chats))
+    with pytest.raises(UserError, match="different kinds of rows"):
+        build(dataset=str(chats), eval_file=str(write_text_rows(tmp_path / "held.txt", 20)))
+    with pytest.raises(UserError, match="--mix_weights weighs several --dataset sources"):
+        build(dataset=str(chats), eval_file=str(chats), mix_weights="1")
     with pytest.raises(UserError, match="reads one --dataset source"):
         build(dataset=f"{chats},{chats}", eval_file=str(chats))
     pairs = tmp_path / "pairs.jsonl"
     pairs.write_text(json.dumps({"prompt": "a", "chosen": "b", "rejected": "c"}) + "\n")
     with pytest.raises(UserError, match="preference pairs and labelled rows load whole"):
         build(dataset=str(pairs), eval_file=str(pairs))
-    train, held, info, _, kind = build(dataset=str(chats), eval_file=str(chats), packing="off")
+    alpaca = tmp_path / "alpaca.jsonl"  # held-out rows of another form of instruction data
+    alpaca.write_text("".join(json.dumps({"instruction": f"Add {i}.", "output": f"{i}"}) + "\n" for i in range(20)))
+    train, held, info, _, kind = build(dataset=str(chats), eval_file=str(alpaca), packing="off")
     assert kind == "instruction" and info.seq_len == 128 and not info.packed and len(held) == 20
     assert len(train) == stream.HEAD and hasattr(train, "stream") and train[0][0].shape == (128,)

@@ -232,6 +232,18 @@ def test_a_checkpoint_of_another_model_dataset_or_stage_is_refused(change, text,
     assert _one_line(caught).startswith(f"checkpoint {tmp_path / 'step00000004'} was made with")
 
 
+@pytest.mark.parametrize("key, then, now", [("mix_weights", "1,3", "1,1"), ("mix_by", "rows", "tokens"),
+                                             ("streaming", "off", "on"), ("shuffle_buffer", 10000, 100)])
+def test_a_resume_that_would_train_on_other_rows_is_refused(key, then, now, tmp_path):
+    saved, current = (_state(settings={"model": "cnn", key: value}) for value in (then, now))
+    with pytest.raises(UserError, match=f"was made with --{key} {then!r} but this run has {now!r}, which trains on "
+                                        f"other rows"):
+        resume.check_compatible(saved, current, tmp_path / "step00000004")
+    resume.check_compatible(_state(settings={}), _state(settings={key: {"mix_by": "rows", "streaming": "off",
+                                                                          "shuffle_buffer": 10000}.get(key, "")}),
+                            tmp_path)  # a checkpoint from before these flags: their defaults
+
+
 def test_what_may_change_across_a_resume():
     """Position, world size, flags and the DeepSpeed dict may differ: those are what a resumed run changes."""
     current = _state(step=0, epoch=0, batch=0, world_size=4, settings={"max_steps": 100},
