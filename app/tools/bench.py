@@ -4,10 +4,10 @@
 127.0.0.1), one process group per world size, and runs the modes of that size one after another in it.
 """
 import argparse
+import contextlib
 import json
 import os
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -19,16 +19,19 @@ from app.distributed import launch
 from app.parallel import layout
 from app.core import lora, tasks
 from app.settings import Settings
-from app.errors import UserError, report
-from app.tools.bench_modes import COMPILE_SUFFIX, LORA, build_model, build_workload, measure
-from app.tools.bench_report import TORCH_MODES, adapters, add_ratios, checkpointing, headline, plot, splitting, \
-    table
+from app.errors import UserError, first_line, report
+from app.observe import metrics
+from app.tools.bench_plan import add_planned_peaks
+from app.tools.bench_modes import COMPILE_SUFFIX, LORA, build_model, build_workload, forget_engines, measure
+from app.tools.bench_report import TORCH_MODES, adapters, add_ratios, checkpointing, headline, headline_vs_fsdp2, \
+    plot, splitting, table
 
 FIELDS = ("mode", "ranks", "threads_per_rank", "micro_batch", "global_batch", "dtype", "compiled", "pipeline_stages",
           "tensor_parallel", "activation_checkpointing", "step_time_s", "samples_per_s", "tokens_per_s", "ratio_to_raw",
-          "ratio_to_torch", "speed_vs_raw_compile", "speed_vs_one_device", "mfu", "peak_flops", "mfu_datasheet", "datasheet_flops",
-          "data_wait_share", "time_to_first_step_s", "peak_memory_bytes", "param_bytes", "scaling_efficiency",
-          "zero_state")
+          "ratio_to_torch", "speed_vs_raw_compile", "speed_vs_fsdp2", "speed_vs_one_device", "mfu", "peak_flops",
+          "mfu_datasheet", "datasheet_flops", "data_wait_share", "time_to_first_step_s", "peak_memory_bytes",
+          "param_bytes", "scaling_efficiency", "zero_state", "plan_peak_bytes", "plan_over_peak",
+          "host_peak_bytes", "graphs")
 
 
 def parse(argv=None):
@@ -42,15 +45,21 @@ def parse(argv=None):
     parser.add_argument("--steps", type=int, default=30, help="measured optimizer steps per mode (median taken)")
     parser.add_argument("--warmup", type=int, default=5, help="steps run before measuring")
     parser.add_argument("--modes", default=",".join(TORCH_MODES + ("app",)),
-                        help="comma list of raw, raw-compile, raw-1thread, ddp, dataparallel, app (default: all)")
+                        help="comma list of raw, raw-compile, raw-1thread, ddp, dataparallel, fsdp2 (torch's FSDP2, the "
+                        "peer of ZeRO-3, on 1 and --ranks ranks), app (default: all)")
     parser.add_argument("--configs", default="dp,zero1,zero2,zero3",
-                        help="ds_configs/ names the app mode runs (pipeline and tensor_parallel split the model)")
+                        help="ds_configs/ names the app mode runs (pipeline and tensor_parallel split the model), or paths "
+                        "of JSON files (name.json: the mode is named name)")
     parser.add_argument("--compile", default="auto",
                         help="comma list of auto, on, off: the app modes run once per entry (name+compile when on)")
     parser.add_argument("--dtype", default="auto", choices=("auto", "fp32", "bf16"),
                         help="autocast dtype of the torch modes (auto: bf16 on a CUDA device that has it, else fp32)")
-    parser.add_argument("--lora", action="store_true", help="transformers models: run each app mode twice, "
-                        "training the whole model and LoRA adapters on it (mode+lora), and compare the two")
+    parser.add_argument("--lora", nargs="?", const="both", default="",
+                        help="transformers models: run each app mode twice, training the whole model and LoRA "
+                        "adapters on it (mode+lora), and compare the two; --lora only: the LoRA runs alone (a model "
+                        "too large to train whole on the machine)")
+    parser.add_argument("--profile", default="", help="comma list of modes whose step torch's profiler records, "
+                        "after the measured steps: output_dir/profile-<mode>.txt")
     parser.add_argument("--ranks", type=int, default=2, help="ranks of the multi-rank modes")
     parser.add_argument("--output_dir", default="", help="where bench.json and bench.png go")
     parser.add_argument("--quick", action="store_true", help="3 steps after 1 warm-up, short matmul probe (tests)")
@@ -64,6 +73,9 @@ def _checked(args):
     if unknown:
         raise UserError(f"--modes: unknown mode {sorted(unknown)[0]!r}; choose from {', '.join(TORCH_MODES)}, app")
     args.compile = [c for c in args.compile.split(",") if c]
+    args.profile = [m for m in args.profile.split(",") if m]
+    if args.lora not in ("", "both", "only"):
+        raise UserError(f"--lora takes nothing (= both), both or only; got {args.lora!r}")
     if not args.compile or set(args.compile) - {"auto", "on", "off"}:
         raise UserError(f"--compile takes a comma list of auto, on, off; got {','.join(args.compile)!r}")
     if args.dtype == "auto":
@@ -72,13 +84,28 @@ def _checked(args):
         args.steps, args.warmup = 3, 1
     if min(args.steps, args.seq_len, args.ranks) < 1 or args.warmup < 0 or args.batch < 0:
         raise UserError("--steps, --seq_len and --ranks must be at least 1, --warmup and --batch 0 or more")
-    args.configs = {name: ds_config.load_ds_config(ds_config.REPO / "ds_configs" / f"{name}.json")
+    args.configs = {_config_path(name).stem: ds_config.load_ds_config(_config_path(name))
                     for name in args.configs.split(",") if name and "app" in args.modes}
-    args.batch = args.batch or tasks.build(Settings(model=args.model, lora=args.lora)).bench_batch  # as train.py
+    # the torch modes' optimizer and clipping, read here: in a rank, DeepSpeed's check would count its world size
+    args.reference = next(iter(args.configs.values()), None) or ds_config.load_ds_config(ds_config.DEFAULT_DS_CONFIG)
+    args.batch = args.batch or tasks.build(Settings(model=args.model, lora=bool(args.lora))).bench_batch  # as train.py
     if args.batch % args.ranks:
         raise UserError(f"--batch {args.batch} is not divisible by --ranks {args.ranks}; each rank takes an equal share")
     args.output_dir = Path(args.output_dir or f"runs/bench-{args.model}-{time.strftime('%Y%m%d-%H%M%S')}")
     return args
+
+
+def _check_profiled(profiled: list, groups: dict):
+    """A UserError when --profile names a mode that will not run."""
+    modes = sorted({mode for jobs in groups.values() for mode, _, _ in jobs})
+    unknown = [m for m in profiled if m not in modes]
+    if unknown:
+        raise UserError(f"--profile: no mode {unknown[0]!r} runs here; the modes are {', '.join(modes)}")
+
+
+def _config_path(name: str) -> Path:
+    """A --configs entry: a ds_configs/ name, or the path of a JSON file of one's own (its stem names the mode)."""
+    return Path(name) if name.endswith(".json") else ds_config.REPO / "ds_configs" / f"{name}.json"
 
 
 def group_modes(args, cores: int, gpus: int) -> tuple:
@@ -100,11 +127,14 @@ def group_modes(args, cores: int, gpus: int) -> tuple:
         skipped.append((f"{args.ranks}-rank modes", f"need {args.ranks} GPUs, this machine has {gpus}"))
     if "ddp" in args.modes and multi:
         groups[args.ranks].append(("ddp", threads(args.ranks), args.batch // args.ranks))
+    if "fsdp2" in args.modes:  # on the world sizes of the app modes, which it is compared with
+        for ranks in sorted({1, args.ranks} if multi else {1}):
+            groups[ranks].append(("fsdp2", threads(ranks), args.batch // ranks))
     for name, ds in args.configs.items():
         for choice in args.compile:
             plain = f"{name}+{COMPILE_SUFFIX[choice]}" if len(args.compile) > 1 or choice != "auto" else name
-            for mode, ranks in [(m, r) for m in ([plain, plain + LORA] if args.lora else [plain])
-                                for r in sorted({1, args.ranks} if multi else {1})]:
+            runs = {"both": [plain, plain + LORA], "only": [plain + LORA]}.get(args.lora, [plain])
+            for mode, ranks in [(m, r) for m in runs for r in sorted({1, args.ranks} if multi else {1})]:
                 try:  # a config that splits the model runs only where the ranks hold the split
                     laid = layout.rank_layout(ds, ranks, 0, name)
                     lora.check_layout(mode.endswith(LORA), laid)
@@ -126,24 +156,47 @@ def _worker(rank, world_size, port, jobs, args, results):
     launch.prepare_environment()
     world = launch.setup(timeout_s=600)
     try:
-        work = build_workload(args)
-        rows = [measure(mode, args, world, threads, batch, work) for mode, threads, batch in jobs]
-        if world.rank == 0:
-            Path(results).write_text(json.dumps(rows))
+        work, rows = build_workload(args), []
+        for mode, threads, batch in jobs:
+            rows.append(_measured(mode, args, world, threads, batch, work))
+            if world.rank == 0:  # kept as each mode ends: a group cut short still reports the modes it measured
+                Path(results).write_text(json.dumps(rows))
     finally:
         dist.teardown()
+
+
+def _measured(mode, args, world, threads, batch, work) -> dict:
+    """measure()'s row; on one rank a mode that fails (out of memory, a compiler error) is a row that says why and
+    the next mode runs (on several ranks the others may wait in a collective of the failed step: the group ends)."""
+    try:
+        row = measure(mode, args, world, threads, batch, work)
+    except Exception as e:  # noqa: BLE001 (said in the row, the benchmark goes on)
+        if world.world_size > 1:
+            raise
+        row = {"mode": mode, "ranks": 1, "failed": f"{type(e).__name__}: {first_line(e)[:300]}"}
+    if "failed" in row:  # out of the except block: its traceback, and the frames holding the mode, are gone
+        forget_engines()
+        metrics.reset_peak_memory(world.device)  # what the failed mode held goes back to the allocator
+    dist.print0(f"measured {mode} x{world.world_size}: " + (f"failed, {row['failed']}" if "failed" in row else
+                f"{row['step_time_s'] * 1e3:.1f} ms a step, {row['tokens_per_s'] or row['samples_per_s']:.0f} "
+                f"{'tokens' if row['tokens_per_s'] else 'samples'}/s, peak {max(row['peak_memory_bytes']) / 2**20:.0f}"
+                f" MB, {row['graphs'][0]} graphs"))
+    return row
 
 
 def run_groups(groups: dict, args) -> list:
     """Every group's rows, each group in fresh processes (spawned, not forked: no torch threads inherited)."""
     import torch.multiprocessing as mp
     rows = []
-    with tempfile.TemporaryDirectory() as tmp:
-        for world_size, jobs in groups.items():
-            results = Path(tmp) / f"{world_size}.json"
+    for world_size, jobs in groups.items():
+        results = args.output_dir / f"rows-{world_size}-ranks.json"  # each mode's row as it ends
+        results.unlink(missing_ok=True)
+        try:
             mp.start_processes(_worker, args=(world_size, launch.free_port(), jobs, args, str(results)),
                                nprocs=world_size, join=True, start_method="spawn")
-            rows += json.loads(results.read_text())
+        except Exception as e:  # noqa: BLE001 (a rank died: the modes measured before it still count)
+            rows.append({"mode": f"{world_size}-rank group", "ranks": world_size, "failed": first_line(e)[:300]})
+        rows += json.loads(results.read_text()) if results.is_file() else []
     return rows
 
 
@@ -153,34 +206,52 @@ def main(argv=None) -> int:
     try:
         args = parse(argv)
         work = build_workload(args)
-        model = build_model(work)
-        args.flops_per_sample = work.task.flops_per_sample(model, work.info)
-        args.lora_flops_per_sample = args.lora and work.task.flops_per_sample(build_model(work, lora=True), work.info)
+        # a transformers model is counted on the meta device: an 8B model's weights are never made in this process
+        with torch.device("meta") if getattr(work.task, "spec", None) else contextlib.nullcontext():
+            model = build_model(work)
+            args.flops_per_sample = work.task.flops_per_sample(model, work.info)
+            args.lora_flops_per_sample = bool(args.lora) and work.task.flops_per_sample(build_model(work, lora=True),
+                                                                                         work.info)
         groups, skipped = group_modes(args, os.cpu_count() or 1, torch.cuda.device_count())
         if not groups:
             raise UserError("nothing to measure: --modes and --configs select no mode this machine can run")
+        _check_profiled(args.profile, groups)
         args.output_dir.mkdir(parents=True, exist_ok=True)
     except UserError as e:
         return report(e)
     rows = run_groups(groups, args)
+    failed, rows = [r for r in rows if "failed" in r], [r for r in rows if "failed" not in r]
     add_ratios(rows)
+    planned = add_planned_peaks(rows, args.configs, work) if rows else []
     rows = [{key: r[key] for key in FIELDS} for r in rows]
     result = {"command": " ".join(["python -m app.tools.bench", *(argv if argv is not None else sys.argv[1:])]),
               "model": args.model, "parameters": sum(p.numel() for p in model.parameters()),
               "seq_len": work.info.seq_len or None, "global_batch": args.batch, "steps": args.steps,
               "warmup": args.warmup, "flops_per_sample": args.flops_per_sample, "torch_dtype": args.dtype,
               "device": "cuda" if torch.cuda.is_available() else "cpu", "cpu_count": os.cpu_count(),
-              "torch": torch.__version__, "modes": rows, "skipped": [{"mode": m, "why": why} for m, why in skipped]}
+              "torch": torch.__version__, "modes": rows, "failed": failed,
+              "skipped": [{"mode": m, "why": why} for m, why in skipped]}
     (args.output_dir / "bench.json").write_text(json.dumps(result, indent=2) + "\n")
-    plot(rows, args.output_dir / "bench.png")
+    if not rows:
+        print("\n".join(f"failed {r['mode']} x{r['ranks']}: {r['failed']}" for r in failed))
+        return 1
+    _print_report(rows, planned, failed, skipped, args.output_dir)
+    return 0
+
+
+def _print_report(rows: list, planned: list, failed: list, skipped: list, output_dir: Path):
+    """The chart in output_dir; the table, the headlines, the comparisons, the plan's lines, what failed and what
+    was skipped, printed."""
+    plot(rows, output_dir / "bench.png")
     print(table(rows))
     print(headline(rows))
-    for line in splitting(rows) + checkpointing(rows) + adapters(rows):
+    for line in headline_vs_fsdp2(rows) + splitting(rows) + checkpointing(rows) + adapters(rows) + planned:
         print(line)
+    for r in failed:
+        print(f"failed {r['mode']} x{r['ranks']}: {r['failed']}")
     for mode, why in skipped:
         print(f"skipped {mode}: {why}")
-    print(f"wrote {args.output_dir / 'bench.json'} and {args.output_dir / 'bench.png'}", flush=True)
-    return 0
+    print(f"wrote {output_dir / 'bench.json'} and {output_dir / 'bench.png'}", flush=True)
 
 
 if __name__ == "__main__":

@@ -6,6 +6,7 @@ import time
 from dataclasses import dataclass, replace
 
 import torch
+from torch.distributed.tensor import DTensor
 
 from app.ds.internals import torch_private
 from app.parallel import activations
@@ -14,6 +15,7 @@ from app.ds import precision
 from app.distributed import dist
 from app.ds import config as ds_config
 from app.ds import internals as ds_internals
+from app.ds import auto as ds_auto
 from app.ds import run_dict
 from app.core import loop
 from app.observe import metrics
@@ -22,6 +24,7 @@ from app.observe import runlog
 from app.core import tasks
 from app.settings import Settings
 from app.data.loader import build_loader
+from app.tools.bench_profile import STEPS as PROFILED_STEPS, Profile, graphs_made
 from app.tools.bench_report import TORCH_MODES
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -59,6 +62,8 @@ class Clock:
         self.device, self.marks, self.waits = device, [], []
         self.tick()
 
+    after_tick = None  # called after each mark (the profiler's step)
+
     def tick(self):
         if self.device.type == "cuda":
             event = torch.cuda.Event(enable_timing=True)
@@ -66,6 +71,8 @@ class Clock:
             self.marks.append(event)
         else:
             self.marks.append(time.perf_counter())
+        if self.after_tick:
+            self.after_tick()
 
     def times(self) -> list:
         """Seconds from each mark to the next: the first is the time to the first step's end."""
@@ -102,40 +109,6 @@ class TimedLoader:
             self.batch_sampler.set_epoch(epoch)
 
 
-def run_torch(mode, args, world, work: Workload, loader, clock, total):
-    """A hand-written PyTorch loop: the plain model (DDP / DataParallel wrapped), torch AdamW, clipping, autocast
-    in --dtype; raw-compile adds torch.compile of model and loss and the fused AdamW, PyTorch at its best."""
-    model = build_model(work).to(world.device)
-    if mode == "ddp":
-        model = torch.nn.parallel.DistributedDataParallel(model)
-    elif mode == "dataparallel":
-        model = torch.nn.DataParallel(model)
-    reference = next(iter(args.configs.values()), None) or ds_config.load_ds_config(ds_config.DEFAULT_DS_CONFIG)
-    params = {k: v for k, v in reference["optimizer"]["params"].items() if k not in ("torch_adam", "fused")}
-    compiled = mode == "raw-compile"
-    optimizer = torch.optim.AdamW(model.parameters(), **params, **({"fused": True} if compiled else {}))
-    loss_fn = lambda logits, y: work.task.loss(logits, y).mean()  # noqa: E731 (equal-length samples: the mean)
-    forward, loss_fn = (torch.compile(model, dynamic=False), torch.compile(loss_fn, dynamic=False)) \
-        if compiled else (model, loss_fn)
-    clip = reference.get("gradient_clipping", 0.0)
-    batches = iter(TimedLoader(loader, clock, endless=True))
-    dtype = DTYPES[args.dtype]
-    precision.set_tf32(world.device, dtype, "on")  # as the app sets it for fp32 on CUDA
-    model.train()
-    for _ in range(total):
-        x, y, _ = next(batches)
-        x, y = x.to(world.device, non_blocking=True), y.to(world.device, non_blocking=True)
-        with torch.autocast(world.device.type, dtype=dtype, enabled=dtype != torch.float32):
-            loss = loss_fn(forward(x), y)
-        loss.backward()
-        if clip:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        clock.tick()
-    return None, dtype, compiled, param_bytes(model)
-
-
 def rank_layout_of(mode, args, world) -> layout.RankLayout:
     """How the mode lays out its ranks: an app mode's ds_config may split the model into pipeline stages or
     tensor-parallel shards, which share one replica's data; every other mode is data parallel."""
@@ -144,8 +117,9 @@ def rank_layout_of(mode, args, world) -> layout.RankLayout:
 
 
 def param_bytes(module) -> int:
-    """Bytes of the parameters this rank holds: its stage, its shards or its ZeRO-3 partition."""
-    return sum(getattr(p, "ds_tensor", p).numel() * p.element_size() for p in module.parameters())
+    """Bytes of the parameters this rank holds: its stage, its shards, its ZeRO-3 partition or its FSDP2 shard."""
+    held = (p.to_local() if isinstance(p, DTensor) else getattr(p, "ds_tensor", p) for p in module.parameters())
+    return sum(t.numel() * t.element_size() for t in held)
 
 
 def run_app(mode, args, world, work: Workload, loader, clock, total):  # long: the engine, the timed step, the Loop
@@ -155,8 +129,10 @@ def run_app(mode, args, world, work: Workload, loader, clock, total):  # long: t
     labels = {label: choice for choice, label in COMPILE_SUFFIX.items()}
     choice = next((labels[s] for s in suffixes if s in labels), "auto")
     ranks = rank_layout_of(mode, args, world)
-    ds = ds_config.resolve_batch_sizes({**args.configs[name], "train_micro_batch_size_per_gpu": loader.batch_sampler.
-                                        batch_size, "gradient_accumulation_steps": 1}, ranks.replicas, name)
+    ds = {**args.configs[name], "train_micro_batch_size_per_gpu": loader.batch_sampler.batch_size,
+          "gradient_accumulation_steps": 1}
+    ds = ds_config.resolve_batch_sizes(ds_auto.fill(ds, tasks.auto_facts(work.task), ranks.replicas)[0],
+                                       ranks.replicas, name)  # "auto" filled in as a run fills it
     module, _, _ = ranks.prepare(build_model(work, ds, mode.endswith(LORA)), work.task, args.model, ds)
     engine = loop.build_engine(module, run_dict.for_engine(ds_config.fill_scheduler_length(ds, total),
                                                            run_dict.trainable(module), ranks.tensor))
@@ -180,10 +156,22 @@ def run_app(mode, args, world, work: Workload, loader, clock, total):  # long: t
     step = ranks.train_step(engine, work.task, compiling.wanted(choice, engine.device))
     precision.set_tf32(world.device, precision.compute_dtype(engine), "on")  # as train.py does
     schedule = loop.Schedule(total, log_interval=10, eval_interval=total)
-    loop.Loop(step, TimedLoader(loader, clock), eval_loader, schedule, runlog.RunLog(None, total)).fit()
-    compiled = engine.is_compiled and getattr(step, "compiled", False)  # False once it fell back to eager
-    ds_internals.forget_parallel_groups()  # a pipeline's grid would be the next mode's
-    return state or None, precision.compute_dtype(engine), compiled, param_bytes(engine.module)
+    try:
+        loop.Loop(step, TimedLoader(loader, clock), eval_loader, schedule, runlog.RunLog(None, total)).fit()
+        compiled = engine.is_compiled and getattr(step, "compiled", False)  # False once it fell back to eager
+        return state or None, precision.compute_dtype(engine), compiled, param_bytes(engine.module)
+    finally:
+        engine.destroy()  # its hooks on the parameters (held by torch's autograd, out of gc's sight) go
+        forget_engines()
+
+
+def forget_engines():
+    """Let go of what DeepSpeed's globals keep of a mode's engine, so that the next mode of this process starts as
+    in a process of its own: ZeRO-3's module stack (which holds the engine, its states and partitions, on the
+    GPU), a pipeline's grid, and DeepSpeed's memory-efficient linear in torch's place."""
+    ds_internals.forget_unfinished_forward()
+    ds_internals.forget_parallel_groups()
+    ds_internals.restore_torch_linear()
 
 
 def zero_state(engine, name, backward_grads: int = 0) -> dict:
@@ -213,27 +201,25 @@ def measure(mode, args, world, threads, per_rank_batch, work: Workload) -> dict:
     clock = Clock(world.device)
     ranks = rank_layout_of(mode, args, world)
     loader = build_loader(work.train_set, per_rank_batch, ranks.replica, ranks.replicas, True, 0)
-    total = args.warmup + args.steps
-    runner = run_torch if mode in TORCH_MODES else run_app
-    with EagerFallbacks() as fallbacks:
-        zero, dtype, compiled, held = runner(mode, args, world, work, loader, clock, total)
+    zero, dtype, compiled, held, graphs = _run(mode, args, world, work, loader, clock)
     times = clock.times()
-    first_step, times = times[0], times[1:][args.warmup:]
-    wait_share = sum(clock.waits[args.warmup:total]) / sum(times)
+    first_step, times = times[0], times[1:][args.warmup:args.warmup + args.steps]
+    wait_share = sum(clock.waits[args.warmup:args.warmup + args.steps]) / sum(times)
     dist.barrier()  # every rank probes the matmul rate at once, as they shared the machine while training
     peak = metrics.matmul_flops(world.device, dtype, 0.1 if args.quick else 0.5)  # in the mode's own dtype
     datasheet = metrics.datasheet_flops(world.device, dtype)
     step_time, wait_share, first_step = dist.host_max([statistics.median(times), wait_share, first_step])
     peak = dist.host_sum([peak])[0]
     memory, held = _each_rank(world, metrics.peak_memory_bytes(world.device)), _each_rank(world, held)
+    host = _each_rank(world, metrics.peak_memory_bytes(torch.device("cpu")))
     global_batch = per_rank_batch * ranks.replicas
     flops = args.lora_flops_per_sample if mode.endswith(LORA) else args.flops_per_sample  # frozen weights: 4 not 6
     samples_per_s = global_batch / step_time
     datasheet = datasheet and datasheet * world.world_size
     return {"mode": mode, "ranks": world.world_size, "threads_per_rank": threads,
             "micro_batch": per_rank_batch, "global_batch": global_batch, "dtype": str(dtype)[6:],
-            "compiled": bool(compiled) and not fallbacks.model_frames, "pipeline_stages": ranks.split.stages if
-            ranks.split else 1, "tensor_parallel": ranks.tensor, "step_time_s": step_time,
+            "compiled": compiled, "pipeline_stages": ranks.split.stages if ranks.split else 1,
+            "tensor_parallel": ranks.tensor, "step_time_s": step_time,
             "activation_checkpointing": activations.SECTION in (args.configs.get(mode.partition("+")[0]) or {}),
             "samples_per_s": samples_per_s,
             "tokens_per_s": samples_per_s * work.info.seq_len if work.info.seq_len else None,
@@ -242,7 +228,28 @@ def measure(mode, args, world, threads, per_rank_batch, work: Workload) -> dict:
             "datasheet_flops": datasheet,
             "data_wait_share": wait_share, "time_to_first_step_s": first_step,
             "peak_memory_bytes": [int(m) for m in memory], "param_bytes": [int(b) for b in held],
-            "zero_state": zero}
+            "zero_state": zero, "host_peak_bytes": [int(m) for m in host], "graphs": list(graphs)}
+
+
+def _run(mode, args, world, work: Workload, loader, clock) -> tuple:
+    """The mode's runner over its warm-up, measured and (where --profile names the mode) profiled steps: (ZeRO state,
+    dtype, compiled and never fallen back to eager, this rank's parameter bytes, (graphs compiled, graph breaks))."""
+    from app.tools.bench_fsdp import run_fsdp2  # here, not above: bench_fsdp and bench_torch build on this module
+    from app.tools.bench_torch import run_torch
+    profiled = mode in args.profile
+    profile = Profile(world.device, args.warmup + args.steps) if profiled and world.rank == 0 else None
+    total = args.warmup + args.steps + (PROFILED_STEPS if profiled else 0)  # profiled after the measured
+    clock.after_tick, graphs = profile.tick if profile else None, graphs_made()
+    runner = run_fsdp2 if mode == "fsdp2" else run_torch if mode in TORCH_MODES else run_app
+    with EagerFallbacks() as fallbacks:
+        zero, dtype, compiled, held = runner(mode, args, world, work, loader, clock, total)
+    graphs = tuple(after - before for after, before in zip(graphs_made(), graphs))
+    if profile:
+        try:
+            print(profile.write(args.output_dir / f"profile-{mode}.txt", mode, graphs), flush=True)
+        except Exception as e:  # noqa: BLE001 (the profile is an aside: the mode's figures still count)
+            print(f"profile {mode}: not written ({type(e).__name__}: {e})", flush=True)
+    return zero, dtype, bool(compiled) and not fallbacks.model_frames, held, graphs
 
 
 def _start_mode(world, threads: int):
@@ -253,6 +260,8 @@ def _start_mode(world, threads: int):
     if world.device.type == "cuda":
         torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = False, True
     metrics.reset_peak_memory(world.device)
+    if world.device.type == "cuda":
+        metrics.reset_peak_memory(torch.device("cpu"))  # the host's peak too (offload holds its states there)
     dist.barrier()
 
 

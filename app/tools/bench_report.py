@@ -1,7 +1,7 @@
 """The benchmark's rows turned into ratios, a table, the headline line and a chart."""
 from pathlib import Path
 
-TORCH_MODES = ("raw", "raw-compile", "raw-1thread", "ddp", "dataparallel")
+TORCH_MODES = ("raw", "raw-compile", "raw-1thread", "ddp", "dataparallel", "fsdp2")
 
 
 def is_split(row) -> bool:
@@ -17,11 +17,13 @@ def one_device(rows: list):
 
 def add_ratios(rows: list):
     """Step time against the raw loop and against torch at the same world size; weak-scaling efficiency; speed
-    against one device."""
+    against one device; speed against torch's FSDP2 at the same world size."""
     by_mode = {(r["mode"], r["ranks"]): r for r in rows}
     raw, one_thread = by_mode.get(("raw", 1)), by_mode.get(("raw-1thread", 1))
     best, single = by_mode.get(("raw-compile", 1)), one_device(rows)
     for r in rows:
+        fsdp2 = by_mode.get(("fsdp2", r["ranks"]))
+        r["speed_vs_fsdp2"] = fsdp2["step_time_s"] / r["step_time_s"] if fsdp2 else None
         r["speed_vs_one_device"] = r["samples_per_s"] / single["samples_per_s"] if single else None
         r["speed_vs_raw_compile"] = best["step_time_s"] / r["step_time_s"] if best and r["ranks"] == 1 else None
         torch_ref = raw if r["ranks"] == 1 else by_mode.get(("ddp", r["ranks"]))
@@ -61,6 +63,15 @@ def headline(rows: list) -> str:
         return "headline: needs the raw-compile mode and an app mode at 1 rank"
     return "headline (app speed / raw PyTorch + compile + fused AdamW, 1 rank): " + ", ".join(
         f"{r['mode']} {r['speed_vs_raw_compile']:.3f}" for r in app)
+
+
+def headline_vs_fsdp2(rows: list) -> list:
+    """The line that compares every app mode (LoRA aside) with torch's FSDP2 at its own world size, for each world
+    size that has an fsdp2 row; none without."""
+    app = [r for r in rows if r.get("speed_vs_fsdp2") is not None and r["mode"] not in TORCH_MODES
+           and not r["mode"].endswith("+lora")]
+    return ["headline vs FSDP2 (app speed / torch FSDP2 at the same world size): " + ", ".join(
+        f"{r['mode']} x{r['ranks']} {r['speed_vs_fsdp2']:.3f}" for r in app)] if app else []
 
 
 def splitting(rows: list) -> list:

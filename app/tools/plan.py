@@ -12,6 +12,7 @@ from pathlib import Path
 
 import torch
 
+from app.ds import auto as ds_auto
 from app.ds import config as ds_config
 from app.ds import internals as ds_internals
 from app.core import lora, preference
@@ -120,10 +121,14 @@ def task_of(args):
 
 
 def measure(args, named: dict, task) -> dict:
-    """{name: MemoryPlan} of each config, from the model's shape alone."""
+    """{name: MemoryPlan} of each config, from the model's shape alone; ZeRO's "auto" values (bucket sizes, ZeRO-3's
+    leaf blocks) as a run fills them for this model."""
     adapters = (args.lora_rank, lora.targets_of(args)) if args.lora else None
     work = fit.workload(task, args.seq_len, args.image_size, frozen=args.lora)
-    return fit.plans(work, named, args.world_size, adapters, getattr(task, "reference_kind", "") == "frozen copy")
+    facts = tasks.auto_facts(task)
+    zero = {name: {**ds, "zero_optimization": ds_auto.fill(ds, facts, args.world_size)[0]["zero_optimization"]}
+            if "zero_optimization" in ds else ds for name, ds in named.items()}
+    return fit.plans(work, zero, args.world_size, adapters, getattr(task, "reference_kind", "") == "frozen copy")
 
 
 # What each reference of preference tuning (the task's reference_kind) holds while training.

@@ -4,7 +4,7 @@ import json
 import pytest
 
 from app.tools.bench import FIELDS
-from conftest import BIN, run
+from conftest import BIN, REPO, run
 
 ZERO_FIELDS = ("config", "stage", "parameters", "params_bytes", "grads_bytes", "optimizer_bytes",
                "master_copy_bytes", "measured_bytes", "formula_bytes", "measured_over_formula",
@@ -18,6 +18,7 @@ def test_quick_benchmark_reports_every_field_for_every_mode(tmp_path):
     report = json.loads((tmp_path / "bench.json").read_text())
     modes = {(m["mode"], m["ranks"]): m for m in report["modes"]}
     assert set(modes) == {("raw", 1), ("raw-compile", 1), ("raw-1thread", 1), ("ddp", 2), ("pipeline", 2),
+                          ("fsdp2", 1), ("fsdp2", 2),
                           *((name, ranks) for name in ("dp", "zero1", "zero2", "zero3", "activation_checkpointing")
                             for ranks in (1, 2))}
     assert [s["mode"] for s in report["skipped"]] == ["dataparallel", "pipeline x1"], "no GPUs; 2 stages need 2"
@@ -27,7 +28,8 @@ def test_quick_benchmark_reports_every_field_for_every_mode(tmp_path):
         assert 0 <= mode["data_wait_share"] < 1 and mode["time_to_first_step_s"] > 0, key
         assert len(mode["peak_memory_bytes"]) == mode["ranks"] and min(mode["peak_memory_bytes"]) > 0, key
         assert (mode["scaling_efficiency"] is not None) == (mode["ranks"] == 2), key
-        assert (mode["zero_state"] is not None) == (key[0] not in ("raw", "raw-compile", "raw-1thread", "ddp")), key
+        torch_mode = key[0] in ("raw", "raw-compile", "raw-1thread", "ddp", "fsdp2")
+        assert (mode["zero_state"] is not None) == (not torch_mode), key
         assert mode["activation_checkpointing"] == (key[0] == "activation_checkpointing"), key
         assert len(mode["param_bytes"]) == mode["ranks"] and min(mode["param_bytes"]) > 0, key
         assert mode["global_batch"] == (16 if key[0] == "raw-1thread" else 32) and mode["speed_vs_one_device"] > 0, key
@@ -39,6 +41,9 @@ def test_quick_benchmark_reports_every_field_for_every_mode(tmp_path):
     assert modes[("raw-compile", 1)]["speed_vs_raw_compile"] == 1.0
     speed = modes[("raw-compile", 1)]["step_time_s"] / modes[("dp", 1)]["step_time_s"]
     assert f"headline (app speed / raw PyTorch + compile + fused AdamW, 1 rank): dp {speed:.3f}" in result.stdout
+    speed = modes[("fsdp2", 2)]["step_time_s"] / modes[("zero3", 2)]["step_time_s"]
+    assert f"zero3 x2 {speed:.3f}" in next(line for line in result.stdout.splitlines() if line.startswith(
+        "headline vs FSDP2 (app speed / torch FSDP2 at the same world size): dp x1 "))
     for key in (("dp", 1), ("zero3", 1), ("dp", 2), ("zero3", 2)):
         zero = modes[key]["zero_state"]
         assert tuple(zero) == ZERO_FIELDS and zero["parameters"] == report["parameters"], key
@@ -73,3 +78,86 @@ def _the_plan_predicts_what_the_engine_holds(modes):
             for measured, kind in kinds.items():
                 assert planned[kind] == pytest.approx(held[measured], rel=0.05, abs=64), (name, ranks, kind)
             assert sum(planned.values()) == pytest.approx(held["measured_bytes"], rel=0.05), (name, ranks)
+
+
+def test_fsdp2_runs_beside_raw_on_one_rank_and_on_two_each_holding_its_shards(tmp_path):
+    result = run([str(BIN / "python"), "-m", "app.tools.bench", "--model", "gpt2-tiny", "--modes", "raw,fsdp2",
+                  "--ranks", "2", "--quick", "--seq_len", "32", "--output_dir", tmp_path], timeout=300)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    report = json.loads((tmp_path / "bench.json").read_text())
+    modes = {(m["mode"], m["ranks"]): m for m in report["modes"]}
+    assert set(modes) == {("raw", 1), ("fsdp2", 1), ("fsdp2", 2)}
+    one, two = modes[("fsdp2", 1)], modes[("fsdp2", 2)]
+    assert (one["micro_batch"], two["micro_batch"], one["global_batch"], two["global_batch"]) == (16, 8, 16, 16)
+    for mode in (one, two):
+        assert tuple(mode) == FIELDS and mode["tokens_per_s"] > 0 and mode["zero_state"] is None
+        assert mode["compiled"] is False and mode["dtype"] == "float32", "--compile auto: eager on CPU, as the app"
+        assert mode["speed_vs_fsdp2"] == 1.0
+    assert one["param_bytes"] == [report["parameters"] * 4], "one rank holds all of the fp32 model"
+    assert sum(two["param_bytes"]) == one["param_bytes"][0] and max(two["param_bytes"]) < 0.6 * one["param_bytes"][0]
+    assert "headline vs FSDP2" not in result.stdout, "no app mode to compare"
+
+
+def _losses(rank, world, modes, report):
+    """On every rank: each mode's loop (the raw loop on the whole model, or on the model FSDP2 shards) for 4 steps
+    of gpt2-tiny on a global batch of 8 split over the ranks; rank 0 writes each step's loss, averaged over ranks."""
+    from app.data.loader import build_loader
+    from app.distributed import dist, launch
+    from app.tools import bench, bench_fsdp, bench_modes, bench_torch
+    args = bench.parse(["--model", "gpt2-tiny", "--modes", "raw", "--seq_len", "32", "--batch", "8", "--steps", "3",
+                        "--warmup", "1", "--ranks", str(world)])  # before the group: DeepSpeed checks the config
+    here = launch.setup(timeout_s=120)
+    try:
+        work, losses = bench_modes.build_workload(args), {}
+        for mode in modes:
+            model = bench_modes.build_model(work)
+            if mode == "fsdp2":
+                bench_fsdp.shard(model, here, compiled=False)
+            loader = build_loader(work.train_set, 8 // world, here.rank, world, True, 0)
+            steps = bench_torch.train(model, model, False, args, here, work, loader, bench_modes.Clock(here.device), 4)
+            losses[mode] = [total / world for total in dist.host_sum([loss.item() for loss in steps])]
+        if here.rank == 0:
+            report.write_text(json.dumps(losses))
+    finally:
+        dist.teardown()
+
+
+def test_fsdp2_trains_the_raw_loops_losses_on_one_rank_and_on_two(tmp_path):
+    """FSDP2's shards gather, reduce and step to the very model the raw loop trains (fp32, gradients clipped)."""
+    from conftest import spawn_ranks
+    spawn_ranks(1, _losses, ["raw", "fsdp2"], tmp_path / "one.json")
+    spawn_ranks(2, _losses, ["fsdp2"], tmp_path / "two.json")
+    one, two = (json.loads((tmp_path / name).read_text()) for name in ("one.json", "two.json"))
+    assert len(one["raw"]) == 4 and one["raw"][0] > one["raw"][-1], "it learns"
+    assert one["fsdp2"] == pytest.approx(one["raw"], abs=1e-5) and two["fsdp2"] == pytest.approx(one["raw"], abs=1e-5)
+
+
+def test_a_mode_that_fails_is_reported_and_the_next_mode_runs_profiled(tmp_path):
+    """An optimizer DeepSpeed does not have passes the app's check of the file (DeepSpeed's own types are its to
+    say) and fails in deepspeed.initialize, inside its mode: a row that says why, then zero3 runs, profiled."""
+    broken = json.loads((REPO / "ds_configs" / "zero3.json").read_text())
+    broken["optimizer"]["type"] = "NoSuchOptimizer"
+    (tmp_path / "broken.json").write_text(json.dumps(broken))
+    out = tmp_path / "out"
+    result = run([str(BIN / "python"), "-m", "app.tools.bench", "--model", "gpt2-tiny", "--ranks", "1", "--modes",
+                  "raw,app", "--configs", f"{tmp_path / 'broken.json'},zero3", "--seq_len", "32", "--quick",
+                  "--profile", "zero3", "--output_dir", out], timeout=300)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    lines = result.stdout.splitlines()
+    measured = [line.split(":")[0] for line in lines if line.startswith("measured ")]
+    assert measured == ["measured raw x1", "measured broken x1", "measured zero3 x1"], "the next mode runs"
+    report = json.loads((out / "bench.json").read_text())
+    assert [(r["mode"], r["ranks"]) for r in report["failed"]] == [("broken", 1)]
+    why = report["failed"][0]["failed"]
+    assert "NoSuchOptimizer is not a supported DeepSpeed Optimizer" in why, why
+    assert f"failed broken x1: {why}" in lines
+    assert [m["mode"] for m in report["modes"]] == ["raw", "zero3"]
+    for mode in report["modes"]:
+        assert tuple(mode) == FIELDS and mode["host_peak_bytes"][0] > 0 and mode["graphs"] == [0, 0], mode["mode"]
+    assert (report["modes"][0]["plan_peak_bytes"], report["modes"][1]["plan_peak_bytes"] > 0) == (None, True)
+    summary = next(line for line in lines if line.startswith("profile zero3: "))
+    assert " ms a step wall, device busy 0.0 ms (0%)" in summary, "no device on a CPU"
+    assert (out / "profile-zero3.txt").read_text().splitlines()[0] == summary
+    assert not any(line.startswith("profile raw") for line in lines), "--profile names zero3 alone"
+    kept = json.loads((out / "rows-1-ranks.json").read_text())
+    assert [(r["mode"], "failed" in r) for r in kept] == [("raw", False), ("broken", True), ("zero3", False)]

@@ -7,10 +7,62 @@ def test_a_bad_flag_is_one_line(capsys):
     from app.tools import bench
     assert bench.main(["--modes", "raw,fast"]) == 2
     assert capsys.readouterr().err.strip().splitlines() == [
-        "error: --modes: unknown mode 'fast'; choose from raw, raw-compile, raw-1thread, ddp, dataparallel, app"]
+        "error: --modes: unknown mode 'fast'; choose from raw, raw-compile, raw-1thread, ddp, dataparallel, fsdp2, app"]
     assert bench.main(["--compile", "on,maybe"]) == 2
     assert capsys.readouterr().err.strip().splitlines() == [
         "error: --compile takes a comma list of auto, on, off; got 'on,maybe'"]
+    assert bench.main(["--model", "gpt2-tiny", "--lora", "maybe"]) == 2
+    assert capsys.readouterr().err.strip().splitlines() == [
+        "error: --lora takes nothing (= both), both or only; got 'maybe'"]
+    assert bench.main(["--model", "cnn", "--modes", "raw,app", "--configs", "zero3", "--ranks", "1",
+                       "--profile", "zero2"]) == 2
+    assert capsys.readouterr().err.strip().splitlines() == [
+        "error: --profile: no mode 'zero2' runs here; the modes are raw, zero3"]
+
+
+def test_a_configs_entry_is_a_ds_configs_name_or_the_path_of_a_json_file(tmp_path):
+    from app.tools import bench
+    from conftest import REPO
+    assert bench._config_path("zero3") == REPO / "ds_configs" / "zero3.json"
+    assert bench._config_path(str(tmp_path / "mine.json")) == tmp_path / "mine.json"
+    (tmp_path / "mine.json").write_text((REPO / "ds_configs" / "zero1.json").read_text())
+    args = bench.parse(["--modes", "app", "--configs", f"dp,{tmp_path / 'mine.json'}", "--ranks", "1"])
+    assert list(args.configs) == ["dp", "mine"], "the file's stem names its mode"
+    assert args.configs["mine"]["zero_optimization"]["stage"] == 1
+
+
+@pytest.mark.parametrize("flag, modes", [([], ["dp", "zero1"]), (["--lora"], ["dp", "dp+lora", "zero1", "zero1+lora"]),
+                                         (["--lora", "only"], ["dp+lora", "zero1+lora"])])
+def test_lora_runs_each_app_mode_beside_the_whole_model_or_alone(flag, modes):
+    from app.tools import bench
+    args = bench.parse(["--model", "gpt2-tiny", "--modes", "app", "--configs", "dp,zero1", "--ranks", "1", *flag])
+    groups, skipped = bench.group_modes(args, cores=2, gpus=0)
+    assert [mode for mode, _, _ in groups[1]] == modes and skipped == []
+
+
+def test_profile_names_a_list_of_modes():
+    from app.tools import bench
+    assert bench.parse(["--modes", "raw", "--profile", "raw,zero3+lora,"]).profile == ["raw", "zero3+lora"]
+    assert bench.parse(["--modes", "raw"]).profile == []
+
+
+def test_a_mode_that_raises_on_one_rank_is_a_row_that_says_why_and_on_two_it_ends_the_group(capsys):
+    """zero9 is no config of this run: its engine cannot be built (KeyError), as a real config might fail."""
+    import torch
+    from app.distributed.dist import World
+    from app.tools import bench, bench_modes
+    args = bench.parse(["--quick", "--batch", "8", "--modes", "raw"])
+    work = bench_modes.build_workload(args)
+    threads = torch.get_num_threads()
+    try:
+        row = bench._measured("zero9", args, World(0, 0, 1, 1, torch.device("cpu"), "gloo", "python", ""), 1, 8,
+                              work)
+        assert row == {"mode": "zero9", "ranks": 1, "failed": "KeyError: 'zero9'"}
+        assert capsys.readouterr().out.splitlines()[-1] == "measured zero9 x1: failed, KeyError: 'zero9'"
+        with pytest.raises(KeyError):
+            bench._measured("zero9", args, World(0, 0, 2, 2, torch.device("cpu"), "gloo", "python", ""), 1, 4, work)
+    finally:
+        torch.set_num_threads(threads)
 
 
 def test_compile_choices_name_the_app_modes():

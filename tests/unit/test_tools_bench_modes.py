@@ -11,6 +11,7 @@ from app.data.loader import build_loader
 from app.ds.internals import torch_private
 from app.tools import bench, bench_modes
 from app.tools.bench import FIELDS
+from app.tools.bench_plan import add_planned_peaks
 from app.tools.bench_report import add_ratios
 
 CPU = torch.device("cpu")
@@ -108,8 +109,8 @@ def test_a_frame_of_the_model_that_fell_back_to_eager_is_collected_and_deepspeed
     assert fallbacks not in log.handlers
 
 
-def test_a_raw_mode_measured_in_this_process_gives_every_field_the_report_needs():
-    args = _args("--modes", "raw")
+def test_a_raw_mode_measured_in_this_process_gives_every_field_the_report_needs(tmp_path, capsys):
+    args = _args("--modes", "raw", "--profile", "raw", "--output_dir", str(tmp_path))
     work = bench_modes.build_workload(args)
     model = bench_modes.build_model(work)
     args.flops_per_sample, args.lora_flops_per_sample = work.task.flops_per_sample(model, work.info), 0
@@ -119,7 +120,14 @@ def test_a_raw_mode_measured_in_this_process_gives_every_field_the_report_needs(
     finally:
         torch.set_num_threads(threads)
     add_ratios([row])
+    assert add_planned_peaks([row], args.configs, work) == [], "the plan covers the app modes alone"
     assert set(FIELDS) <= set(row), set(FIELDS) - set(row)
+    assert (row["plan_peak_bytes"], row["plan_over_peak"]) == (None, None)
+    assert len(row["host_peak_bytes"]) == 1 and row["host_peak_bytes"][0] > 0, "the process's resident set"
+    assert row["graphs"] == [0, 0], "raw runs eager"
+    summary = capsys.readouterr().out.strip().splitlines()[-1]
+    assert summary.startswith("profile raw: ") and summary.endswith("; 0 graphs compiled, 0 graph breaks")
+    assert (tmp_path / "profile-raw.txt").read_text().splitlines()[0] == summary, "3 steps after the measured ones"
     assert (row["micro_batch"], row["global_batch"], row["ranks"], row["threads_per_rank"]) == (8, 8, 1, 1)
     assert row["param_bytes"] == [sum(p.numel() * 4 for p in model.parameters())]
     assert row["samples_per_s"] == pytest.approx(8 / row["step_time_s"])

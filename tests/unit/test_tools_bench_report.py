@@ -1,7 +1,8 @@
 """The benchmark's report: the one-device reference, the table, the headline, checkpointing, LoRA, the chart."""
 import pytest
 
-from app.tools.bench_report import add_ratios, adapters, checkpointing, headline, one_device, plot, table
+from app.tools.bench_report import add_ratios, adapters, checkpointing, headline, headline_vs_fsdp2, one_device, \
+    plot, table
 
 
 def _row(mode, ranks=1, step=0.010, rate=100.0, **more) -> dict:
@@ -35,6 +36,27 @@ def test_the_headline_says_what_it_needs_when_raw_compile_or_a_one_rank_app_mode
     rows = [_row("raw-compile", step=0.008), _row("dp", ranks=2), _row("dp+lora", step=0.004)]
     add_ratios(rows)
     assert headline(rows) == needs, "a LoRA mode trains less than the whole model: it is no headline"
+
+
+def test_the_second_headline_compares_each_app_mode_with_fsdp2_at_its_own_world_size():
+    rows = [_row("raw", step=0.010), _row("raw-compile", step=0.008), _row("fsdp2", step=0.012),
+            _row("fsdp2", ranks=2, step=0.020), _row("zero3", step=0.016), _row("zero3+lora", step=0.006),
+            _row("dp", step=0.006), _row("zero3", ranks=2, step=0.025), _row("ddp", ranks=2, step=0.010),
+            _row("zero1", ranks=4, step=0.010)]
+    add_ratios(rows)
+    assert headline(rows) == "headline (app speed / raw PyTorch + compile + fused AdamW, 1 rank): zero3 0.500, dp " \
+                             "1.333", "the first headline as it was"
+    assert headline_vs_fsdp2(rows) == ["headline vs FSDP2 (app speed / torch FSDP2 at the same world size): zero3 x1 "
+                                       "0.750, dp x1 2.000, zero3 x2 0.800"], "no LoRA, no world size without fsdp2"
+    by = {(r["mode"], r["ranks"]): r["speed_vs_fsdp2"] for r in rows}
+    assert by[("fsdp2", 1)] == by[("fsdp2", 2)] == 1.0 and by[("raw", 1)] == pytest.approx(1.2)
+    assert by[("ddp", 2)] == pytest.approx(2.0) and by[("zero1", 4)] is None
+
+
+def test_without_an_fsdp2_row_or_an_app_mode_beside_it_there_is_no_second_headline():
+    rows = [_row("raw"), _row("dp"), _row("fsdp2", ranks=2), _row("ddp", ranks=2)]
+    add_ratios(rows)
+    assert headline_vs_fsdp2(rows) == [] and headline_vs_fsdp2([_row("raw"), _row("zero3")]) == []
 
 
 def test_the_table_has_a_header_and_one_aligned_line_per_mode():
@@ -78,6 +100,16 @@ def test_lora_is_compared_with_training_the_whole_model_in_the_same_mode():
         "its memory (1,024 vs 2,048 MB)",
         "dp+lora x1: LoRA trains at 1.500x the samples/s of the whole model (15 vs 10) and peaks at 100% of its "
         "memory (100 vs 100 MB)"]
+
+
+def test_lora_alone_is_compared_with_nothing_and_makes_no_headline():
+    """--lora only: a model too large to train whole has its LoRA rows and no whole-model row beside them."""
+    rows = [_row("raw"), _row("raw-compile", step=0.008), _row("fsdp2"), _row("zero1+lora", step=0.004),
+            _row("zero3+lora", ranks=2, step=0.006)]
+    add_ratios(rows)
+    assert adapters(rows) == [] and headline_vs_fsdp2(rows) == []
+    assert headline(rows) == "headline: needs the raw-compile mode and an app mode at 1 rank"
+    assert rows[3]["speed_vs_raw_compile"] == pytest.approx(2.0), "the ratios still say how LoRA compares"
 
 
 @pytest.mark.parametrize("count", [1, 12])

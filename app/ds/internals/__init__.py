@@ -9,8 +9,8 @@ from app.ds.internals.engine import (config_saved_as, count_every_stage_in_grad_
                                      bad_norms, drop_other_stages, engine_hooks_eager, forget_unfinished_forward,
                                      forget_parallel_groups, forward_within_the_step, gathered_state_dict,
                                      lighten_plain_step, note_clip_norms,
-                                     replay_cpu_adam_steps, skip_bad_steps_on_device, step_bf16_weights_on_device,
-                                     uncompile)
+                                     replay_cpu_adam_steps, restore_torch_linear, skip_bad_steps_on_device,
+                                     step_bf16_weights_on_device, uncompile)
 from app.ds.internals.device_constants import constants_on_device
 from app.ds.internals.launcher import (cpu_info_once, drop_shm_names, launcher_world_info, node_shell_line,
                                       op_loads_quiet, pdsh_exports, pdsh_words, pin_device, quiet_deepspeed,
@@ -23,7 +23,8 @@ __all__ = ["Recorder", "parse_config", "scalar_defaults", "section_fields", "con
            "count_every_stage_in_grad_norm", "count_skipped_steps", "bad_norms", "drop_other_stages",
            "engine_hooks_eager", "forget_parallel_groups", "forget_unfinished_forward", "forward_within_the_step",
            "gathered_state_dict",
-           "lighten_plain_step", "note_clip_norms", "replay_cpu_adam_steps", "skip_bad_steps_on_device",
+           "lighten_plain_step", "note_clip_norms", "replay_cpu_adam_steps", "restore_torch_linear",
+           "skip_bad_steps_on_device",
            "step_bf16_weights_on_device", "constants_on_device", "uncompile", "cpu_info_once", "drop_shm_names",
            "launcher_world_info", "node_shell_line", "pdsh_exports", "pdsh_words", "started_by_pdsh", "op_loads_quiet",
            "pin_device", "quiet_deepspeed", "deepspeed_estimate", "held_weights", "module_states", "state_bytes",

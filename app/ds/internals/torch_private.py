@@ -7,7 +7,7 @@ from torch.utils._pytree import tree_flatten
 TORCH_WRITTEN_FOR = "2.14"
 DYNAMO_LOGGER = "torch._dynamo"
 __all__ = ["TorchDispatchMode", "tree_flatten", "default_store", "fake_tensor_mode", "dynamo_reset",
-           "is_dynamo_error", "compile_backward_with_forward", "DYNAMO_LOGGER",
+           "is_dynamo_error", "compile_backward_with_forward", "dynamo_graphs", "DYNAMO_LOGGER",
            "TORCH_WRITTEN_FOR"]
 
 
@@ -26,6 +26,12 @@ def dynamo_reset():
     """Forget every compiled graph (the benchmark measures each mode's compile afresh)."""
     import torch._dynamo
     torch._dynamo.reset()
+
+
+def dynamo_graphs() -> tuple:
+    """(graphs compiled, graph breaks) so far in this process, from dynamo's own counters."""
+    from torch._dynamo.utils import counters
+    return counters["stats"]["unique_graphs"], sum(counters["graph_break"].values())
 
 
 def is_dynamo_error(error: BaseException) -> bool:

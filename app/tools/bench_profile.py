@@ -1,0 +1,62 @@
+"""What a mode of the benchmark spends its steps on: torch's profiler over a few steps after the measured ones, written
+as tables, with the share of the wall time the device was busy and the graphs torch.compile made (a ZeRO-3 model
+breaks into a graph per module that has DeepSpeed's hooks)."""
+import time
+from pathlib import Path
+
+import torch
+from torch.autograd import DeviceType
+
+from app.ds.internals import torch_private
+
+STEPS = 3  # profiled steps, run after the measured ones so that the profiler's cost is in no measured step
+
+
+class Profile:
+    """Started at the first tick after `after` steps, stopped STEPS ticks later; write() puts the tables in path."""
+
+    def __init__(self, device, after: int):
+        self.device, self.after, self.ticks, self.profiler, self.wall = device, after, 0, None, 0.0
+
+    def tick(self):
+        """One step ended."""
+        self.ticks += 1
+        if self.ticks == self.after:
+            activities = [torch.profiler.ProfilerActivity.CPU]
+            if self.device.type == "cuda":
+                activities.append(torch.profiler.ProfilerActivity.CUDA)
+                torch.cuda.synchronize()
+            self.profiler = torch.profiler.profile(activities=activities)
+            self.profiler.__enter__()
+            self.started = time.perf_counter()
+        elif self.ticks == self.after + STEPS and self.profiler is not None:
+            if self.device.type == "cuda":
+                torch.cuda.synchronize()
+            self.wall = time.perf_counter() - self.started
+            self.profiler.__exit__(None, None, None)
+
+    def write(self, path: Path, mode: str, graphs: tuple) -> str:
+        """The tables of the profiled steps in path; the one-line summary."""
+        if self.profiler is None or not self.wall:
+            return f"profile {mode}: not reached"
+        events = self.profiler.key_averages()
+        busy_us = device_busy_us(events)
+        cpu_us = sum(e.self_cpu_time_total for e in events)
+        summary = (f"profile {mode}: {self.wall / STEPS * 1e3:.1f} ms a step wall, device busy "
+                   f"{busy_us / 1e3 / STEPS:.1f} ms ({busy_us / 1e6 / self.wall:.0%}), host ops "
+                   f"{cpu_us / 1e3 / STEPS:.1f} ms; {graphs[0]} graphs compiled, {graphs[1]} graph breaks")
+        by_device = events.table(sort_by="self_device_time_total", row_limit=25) if self.device.type == "cuda" else ""
+        path.write_text(f"{summary}\n\n{by_device}\n\n{events.table(sort_by='self_cpu_time_total', row_limit=40)}\n")
+        return summary
+
+
+def device_busy_us(events) -> float:
+    """Microseconds the device ran something in events (key_averages()): its own events alone, kernels, memcpy and
+    memset. The aten op that launched a kernel carries the kernel's time as self device time too, so a sum over
+    every event counts each kernel twice."""
+    return sum(e.self_device_time_total for e in events if e.device_type == DeviceType.CUDA)
+
+
+def graphs_made() -> tuple:
+    """(graphs compiled, graph breaks) so far in this process."""
+    return torch_private.dynamo_graphs()

@@ -1,0 +1,54 @@
+"""The memory plan beside the benchmark: each app row gets the peak the plan predicts for its config, world size and
+micro batch, the same plan app.tools.plan prints; torch and LoRA rows get none."""
+import pytest
+
+from app.core import tasks
+from app.ds import auto as ds_auto
+from app.ds import config as ds_config
+from app.memory import fit
+from app.tools import bench, bench_modes
+from app.tools.bench_plan import add_planned_peaks
+
+MB = 2**20
+
+
+def _row(mode, ranks=1, micro=4, peak=100 * MB) -> dict:
+    """A measured row with the fields the plan reads."""
+    return {"mode": mode, "ranks": ranks, "micro_batch": micro, "peak_memory_bytes": [peak] * ranks}
+
+
+def _configs(*names) -> dict:
+    return {name: ds_config.load_ds_config(ds_config.REPO / "ds_configs" / f"{name}.json") for name in names}
+
+
+def _planned(work, name: str, ranks: int, micro: int) -> int:
+    """The plan's peak, as `python -m app.tools.plan` makes it: the config with its "auto" filled for the model."""
+    ds = ds_auto.fill(_configs(name)[name], tasks.auto_facts(work.task), ranks)[0]
+    build = fit.workload(work.task, work.info.seq_len, work.info.image_size)
+    return fit.plans(build, {name: ds}, ranks)[name].peak(micro)
+
+
+@pytest.mark.parametrize("model, flags", [("cnn", []), ("gpt2-tiny", ["--seq_len", "16"])])
+def test_an_app_row_gets_the_plans_peak_for_its_config_ranks_and_micro_batch(model, flags):
+    work = bench_modes.build_workload(bench.parse(["--quick", "--model", model, "--modes", "raw", *flags]))
+    rows = [_row("zero1", micro=4), _row("zero3+eager", ranks=2, micro=2, peak=50 * MB)]
+    lines = add_planned_peaks(rows, _configs("zero1", "zero3"), work)
+    expected = [_planned(work, "zero1", 1, 4), _planned(work, "zero3", 2, 2)]
+    assert [r["plan_peak_bytes"] for r in rows] == expected and min(expected) > 0
+    assert [r["plan_over_peak"] for r in rows] == [pytest.approx(expected[0] / (100 * MB)),
+                                                   pytest.approx(expected[1] / (50 * MB))]
+    assert lines == [f"plan zero1 x1: {expected[0] / MB:.0f} MB planned, 100 MB measured, plan/peak "
+                     f"{expected[0] / (100 * MB):.3f}",
+                     f"plan zero3+eager x2: {expected[1] / MB:.0f} MB planned, 50 MB measured, plan/peak "
+                     f"{expected[1] / (50 * MB):.3f}"]
+
+
+def test_torch_lora_and_unknown_rows_get_no_plan_and_a_row_without_a_peak_no_ratio():
+    work = bench_modes.build_workload(bench.parse(["--quick", "--model", "gpt2-tiny", "--seq_len", "16",
+                                                   "--modes", "raw"]))
+    rows = [_row("raw"), _row("fsdp2", ranks=2), _row("ddp", ranks=2), _row("zero1+lora"), _row("zero9"),
+            _row("zero1", peak=0)]
+    lines = add_planned_peaks(rows, _configs("zero1"), work)
+    assert [(r["plan_peak_bytes"], r["plan_over_peak"]) for r in rows[:5]] == [(None, None)] * 5
+    assert rows[5]["plan_peak_bytes"] == _planned(work, "zero1", 1, 4) and rows[5]["plan_over_peak"] is None
+    assert lines == [], "no line for a row measured at 0 bytes"

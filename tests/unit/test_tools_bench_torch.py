@@ -1,0 +1,33 @@
+"""The benchmark's torch modes in this process: the hand-written loop and the raw mode built on it. DDP and FSDP2 on
+two ranks, against the same loop: tests/e2e/test_tools_bench.py."""
+import torch
+
+from app.data.loader import build_loader
+from app.distributed.dist import World
+from app.tools import bench, bench_modes, bench_torch
+
+CPU = torch.device("cpu")
+
+
+def _setup():
+    args = bench.parse(["--quick", "--batch", "8", "--modes", "raw"])
+    work = bench_modes.build_workload(args)
+    return args, work, build_loader(work.train_set, 8, 0, 1, True, 0), bench_modes.Clock(CPU)
+
+
+def test_the_loop_runs_its_steps_one_tick_each_and_learns():
+    args, work, loader, clock = _setup()
+    model = bench_modes.build_model(work)
+    losses = bench_torch.train(model, model, False, args, World(0, 0, 1, 1, CPU, "gloo", "python", ""), work, loader,
+                               clock, 6)
+    assert len(losses) == 6 and all(loss.shape == () and not loss.requires_grad for loss in losses)
+    assert len(clock.times()) == 6 and len(clock.waits) >= 6, "a tick and a timed batch per step"
+    assert losses[-1] < losses[0], "AdamW at the reference config's rate lowers the loss"
+
+
+def test_the_raw_mode_trains_the_whole_fp32_model_eager():
+    args, work, loader, clock = _setup()
+    zero, dtype, compiled, held = bench_torch.run_torch("raw", args, World(0, 0, 1, 1, CPU, "gloo", "python", ""),
+                                                        work, loader, clock, 2)
+    whole = sum(p.numel() * 4 for p in bench_modes.build_model(work).parameters())
+    assert (zero, dtype, compiled, held) == (None, torch.float32, False, whole)
