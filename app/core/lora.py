@@ -47,6 +47,9 @@ def wrap(hf, settings, task: str):
     except ValueError as e:
         raise UserError(f"LoRA cannot wrap {type(hf).__name__}: {str(e).splitlines()[0]}; pick --lora_targets "
                         f"among its linear layers") from None
+    # the frozen embeddings' output takes a gradient, so every block's input does: ZeRO-3 reduces a leaf block's
+    # gradients in a full backward hook, which fires before the block's backward when no input needs a gradient
+    hf.enable_input_require_grads()
     return wrapped
 
 

@@ -1,6 +1,7 @@
 """Model builders by name: built-ins and torchvision classifiers (build_model), transformers presets, folders
 and hub names (hf_spec, then build_hf)."""
 import copy
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -65,6 +66,10 @@ PRESETS = {
     "llama-1b": ("llama", dict(num_hidden_layers=16, hidden_size=2048, intermediate_size=8192, num_attention_heads=32,
                                num_key_value_heads=8, max_position_embeddings=2048, vocab_size=128256,
                                tie_word_embeddings=True, rope_theta=500000.0)),
+    # Llama 3.1 8B's shape (8.03B parameters), at its original 8,192 positions: what people fine-tune with LoRA
+    "llama-8b": ("llama", dict(num_hidden_layers=32, hidden_size=4096, intermediate_size=14336, num_attention_heads=32,
+                               num_key_value_heads=8, max_position_embeddings=8192, vocab_size=128256,
+                               tie_word_embeddings=False, rope_theta=500000.0)),
 }
 # Vocabularies are padded to a multiple of this for the matmul kernels, as nanoGPT and llm.c do (50,257 ->
 # 50,304 for GPT-2); the padded rows' logits are -inf, so they never win nor take probability.
@@ -173,6 +178,20 @@ def hf_class(task: str):
     """The transformers Auto class for a task."""
     from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
     return AutoModelForCausalLM if task == "causal_lm" else AutoModelForSequenceClassification
+
+
+def block_shape(spec: HFSpec) -> tuple:
+    """(class names of the model's transformer blocks, parameters of its largest block), from its config alone (built
+    on the meta device, nothing allocated): the most frequent of the classes it names not to split, as
+    activations.blocks finds them; ((), 0) where it names none."""
+    with torch.device("meta"):
+        hf = hf_class(spec.task).from_config(copy.deepcopy(spec.config))
+    named = set(getattr(hf, "_no_split_modules", None) or ())
+    found = Counter(type(m) for m in hf.modules() if type(m).__name__ in named)
+    if not found:
+        return (), 0
+    block = found.most_common(1)[0][0]
+    return (block.__name__,), max(sum(p.numel() for p in m.parameters()) for m in hf.modules() if type(m) is block)
 
 
 def build_hf(spec: HFSpec, info: DataInfo, tokenizer, ds_config: dict, attention: str = "") -> nn.Module:

@@ -274,4 +274,5 @@ def auto_facts(task) -> ds_auto.Facts:
     folder = Path(spec.pretrained) if spec.pretrained else None
     weights = bool(spec.pretrained) and not (folder.is_dir() and not any(
         any(folder.glob(pattern)) for pattern in models.WEIGHT_FILES))
-    return ds_auto.Facts(pretrained=weights, hidden=int(hidden or 0))
+    blocks, block_size = models.block_shape(spec)
+    return ds_auto.Facts(pretrained=weights, hidden=int(hidden or 0), blocks=blocks, block_size=block_size)

@@ -38,14 +38,18 @@ FILLED = {
     "scheduler.params.warmup_num_steps": f"{WARMUP_SHARE:.0%} of the run's optimizer steps",
     "scheduler.params.total_num_steps": "the run's optimizer steps (--max_steps or --epochs)",
     "zero_optimization.reduce_bucket_size": "the model: hidden size squared (else DeepSpeed's, at most the model)",
-    "zero_optimization.stage3_prefetch_bucket_size": "the model: 0.9 x hidden size squared (else DeepSpeed's)",
+    "zero_optimization.stage3_prefetch_bucket_size": "the model: its largest transformer block, so the next block "
+                                                     "is gathered while one computes (else DeepSpeed's)",
+    "zero_optimization.leaf_module.classes": "the model: its transformer block, gathered whole with one hook (else "
+                                             "DeepSpeed's: a hook on every submodule)",
     "zero_optimization.stage3_param_persistence_threshold": "the model: 10 x hidden size (else DeepSpeed's)",
     "zero_optimization.stage3_gather_16bit_weights_on_model_save": "true: a save gathers the whole model",
     "zero_optimization.stage3_gather_fp16_weights_on_model_save": "true: a save gathers the whole model",
 }
 # What a filled-in key holds while the strict check runs, before the model and the run's length are known.
 STAND_INS = {"optimizer.params.betas": [0.9, 0.999], "gradient_clipping": 1.0, "optimizer.params.lr": 1e-3,
-             "optimizer.params.eps": 1e-8, "optimizer.params.weight_decay": 0.0}
+             "optimizer.params.eps": 1e-8, "optimizer.params.weight_decay": 0.0,
+             "zero_optimization.leaf_module.classes": []}
 
 
 @dataclass
@@ -54,6 +58,10 @@ class Facts:
     pretrained: bool = False
     hidden: int = 0
     """The model's hidden size (0: not a transformers model)."""
+    blocks: tuple = ()
+    """The class names of its transformer blocks (the classes it names not to split)."""
+    block_size: int = 0
+    """Parameters of its largest block."""
 
 
 def auto_paths(value, prefix: tuple = ()) -> list:
@@ -92,7 +100,7 @@ def stand_in(ds: dict) -> dict:
         key = _dotted(path)
         if key in STAND_INS:
             _set(ds, path, STAND_INS[key])
-        elif key.startswith(("zero_optimization.", "scheduler.params.")):
+        elif key.startswith(("zero_optimization.", "scheduler.params.")) and "leaf_module" not in key:
             _set(ds, path, True if key.endswith("_on_model_save") else 0 if key.endswith("min_lr") else 1)
     _fill_batch(ds, 1, {})
     return ds
@@ -128,7 +136,8 @@ def fill(ds: dict, facts: Facts, replicas: int) -> tuple:
               "optimizer.params.eps": 1e-8, "optimizer.params.weight_decay": 0.0,
               "scheduler.params.warmup_min_lr": 0,
               "zero_optimization.reduce_bucket_size": hidden * hidden or None,
-              "zero_optimization.stage3_prefetch_bucket_size": int(0.9 * hidden * hidden) or None,
+              "zero_optimization.stage3_prefetch_bucket_size": facts.block_size or None,
+              "zero_optimization.leaf_module.classes": list(facts.blocks) or None,
               "zero_optimization.stage3_param_persistence_threshold": 10 * hidden or None,
               "zero_optimization.stage3_gather_16bit_weights_on_model_save": True,
               "zero_optimization.stage3_gather_fp16_weights_on_model_save": True}

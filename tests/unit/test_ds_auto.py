@@ -6,10 +6,12 @@ import json
 
 import pytest
 
+from app.core import tasks
 from app.ds import auto as ds_auto
 from app.ds import config as ds_config
 from app.ds import precision
 from app.errors import UserError
+from app.settings import Settings
 
 # transformers' and accelerate's documented ZeRO-2 file: everything the Trainer owns is "auto"
 HF_ZERO2 = {
@@ -64,9 +66,22 @@ def test_every_auto_the_ecosystem_writes_loads_and_is_filled_in(tmp_path):
         assert filled["scheduler"]["params"]["warmup_num_steps"] == 10 and not ds_auto.auto_paths(
             {k: v for k, v in filled.items() if k not in ("train_micro_batch_size_per_gpu", "fp16", "bf16")})
     zero3 = ds_auto.fill(ds_config.load_ds_config(_write(tmp_path, "z3", HF_ZERO3), resolve=False),
-                         ds_auto.Facts(hidden=64), 1)[0]["zero_optimization"]
+                         ds_auto.Facts(hidden=64, blocks=("Block",), block_size=50_000), 1)[0]["zero_optimization"]
     assert (zero3["stage3_prefetch_bucket_size"], zero3["stage3_param_persistence_threshold"],
-            zero3["stage3_gather_16bit_weights_on_model_save"]) == (int(0.9 * 64 * 64), 640, True)
+            zero3["stage3_gather_16bit_weights_on_model_save"]) == (50_000, 640, True)
+
+
+def test_zero3s_leaf_modules_and_prefetch_come_from_the_models_blocks():
+    """The shipped zero3.json's "auto" leaf classes and prefetch bucket: the model's transformer block and its
+    parameters; a model without blocks (the CNN) leaves both to DeepSpeed (its defaults: no leaf of its own)."""
+    shipped = ds_config.load_ds_config(ds_config.REPO / "ds_configs" / "zero3.json", resolve=False)
+    facts = tasks.auto_facts(tasks.build(Settings(model="llama-1b")))
+    zero, said = ds_auto.fill(shipped, facts, 8)
+    zero = zero["zero_optimization"]
+    assert (zero["leaf_module"], zero["stage3_prefetch_bucket_size"]) == ({"classes": ["LlamaDecoderLayer"]}, 60_821_504)
+    assert "zero_optimization.leaf_module.classes" in said
+    plain = ds_auto.fill(shipped, tasks.auto_facts(tasks.build(Settings(model="cnn"))), 1)[0]["zero_optimization"]
+    assert plain["leaf_module"] == {} and "stage3_prefetch_bucket_size" not in plain
 
 
 def test_a_model_without_a_hidden_size_leaves_bucket_sizes_to_deepspeed():

@@ -153,3 +153,13 @@ def test_a_checkpoint_of_other_weights_precision_is_one_line(tmp_path, saved_ds,
     autocast_then_fp32 = replace(state(), deepspeed_config={"torch_autocast": {"enabled": True}})
     resume.check_compatible(autocast_then_fp32, replace(state(), deepspeed_config={}), tmp_path)
 
+
+
+def test_every_block_of_a_lora_model_takes_an_input_that_needs_a_gradient():
+    """ZeRO-3 reduces a leaf block's gradients in a full backward hook, which fires before the block's own backward
+    when none of its inputs needs a gradient: with the embeddings frozen, the first block's would not."""
+    wrapped = lora.wrap(tiny_llama(), FLAGS, "causal_lm")
+    seen = []
+    wrapped.base_model.model.model.layers[0].register_forward_pre_hook(lambda m, args: seen.append(args[0]))
+    wrapped(torch.randint(64, (1, 8)))
+    assert seen[0].requires_grad

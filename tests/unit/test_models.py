@@ -79,3 +79,18 @@ def test_padded_vocabulary_rows_never_win():
     assert (next_token_correct(logits, tokens) == next_token_correct(logits[..., :100], tokens)).all()
     losses.sum().backward()
     assert torch.isfinite(hf.transformer.wte.weight.grad).all()
+
+
+@pytest.mark.parametrize("name, block, size", [("gpt2-tiny", "GPT2Block", 789_760),
+                                               ("llama-1b", "LlamaDecoderLayer", 60_821_504),
+                                               ("llama-8b", "LlamaDecoderLayer", 218_112_000),
+                                               ("bert-tiny", "BertLayer", 198_272)])
+def test_a_transformers_models_block_is_known_from_its_config(name, block, size):
+    """ZeRO-3's leaf module and prefetch bucket (ds "auto"): the block class and its parameters, from the config
+    alone; llama-8b is Llama 3.1 8B's shape."""
+    spec = models.hf_spec(name)
+    assert models.block_shape(spec) == ((block,), size)
+    if name == "llama-8b":
+        with torch.device("meta"):
+            hf = models.hf_class(spec.task).from_config(spec.config)
+        assert sum(p.numel() for p in hf.parameters()) == 8_030_261_248

@@ -1,0 +1,46 @@
+"""ZeRO-3 as ds_configs/zero3.json sets it, with DeepSpeed's own settings (each transformer block a leaf module
+gathered whole by one hook, a prefetch bucket of one block), changes how parameters are gathered and gradients
+reduced, never what a step computes: 2 ranks train the losses stock ZeRO-3 trains, step by step, eager and
+compiled."""
+import json
+
+import pytest
+
+from conftest import REPO, read_metrics, train_jobs, write_text_rows
+
+STOCK_KEYS = ("stage", "overlap_comm", "contiguous_gradients")  # zero3.json's section less DeepSpeed's settings
+
+
+def stock_zero3(tmp_path):
+    """ds_configs/zero3.json with DeepSpeed's defaults for every ZeRO-3 setting: a hook on every submodule."""
+    ds = json.loads((REPO / "ds_configs" / "zero3.json").read_text())
+    ds["zero_optimization"] = {k: v for k, v in ds["zero_optimization"].items() if k in STOCK_KEYS}
+    path = tmp_path / "zero3-stock.json"
+    path.write_text(json.dumps(ds))
+    return path
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """name -> (losses, output) of 8 steps of gpt2-tiny on 2 ranks under stock and shipped ZeRO-3, eager and
+    compiled, in one launch."""
+    tmp = tmp_path_factory.mktemp("zero3")
+    corpus = write_text_rows(tmp / "corpus.txt", 400)
+    configs = {"stock": stock_zero3(tmp), "shipped": REPO / "ds_configs" / "zero3.json"}
+    jobs = {f"{name}-{mode}": ["--model", "gpt2-tiny", "--dataset", corpus, "--block_size", 64, "--deepspeed_config",
+                               config, "--max_steps", 8, "--log_interval", 1, "--eval_interval", 8, "--compile", mode,
+                               "--output_dir", tmp / f"{name}-{mode}"]
+            for mode in ("off", "on") for name, config in configs.items()}
+    outputs = train_jobs("ranks", 2, list(jobs.values()))
+    return {name: ([row["loss"] for row in read_metrics(tmp / name)[0]], output)
+            for name, output in zip(jobs, outputs)}
+
+
+@pytest.mark.parametrize("mode", ["off", "on"])
+def test_the_shipped_zero3_settings_train_the_losses_of_stock_zero3(runs, mode):
+    stock, (shipped, output) = runs[f"stock-{mode}"][0], runs[f"shipped-{mode}"]
+    assert 'zero_optimization.leaf_module.classes = ["GPT2Block"]' in output, output[-3000:]
+    assert "zero_optimization.stage3_prefetch_bucket_size = 789760" in output  # one GPT2Block's parameters
+    assert ("compile: compiling" in output) == (mode == "on")
+    assert len(stock) == len(shipped) == 8 and shipped[-1] < shipped[0]
+    assert max(abs(a - b) for a, b in zip(stock, shipped)) < 1e-6, list(zip(stock, shipped))
