@@ -36,19 +36,55 @@ def cuda_test(expression: str) -> list:
             "tests/e2e/test_cuda.py", "-k", expression]
 
 
+def bench(out: Path, name: str, *argv) -> list:
+    """python -m app.tools.bench with argv, its bench.json and profiles in out/name."""
+    return [sys.executable, "-m", "app.tools.bench", *map(str, argv), "--output_dir", str(out / name)]
+
+
+def zero3_variants(out: Path) -> dict:
+    """{name: path} of ds_configs/zero3.json less one of DeepSpeed's own settings it sets, or with one more, written
+    in out/configs: a bench row each says what a setting buys. stock: DeepSpeed's defaults (a hook on every
+    submodule, DeepSpeed's prefetch bucket)."""
+    base = json.loads((REPO / "ds_configs" / "zero3.json").read_text())
+    shipped = base["zero_optimization"]
+    sections = {"zero3-stock": {k: v for k, v in shipped.items() if k in ("stage", "overlap_comm",
+                                                                           "contiguous_gradients")},
+                "zero3-nomel": {**shipped, "memory_efficient_linear": False},  # torch's linear: compiles whole
+                "zero3-persist": {**shipped, "stage3_param_persistence_threshold": 10**10,  # nothing partitioned
+                                  "model_persistence_threshold": 10**12}}
+    (out / "configs").mkdir(parents=True, exist_ok=True)
+    paths = {}
+    for name, section in sections.items():
+        paths[name] = out / "configs" / f"{name}.json"
+        paths[name].write_text(json.dumps({**base, "zero_optimization": section}, indent=1) + "\n")
+    return paths
+
+
 def parts(out: Path) -> list:
     """The parts, in the order they run: what the GPU path must prove first comes first."""
-    bench = [sys.executable, "-m", "app.tools.bench", "--model", "gpt2-124m", "--batch", "32", "--seq_len", "1024",
-             "--ranks", "1", "--modes", "raw,raw-compile,app", "--configs", "dp,zero1,zero2,zero3", "--steps", "5",
-             "--warmup", "2", "--output_dir", str(out / "bench")]
+    z3 = zero3_variants(out)
+    llama_configs = ",".join(["zero3", str(z3["zero3-stock"]), "dp", "zero1", "zero2", str(z3["zero3-nomel"]),
+                              str(z3["zero3-persist"])])
     return [
+        Part("llama_1b", 300, bench(out, "llama-1b", "--model", "llama-1b", "--batch", 8, "--seq_len", 2048,
+                                    "--ranks", 1, "--modes", "raw-compile,fsdp2,app", "--configs", llama_configs,
+                                    "--steps", 4, "--warmup", 2, "--profile", "zero3"),
+             "llama-1b, micro 8 x 2,048, bf16, compiled: raw + compile, FSDP2, the app at ZeRO 0-3, ZeRO-3 with "
+             "DeepSpeed's defaults and with one setting changed; the plan's peak beside each; ZeRO-3 profiled"),
+        Part("llama_8b_lora", 180, bench(out, "llama-8b", "--model", "llama-8b", "--lora", "only", "--batch", 2,
+                                         "--seq_len", 2048, "--ranks", 1, "--modes", "app", "--configs", "zero3",
+                                         "--steps", 3, "--warmup", 1),
+             "llama-8b (Llama 3.1 8B's shape) with LoRA under ZeRO-3, micro 2 x 2,048, bf16, compiled"),
+        Part("gpt2_plan", 120, bench(out, "gpt2-124m", "--model", "gpt2-124m", "--batch", 32, "--seq_len", 1024,
+                                     "--ranks", 1, "--modes", "raw-compile,app", "--configs", "dp,zero1,zero2,zero3",
+                                     "--compile", "on,off", "--steps", 3, "--warmup", 1),
+             "gpt2-124m, micro 32 x 1,024: the app at ZeRO 0-3 compiled and eager, the plan's peak beside each"),
         Part("sync_debug", 90, cuda_test("synchronises"),
              'the step under torch.cuda.set_sync_debug_mode("error"), ZeRO 0 and 2, eager and compiled'),
         Part("stock_steps", 60, cuda_test("stock_deepspeed_on_two_ranks"),
              "2 ranks sharing the GPU: skipped steps and the bf16 weights' step against stock DeepSpeed"),
         Part("losses_vs_stock", 90, cuda_test("losses_are_stock"),
              "the digits CNN, 20 steps: the app's losses against stock DeepSpeed's, ZeRO 1-3 and bf16 weights"),
-        Part("bench", 170, bench, "gpt2-124m, micro 32 x 1024: raw, raw + compile + fused AdamW, the app at ZeRO 0-3"),
         Part("plan_peak", 60, cuda_test("plan_predicts"), "the memory plan's peak against max_memory_allocated"),
         Part("preference", 150, cuda_test("preference"),
              "DPO in bf16 under ZeRO-3 on 2 ranks sharing the GPU, each reference; its host syncs counted"),
@@ -103,12 +139,14 @@ def outcomes(text: str) -> dict:
 
 
 def figures(text: str, figures_file: Path) -> dict:
-    """The figures a part's tests wrote (`name value` lines), and the benchmark's headline where it printed one."""
+    """The figures a part's tests wrote (`name value` lines), and the benchmark's headlines, plan, profile and
+    failure lines where it printed them."""
     found = {}
     for line in figures_file.read_text().splitlines() if figures_file.is_file() else []:
         name, _, value = line.partition(" ")
         found[name] = value
-    found.update({"headline": line for line in text.splitlines() if line.startswith("headline")})
+    found.update({line.split(":")[0]: line for line in text.splitlines()  # the benchmark's summary lines
+                  if line.startswith(("headline", "plan ", "profile ", "failed "))})
     return found
 
 
@@ -126,7 +164,7 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("out_dir")
     parser.add_argument("--only", default="", help="comma-separated part names (default: all)")
-    parser.add_argument("--budget", type=float, default=480, help="seconds for all parts together")
+    parser.add_argument("--budget", type=float, default=540, help="seconds for all parts together")
     parser.add_argument("--limit", action="append", default=[], metavar="NAME=SECONDS",
                         help="a part's own time limit instead of its default (repeatable)")
     args = parser.parse_args(argv)

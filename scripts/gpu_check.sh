@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU check (docs/gpu.md, "The GPU check"): on a machine with one CUDA GPU, in under 8 minutes, the parts only a
+# The GPU check (docs/gpu.md, "The GPU check"): on a machine with one CUDA GPU, in under 9 minutes, the parts only a
 # GPU can prove, then one table and OUT_DIR/report.json. On a machine without internet, name a folder of wheels made
 # beforehand by `make wheelhouse`: what this python3 lacks is installed from it into its environment (a virtual
 # environment of your own, say), torch and CUDA being the machine's. PYTHON=... picks another python.

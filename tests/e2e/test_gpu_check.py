@@ -47,7 +47,7 @@ def test_a_part_past_its_limit_is_ended_and_the_next_still_runs(tmp_path, monkey
     assert parts["sleeps"]["status"] == "timed out" and parts["sleeps"]["seconds"] < 10
     assert parts["fails"]["status"] == "failed (exit 3)"
     assert parts["writes"]["status"] == "passed"
-    assert parts["writes"]["figures"] == {"ratio": "0.97", "headline": "headline (app speed): dp 0.97"}
+    assert parts["writes"]["figures"] == {"ratio": "0.97", "headline (app speed)": "headline (app speed): dp 0.97"}
     assert parts["skips"]["status"] == "no test passed"
     assert parts["skips"]["tests"] == {"SKIPPED": ["test_the_plan_predicts_the_peak_the_gpu_reaches"]}
 
@@ -63,3 +63,14 @@ def test_a_part_takes_the_limit_it_is_given_and_a_misspelled_part_is_refused(tmp
         gpu_check.main([str(tmp_path / "out"), "--limit", "sleep=1"])
     assert refused.value.code == 2
     assert "--limit names no part: sleep" in capsys.readouterr().err
+
+
+def test_the_zero3_variants_are_configs_the_app_takes_each_one_setting_apart(tmp_path):
+    """The rows that say what each of DeepSpeed's ZeRO-3 settings buys: zero3.json as shipped but for that one."""
+    from app.ds import config as ds_config
+    shipped = json.loads((REPO / "ds_configs" / "zero3.json").read_text())["zero_optimization"]
+    variants = {name: ds_config.load_ds_config(path, resolve=False)["zero_optimization"]
+                for name, path in _driver().zero3_variants(tmp_path).items()}
+    assert variants["zero3-stock"] == {"stage": 3, "overlap_comm": True, "contiguous_gradients": True}
+    assert variants["zero3-nomel"] == {**shipped, "memory_efficient_linear": False}
+    assert {k: v for k, v in variants["zero3-persist"].items() if "persistence" not in k} == shipped
