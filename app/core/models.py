@@ -180,18 +180,24 @@ def hf_class(task: str):
     return AutoModelForCausalLM if task == "causal_lm" else AutoModelForSequenceClassification
 
 
+def named_blocks(model: nn.Module) -> list:
+    """A transformers model's layers: the instances of the most frequent of the classes it names not to split (BERT
+    names its embeddings too); [] for a model that names none."""
+    named = set(getattr(getattr(model, "hf", model), "_no_split_modules", None) or ())
+    layers = Counter(type(m) for m in model.modules() if type(m).__name__ in named)
+    if not layers:
+        return []
+    return [m for m in model.modules() if type(m) is layers.most_common(1)[0][0]]
+
+
 def block_shape(spec: HFSpec) -> tuple:
     """(class names of the model's transformer blocks, parameters of its largest block), from its config alone (built
-    on the meta device, nothing allocated): the most frequent of the classes it names not to split, as
-    activations.blocks finds them; ((), 0) where it names none."""
+    on the meta device, nothing allocated); ((), 0) where it names no block."""
     with torch.device("meta"):
-        hf = hf_class(spec.task).from_config(copy.deepcopy(spec.config))
-    named = set(getattr(hf, "_no_split_modules", None) or ())
-    found = Counter(type(m) for m in hf.modules() if type(m).__name__ in named)
+        found = named_blocks(hf_class(spec.task).from_config(copy.deepcopy(spec.config)))
     if not found:
         return (), 0
-    block = found.most_common(1)[0][0]
-    return (block.__name__,), max(sum(p.numel() for p in m.parameters()) for m in hf.modules() if type(m) is block)
+    return (type(found[0]).__name__,), max(sum(p.numel() for p in block.parameters()) for block in found)
 
 
 def build_hf(spec: HFSpec, info: DataInfo, tokenizer, ds_config: dict, attention: str = "") -> nn.Module:

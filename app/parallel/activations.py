@@ -20,6 +20,7 @@ from collections import Counter
 import torch
 from torch import nn
 
+from app.core import models
 from app.ds.config import ACTIVATION_CHECKPOINTING as SECTION
 
 # DeepSpeed's options for its own checkpointing function, at the values this implementation matches.
@@ -46,10 +47,9 @@ def blocks(model: nn.Module) -> list:
     """The modules whose activations are recomputed: a transformers model's layers (the most frequent of the
     classes it names as not to be split), else the instances of the most frequent class of composite module (ResNet's blocks,
     ViT's encoder blocks; the outermost when nested classes are as frequent), else each layer with weights."""
-    named = set(getattr(getattr(model, "hf", model), "_no_split_modules", None) or ())
-    layers = Counter(type(m) for m in model.modules() if type(m).__name__ in named)  # BERT names its embeddings too
+    layers = models.named_blocks(model)
     if layers:
-        return [m for m in model.modules() if type(m) is layers.most_common(1)[0][0]]
+        return layers
     composite = [m for m in model.modules() if m is not model and list(m.children()) and
                  not isinstance(m, (nn.Sequential, nn.ModuleList, nn.ModuleDict))]
     counts = Counter(type(m) for m in composite)

@@ -4,8 +4,7 @@ import torch
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-from app.core import compiling
-from app.parallel import activations
+from app.core import compiling, models
 from app.tools.bench_modes import DTYPES, Workload, build_model, param_bytes
 from app.tools.bench_torch import train
 
@@ -18,9 +17,8 @@ FP32 = MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float3
 def blocks(model) -> list:
     """The modules sharded one by one, each gathered just before its forward and released after it: a transformers
     model's layers, the classes it names in `_no_split_modules` (what accelerate wraps for FSDP; the most frequent of
-    them, as activations.blocks picks). None for the image models (cnn, mlp, torchvision): their root alone."""
-    named = getattr(getattr(model, "hf", model), "_no_split_modules", None)
-    return activations.blocks(model) if named else []
+    them, as activation checkpointing picks). None for the image models (cnn, mlp, torchvision): their root alone."""
+    return models.named_blocks(model)
 
 
 def shard(model, world, compiled: bool) -> list:
