@@ -1,4 +1,4 @@
-"""Train a model through DeepSpeed: parse, set up, build, fit, tear down."""
+"""Train a model through DeepSpeed: parse, set up, settle, build, train, tear down (docs/architecture.md)."""
 import gc
 import os
 import random
@@ -6,6 +6,7 @@ import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 if __package__ in (None, ""):  # run as `python app/train.py` or by a launcher: make `app` importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -15,22 +16,22 @@ import torch
 
 from app.checkpoint import outdir, resume
 from app.checkpoint.save import TrainerState, checkpoint_root, complete_checkpoints, save_checkpoint
-from app.core import answers as sample_answers
-from app.core import compiling, loop, lora, packing, tasks
-from app.data.loader import feeding, held_out_loaders, training_loader
+from app.core import answers as sample_answers, compiling, loop, lora, resolver
+from app.core.task import Task
+from app.data.loader import run_loaders
 from app.distributed import dist, endings, launch, node_shell, preemption
-from app.distributed.cores import usable_cores
 from app.distributed.dist import World
-from app.ds import auto as ds_auto
-from app.ds import config as ds_config
-from app.ds import internals as ds_internals
-from app.ds import precision, run_dict
+from app.ds import auto as ds_auto, config as ds_config, internals as ds_internals, precision, run_dict
 from app.errors import Ended, UserError, report
 from app.memory import autobatch
-from app.memory.fit import weigh
-from app.observe import metrics, runlog
+from app.memory.planner import weighed_for_run
+from app.observe import metrics, runlog, startup
+from app.observe.summary import summarise
 from app.parallel import layout
 from app.settings import Settings, parse, settings_dict
+
+if TYPE_CHECKING:
+    import deepspeed
 
 
 def seed_everything(seed: int):
@@ -38,19 +39,6 @@ def seed_everything(seed: int):
     random.seed(seed)
     np.random.seed(seed)
     torch.manual_seed(seed)
-
-
-def throughput_for(task, flops: float, engine, settings: Settings) -> metrics.Throughput:
-    """Tokens/s and model FLOP utilisation where the task has tokens; the peak is --peak_flops or a matmul
-    measured now."""
-    if not task.tokens_per_sample:
-        return metrics.Throughput()
-    dist.barrier()  # every rank measures at once, as they will share the machine while training
-    per_rank = settings.peak_flops or \
-        dist.host_sum([metrics.matmul_flops(engine.device, precision.compute_dtype(engine))])[0] / dist.world_size()
-    dist.print0(f"throughput: {flops / task.tokens_per_sample / 1e6:.1f} MFLOP per token trained, peak "
-                f"{per_rank / 1e9:.1f} GFLOP/s per rank ({'--peak_flops' if settings.peak_flops else 'measured'})")
-    return metrics.Throughput(task.tokens_per_sample, flops, per_rank * dist.world_size())
 
 
 def main(argv=None) -> int:
@@ -75,214 +63,141 @@ def main(argv=None) -> int:
 
 
 @dataclass
+class Settled:
+    """What a run settles before any engine, a mistake found until then leaving the output folder as it was: the
+    layout, the task holding its data, the DeepSpeed dict ("auto" filled, micro batch settled), what "auto" filled,
+    why the precision was picked, the output folder."""
+    ranks: layout.RankLayout
+    task: Task
+    ds: dict
+    filled: dict
+    note: str
+    output_dir: Path
+
+
+@dataclass
+class Built:
+    """The engine of the run's final dict (state.deepspeed_config) and what training needs: the (train, held-out)
+    loaders, the steps, the checkpoints' TrainerState, the checkpoint to resume and its state (or None and None),
+    the FLOPs of a sample, (rank 0's extra files, every rank's save) for each checkpoint."""
+    engine: "deepspeed.DeepSpeedEngine"
+    loaders: tuple
+    steps: int
+    state: TrainerState
+    resume_from: Path | None
+    saved: TrainerState | None
+    flops: float
+    saves: tuple
+
+
+@dataclass
 class Job:
-    """One training run's state, from its settings to its engine: what run() builds, step by step."""
+    """One training run: its settings and world, then what settle() and build() made of them."""
     settings: Settings
     world: World
     board: endings.Board
     started: float
-    ranks: layout.RankLayout = None
-    task: object = None
-    ds: dict = None
-    """The DeepSpeed dict: planned, then final (app/ds/run_dict.py), as the engine and the checkpoints get it."""
-    filled: dict = None
-    note: str = ""
-    """Why the precision was picked."""
-    output_dir: Path = None
-    data: tuple = ()
-    """(train set, eval set, DataInfo)."""
-    trained: object = None
-    """The module the engine trains: the model, or this rank's pipeline stage of it."""
-    saves: tuple = (None, None)
-    """(extra(folder) files rank 0 saves, every_rank(engine, folder)) for each checkpoint."""
-    flops: float = 0.0
-    loaders: tuple = ()
-    steps: int = 0
-    state: TrainerState = None
-    resumed: tuple = (None, None)
-    """(checkpoint folder, its TrainerState) to resume from."""
-    engine: object = None
-    stop: preemption.StopRequest = None
+    settled: Settled | None = None
+    built: Built | None = None
 
-    def trial_model(self, trial: dict):
-        """A fresh model laid out for an engine of the trial dict (the micro batch search)."""
-        return self.ranks.prepare(self.task.build_model(self.data[2], trial), self.task, self.settings.model, trial)[0]
-
-    def save(self, step: int, epoch: int, batch: int):
-        """A checkpoint at this point of the run: every rank's shards, rank 0's files."""
-        save_checkpoint(self.engine, self.output_dir, self.state.at(step, epoch, batch), self.settings.keep_last,
-                        *self.saves)
+    def engine(self):
+        """The engine once built, else None (an error's line says the step it ended in)."""
+        return self.built.engine if self.built else None
 
 
 def run(settings: Settings, ds: dict, world: World, started: float) -> int:
-    """One training job inside an existing process group: plan, build, fit, summarise; an error that ends it is
-    one line (app/distributed/endings.py)."""
+    """One training job inside an existing process group: settle, build, train, summarise; an error that ends it
+    is one line (app/distributed/endings.py)."""
     job = Job(settings, world, endings.Board(), started)
-    with endings.one_line(job.board, lambda: job.engine):
+    with endings.one_line(job.board, job.engine):
         try:
-            plan(job, ds)
-            build(job)
-            return fit(job)
+            job.settled = settle(settings, world, ds, job.board)
+            job.built = build(settings, world, job.settled)
+            return train(job)
         finally:
-            if job.stop is not None:
-                job.stop.close()
             outdir.unlock()
             ds_internals.forget_parallel_groups()  # a later engine of this process (the benchmark's) picks its own
 
 
-def plan(job: Job, ds: dict):
-    """Before any engine: the layout, the task, the planned DeepSpeed dict, the output folder, the data, the micro
-    batch; a mistake found here leaves the output folder as it was."""
-    settings, world = job.settings, job.world
-    job.ranks = layout.rank_layout(ds, world.world_size, world.rank, settings.deepspeed_config)
-    job.task = tasks.build(settings)
-    lora.check_layout(settings.lora, job.ranks)
-    job.ds, job.filled, job.note = run_dict.planned(ds, settings.deepspeed_config, world.device, job.ranks.replicas,
-                                                    tasks.auto_facts(job.task))
-    job.output_dir = resume.output_dir_for(settings)
+def settle(settings: Settings, world: World, ds: dict, board: endings.Board) -> Settled:
+    """Before any engine, in this order: the rank layout, the planned DeepSpeed dict, the output folder, the task
+    and its data, the precision weighed against the GPU, the task's own engines, the micro batch."""
+    ranks = layout.rank_layout(ds, world.world_size, world.rank, settings.deepspeed_config)
+    spec = resolver.spec_of(settings)
+    lora.check_layout(settings.lora, ranks)
+    ds, filled, note = run_dict.planned(ds, settings.deepspeed_config, world.device, ranks.replicas,
+                                        resolver.auto_facts(spec))
+    output_dir = resume.output_dir_for(settings)
     seed_everything(settings.seed)
-    job.data = job.task.build_data(job.output_dir)
-    job.task = tasks.settled(job.task, job.ranks)
-    job.ds, job.note = weighed(job)
-    if job.data[2].packed and job.ranks.split:
-        raise UserError("packing and pipeline stages: a stage takes input ids alone, not the position ids that keep "
-                        "packed rows apart; pass --packing off")
-    if hasattr(job.task, "build_reference"):  # preference: a frozen copy, before the micro batch search
-        job.task.build_reference(job.ds, job.ranks.replicas, job.data[2])
-    job.ds = autobatch.settle(job.ds, settings.deepspeed_config, job.ranks, job.task, job.trial_model, job.data[0],
-                              job.output_dir, settings.resume, job.board)
+    task = resolver.resolve(settings, spec, output_dir)
+    task.check_layout(ranks)
+    ds, note = weighed_for_run(ds, note, task, settings, ranks, world.device)
+    task.before_search(ds, ranks.replicas)
+
+    def trial_model(trial: dict):  # a fresh model laid out for an engine of the micro batch search's trial dict
+        return ranks.prepare(task.build_model(task.data.info, trial), task, settings.model, trial)[0]
+    ds = autobatch.settle(ds, settings.deepspeed_config, ranks, task, trial_model, task.data.train, output_dir,
+                          settings.resume, board)
+    return Settled(ranks, task, ds, filled, note, output_dir)
 
 
-def build(job: Job):
-    """The model laid out, the loaders, the run's steps, the checkpoint to resume, the final DeepSpeed dict (built
+def build(settings: Settings, world: World, settled: Settled) -> Built:
+    """The model laid out, the loaders, the run's steps, the checkpoint to resume, the final DeepSpeed dict (made
     once), and the engine of exactly that dict."""
-    settings, ranks, task, info = job.settings, job.ranks, job.task, job.data[2]
-    model = task.build_model(info, job.ds)
-    job.flops = task.flops_per_sample(model, info) if task.tokens_per_sample else 0.0  # before AutoTP shards it
+    ranks, task, info = settled.ranks, settled.task, settled.task.data.info
+    model = task.build_model(info, settled.ds)
+    flops = task.flops_per_sample(model, info) if task.tokens_per_sample else 0.0  # before AutoTP shards it
     learnt = run_dict.trainable(model)  # the whole model's, the same on every rank
-    job.trained, *job.saves = ranks.prepare(model, task, settings.model, job.ds)
+    trained, *saves = ranks.prepare(model, task, settings.model, settled.ds)
     del model  # a pipeline stage keeps only its own layers
-    job.loaders = loaders(job.data[0], job.data[1], job.ds, settings, job.world, ranks)
-    job.steps = loop.total_steps(settings.max_steps, settings.epochs, len(job.loaders[0]),
-                                 job.ds["gradient_accumulation_steps"])
-    job.state = trainer_state(settings, job.world, ranks, info, job.ds, task)
-    folder, saved, universal = resume.plan_resume(job.output_dir, settings.resume, job.state, settings.overwrite)
-    job.resumed = folder, saved
-    job.ds = job.state.deepspeed_config = run_dict.final(job.ds, job.filled, job.steps, universal, learnt, ranks.tensor)
-    job.engine = loop.build_engine(job.trained, job.ds)
+    loaders = run_loaders(task.data, settled.ds, settings, world, ranks)
+    steps = loop.total_steps(settings.max_steps, settings.epochs, len(loaders[0]),
+                             settled.ds["gradient_accumulation_steps"])
+    state = TrainerState(step=0, epoch=0, batch=0, model=settings.model, dataset=settings.dataset,  # what checkpoints
+                         world_size=world.world_size, zero_stage=ds_config.zero_stage(settled.ds),  # record, at step 0
+                         settings=settings_dict(settings), data_info=asdict(info), deepspeed_config=settled.ds,
+                         pipeline_stages=ranks.split.stages if ranks.split else 0, data_parallel_size=ranks.replicas,
+                         tensor_parallel_size=ranks.tensor, lora=lora.record(settings, task.spec),
+                         task_record=task.record())
+    folder, saved, universal = resume.checkpoint_to_resume(settled.output_dir, settings.resume, state, settings.overwrite)
+    state.deepspeed_config = run_dict.final(settled.ds, settled.filled, steps, universal, learnt, ranks.tensor)
+    return Built(loop.build_engine(trained, state.deepspeed_config), loaders, steps, state, folder, saved, flops,
+                 tuple(saves))
 
 
-def fit(job: Job) -> int:
+def train(job: Job) -> int:
     """Say how the run is laid out, resume, train by the schedule, save; the summary and the exit code."""
-    settings, world, engine, task, output_dir = job.settings, job.world, job.engine, job.task, job.output_dir
+    settings, world, settled, built = job.settings, job.world, job.settled, job.built
+    ranks, task, output_dir, engine = settled.ranks, settled.task, settled.output_dir, built.engine
     tf32 = precision.set_tf32(world.device, precision.compute_dtype(engine), settings.tf32)
-    say_mode(settings, world, engine, job.steps, output_dir, job.ranks, job.note, tf32)
-    if job.data[2].packed:
-        packing.check(engine, task, job.data[0])
-    if job.filled:
-        dist.print0(ds_auto.say(job.ds, job.filled, output_dir, dist.is_main()))
-    rates = throughput_for(task, job.flops, engine, settings)
-    folder, saved = job.resumed
-    finished = saved is not None and saved.step >= job.steps  # nothing_to_do says so below
-    if hasattr(task, "prepare") and not finished:  # preference: its reference, from the weights before any load
-        task.prepare(engine, job.ds, output_dir)
-    compiled = compiling.wanted(settings.compile, engine.device, getattr(task, "eager_because", lambda _: "")(engine))
-    start = resume.load(engine, folder, saved, job.ranks.replicas) if folder else (0, 0)
-    if loop.nothing_to_do(engine, job.steps):
+    startup.say_mode(world.description, engine, built.steps, output_dir, ranks.replicas,
+                     [ranks.describe(engine), lora.describe(engine.module) if settings.lora else ""], settled.note,
+                     tf32)
+    if settled.filled:
+        dist.print0(ds_auto.say(built.state.deepspeed_config, settled.filled, output_dir, dist.is_main()))
+    rates = metrics.throughput_for(task.tokens_per_sample, built.flops, engine.device,
+                                   precision.compute_dtype(engine), settings.peak_flops)
+    if not (built.saved is not None and built.saved.step >= built.steps):  # nothing_to_do says so below
+        task.before_load(engine, built.state.deepspeed_config, output_dir)
+    compiled = compiling.wanted(settings.compile, engine.device, task.eager_because(engine))
+    start = resume.load(engine, built.resume_from, built.saved, ranks.replicas) if built.resume_from else (0, 0)
+    if loop.nothing_to_do(engine, built.steps):
         return 0
-    outdir.clear(output_dir, folder, settings.overwrite)  # only now: a mistake found before leaves it all
-    job.stop = preemption.StopRequest(job.board, settings.grace_period, world.launcher != "none")
-    log = runlog.RunLog(output_dir, job.steps, engine.global_steps, throughput=rates,
-                        columns=runlog.columns(task, *job.data[:2]))
+    outdir.clear(output_dir, built.resume_from, settings.overwrite)  # only now: a mistake found before leaves it all
+    log = runlog.RunLog(output_dir, built.steps, engine.global_steps, throughput=rates,
+                        columns=runlog.columns(task, task.data.train, task.data.held_out))
     metrics.reset_peak_memory(world.device)  # the summary's peak is the training's, not the start-up probe's
-    step = job.ranks.train_step(engine, task, compiled, job.board)
-    schedule = loop.Schedule(job.steps, settings.log_interval, settings.eval_interval, settings.save_interval,
+    step = ranks.train_step(engine, task, compiled, job.board)
+    schedule = loop.Schedule(built.steps, settings.log_interval, settings.eval_interval, settings.save_interval,
                              settings.max_nonfinite_steps)
-    with log.discarded_on_error(lambda: complete_checkpoints(checkpoint_root(output_dir))):
+
+    def save(at: int, epoch: int, batch: int):  # every rank's shards, rank 0's files
+        save_checkpoint(engine, output_dir, built.state.at(at, epoch, batch), settings.keep_last, *built.saves)
+    with preemption.StopRequest(job.board, settings.grace_period, world.launcher != "none") as stop, \
+            log.discarded_on_error(lambda: complete_checkpoints(checkpoint_root(output_dir))):
         answers = sample_answers.for_run(engine, task, output_dir, settings.eval_answers, settings.answer_tokens)
-        result = loop.Loop(step, *job.loaders, schedule, log, job.save, job.stop, answers).fit(start)
-    return summarise(result, settings, world, engine, task, log, job.stop, job.started)
-
-
-def trainer_state(settings: Settings, world: World, ranks, info, ds: dict, task) -> TrainerState:
-    """What this run's checkpoints record besides DeepSpeed's shards, at step 0."""
-    return TrainerState(step=0, epoch=0, batch=0, model=settings.model, dataset=settings.dataset,
-                        world_size=world.world_size, zero_stage=ds_config.zero_stage(ds),
-                        settings=settings_dict(settings), data_info=asdict(info), deepspeed_config=ds,
-                        pipeline_stages=ranks.split.stages if ranks.split else 0,
-                        data_parallel_size=ranks.replicas, tensor_parallel_size=ranks.tensor,
-                        lora=lora.record(settings, getattr(task, "spec", None)),
-                        preference=task.record() if hasattr(task, "record") else {})
-
-
-def weighed(job: Job) -> tuple:
-    """(DeepSpeed dict, why precision was picked) once the data has settled the task: on a GPU, the planned dict
-    weighed against its memory (app/memory/fit.py); run_dict.final makes the run's dict of it."""
-    ds, note, ranks = job.ds, job.note, job.ranks
-    world = job.world
-    if world.device.type != "cuda" or ranks.split or ranks.tensor > 1:  # a split model's bytes are its stages'
-        return ds, note
-    gpu = torch.cuda.get_device_properties(world.device).total_memory
-    return dist.broadcast_object(weigh(ds, note, job.task, job.settings, ranks.replicas, gpu)
-                                 if dist.is_main() else None)  # one decision, however the GPUs differ
-
-
-def loaders(train_set, eval_set, ds: dict, settings: Settings, world: World, ranks: layout.RankLayout) -> tuple:
-    """(train loader, eval loader) over this data-parallel replica's shard (the stages of a pipeline share one)."""
-    workers, pin = feeding(train_set, world.device.type == "cuda", usable_cores() // world.local_world_size,
-                           settings.num_workers, settings.pin_memory)
-    if workers or pin:
-        dist.print0(f"data: {workers} loader worker(s) per rank, {'pinned' if pin else 'pageable'} host memory")
-    args = dict(rank=ranks.replica, world_size=ranks.replicas, seed=settings.seed, num_workers=workers,
-                pin_memory=pin)
-    micro = ds["train_micro_batch_size_per_gpu"]
-    return (training_loader(train_set, micro, accumulation=ds["gradient_accumulation_steps"], **args),
-            held_out_loaders(eval_set, micro, **args))
-
-
-def say_mode(settings: Settings, world: World, engine, steps: int, output_dir: Path, ranks: layout.RankLayout,
-             note: str, tf32: str):
-    """The start-up lines: how the run is laid out, and the precision picked (note: why "auto" picked it; tf32:
-    what fp32 matmuls run in)."""
-    shown = precision.precision_name(engine)
-    shown = note if note.startswith(shown + " (") else shown
-    batch = ranks.replicas * engine.train_micro_batch_size_per_gpu() * engine.gradient_accumulation_steps()
-    dist.print0(f"mode: {world.description}; ZeRO stage {engine.zero_optimization_stage()}, "
-                f"global batch {batch}, {steps} steps -> {output_dir}")
-    parallelism = ranks.describe(engine)
-    if parallelism:
-        dist.print0(parallelism)
-    if settings.lora:
-        dist.print0(lora.describe(engine.module))
-    dist.print0(f"precision: {shown}{'; ' + tf32 if tf32 else ''}")
-    warning = ds_internals.version_note()
-    if warning:
-        dist.print0(warning)
-
-
-def summarise(result: dict, settings: Settings, world: World, engine, task, log, stop, started: float) -> int:
-    """Write summary.json and the plot, say how the run ended; the exit code."""
-    peak = dist.host_max([metrics.peak_memory_bytes(world.device)])[0]
-    summary = {**result, "world_size": world.world_size, "zero_stage": engine.zero_optimization_stage(),
-               "pipeline_stages": engine.num_stages if engine.pipeline_parallelism else 0,
-               "tensor_parallel_size": engine.autotp_size(),
-               "precision": str(precision.compute_dtype(engine)).replace("torch.", ""),
-               "autocast": engine.torch_autocast_enabled(), "model": settings.model,
-               "dataset": settings.dataset, "task": task.name, "deepspeed_config": settings.deepspeed_config,
-               "launcher": world.launcher, "peak_memory_bytes": int(peak),
-               "wall_s": time.perf_counter() - started}
-    per_sample = task.per_sample()  # instruction data: rows and real tokens in each (padded or packed) sample
-    summary.update({f"{what}_per_s": summary["samples_per_s"] * n for what, n in per_sample.items()})
-    log.finish(summary)
-    if result["stopped_early"]:
-        dist.print0(f"stopped at step {summary['steps']} on request ({stop.reason or 'another rank'}); "
-                    f"checkpoint saved; continue with --resume auto --output_dir {log.output_dir}")
-        return 0
-    shown = " ".join(f"{k} {summary[k]:.4g}" for k in ("eval_loss", "eval_accuracy", "eval_perplexity",
-                                                        "eval_reward_accuracy", "samples_per_s", "tokens_per_s",
-                                                        "mfu") if k in summary)
-    dist.print0(f"done: {shown} in {summary['wall_s']:.1f} s; files in {log.output_dir}")
-    return 0
+        result = loop.Loop(step, *built.loaders, schedule, log, save, stop, answers).run(start)
+    return summarise(result, settings, world, engine, task, log, stop, job.started)
 
 
 def exit_now(code: int):

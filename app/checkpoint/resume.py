@@ -124,7 +124,7 @@ def _weights_of(ds: dict) -> str:
 
 def check_compatible(saved: TrainerState, current: TrainerState, folder: Path):
     """Refuse a checkpoint made for another model, dataset, order of its rows, ZeRO stage, pipeline split, weights'
-    precision or LoRA adapters."""
+    precision, LoRA adapters or preference settings."""
     for key in ("model", "dataset", "zero_stage", "pipeline_stages", "tensor_parallel_size"):
         if getattr(saved, key) != getattr(current, key):
             raise UserError(f"checkpoint {folder} was made with {key}={getattr(saved, key)!r} but this run has "
@@ -145,15 +145,36 @@ def check_compatible(saved: TrainerState, current: TrainerState, folder: Path):
         said = lambda lora: f"LoRA {lora}" if lora else "no LoRA"  # noqa: E731
         raise UserError(f"checkpoint {folder} was made with {said(then)} but this run has {said(now)}; pass the "
                         f"same --lora flags or start a new --output_dir")
-    if saved.preference.get("base") != current.preference.get("base") and saved.preference.get("reference") not in \
-            (None, "none (SimPO)"):
-        raise UserError(f"checkpoint {folder} trained against a reference of another base model than {current.model} "
-                        f"has now (its config or weights differ, or its seed); resume on the base model it started "
-                        f"from, or start a new --output_dir")
+    _check_preference(saved, current, folder)
     if saved.lora.get("base") != current.lora.get("base"):
         raise UserError(f"checkpoint {folder} holds LoRA adapters trained on another base model than {current.model} "
                         f"has now (its config or weights differ); resume on the base model they were trained on, "
                         f"or start a new --output_dir")
+
+
+# The flag that sets each field of a preference run's record (the reference one also follows --lora).
+PREFERENCE_FLAGS = {"loss": "--preference_loss", "beta": "--beta", "gamma": "--simpo_gamma", "reference": "--reference"}
+
+
+def _check_preference(saved: TrainerState, current: TrainerState, folder: Path):
+    """Refuse a preference run resumed with another loss, beta, SimPO gamma or reference, or onto another base."""
+    then, now = saved.task_record, current.task_record
+    if bool(then) != bool(now):
+        said = lambda record: "preference tuning" if record else "no preference tuning"  # noqa: E731
+        raise UserError(f"checkpoint {folder} was made with {said(then)} but this run has {said(now)}; pass the "
+                        f"same --task or start a new --output_dir")
+    keys = [key for key in PREFERENCE_FLAGS if key != "gamma" or "simpo" in (then.get("loss"), now.get("loss"))]
+    changed = [key for key in keys if then.get(key) != now.get(key)]  # gamma counts only where SimPO's loss reads it
+    if changed:
+        said = ", ".join(f"{key} {then.get(key)!r} -> {now.get(key)!r}" for key in changed)
+        flags = ", ".join(PREFERENCE_FLAGS[key] for key in changed)
+        raise UserError(f"checkpoint {folder} was made with other preference settings than this run has ({said}), "
+                        f"which would change the loss mid-run; pass the same {flags} as that run or start a new "
+                        f"--output_dir")
+    if then.get("base") != now.get("base") and then.get("reference") not in (None, "none (SimPO)"):
+        raise UserError(f"checkpoint {folder} trained against a reference of another base model than {current.model} "
+                        f"has now (its config or weights differ, or its seed); resume on the base model it started "
+                        f"from, or start a new --output_dir")
 
 
 def needs_universal(saved: TrainerState, world_size: int) -> bool:
@@ -161,7 +182,7 @@ def needs_universal(saved: TrainerState, world_size: int) -> bool:
     return saved.zero_stage > 0 and saved.world_size != world_size
 
 
-def plan_resume(output_dir: Path, resume: str, current: TrainerState, overwrite=False) -> tuple:
+def checkpoint_to_resume(output_dir: Path, resume: str, current: TrainerState, overwrite=False) -> tuple:
     """(folder, saved state, whether it is a universal checkpoint) to resume from, or (None, None, False) to start
     fresh; checked against this run and its output folder's timeline before anything is built."""
     folder, saved = find(output_dir, resume)

@@ -55,9 +55,10 @@ class TrainerState:
     lora: dict = field(default_factory=dict)
     """LoRA runs: the adapters' rank, alpha, dropout and targets, and `base`, what identifies the frozen base model
     the checkpoint leaves out ({}: the whole model trains and is saved)."""
-    preference: dict = field(default_factory=dict)
-    """Preference runs: the loss, beta, gamma, the reference and `base`, what identifies the model the reference is
-    ({}: another task)."""
+    task_record: dict = field(default_factory=dict)
+    """What the task records of its settings, which a resume must match (app/core/task.py: record). Preference runs:
+    the loss, beta, gamma, the reference and `base`, what identifies the model the reference is ({}: a task that
+    records nothing; older checkpoints wrote it as `preference`)."""
 
     def to_json(self) -> str:
         """The state as written: a secret in the DeepSpeed dict (a monitor's api_key) is kept out of the file."""
@@ -69,6 +70,8 @@ class TrainerState:
         saved = json.loads(text)
         if not isinstance(saved, dict):
             raise UserError(f"{where} holds no trainer state: it was not written by this app; start a new run")
+        if "preference" in saved:  # the record's name before every task had one
+            saved["task_record"] = saved.pop("preference")
         missing = [f.name for f in fields(cls) if f.name not in saved and f.default is MISSING
                    and f.default_factory is MISSING]
         if missing:

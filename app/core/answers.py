@@ -68,12 +68,10 @@ class Answers:
 def for_run(engine, task, output_dir: Path, count: int, max_new_tokens: int):
     """The Answers of an instruction or preference run (None for other tasks, when count is 0, and on a pipeline,
     whose stages cannot run the whole model; it says so)."""
-    if count == 0 or getattr(task, "name", "") not in ("instruction", "preference"):
+    prompts = task.answer_prompts(count) if count else []
+    if not prompts:
         return None
     if engine.pipeline_parallelism:
         dist.print0("answers: not generated under pipeline parallelism (no stage holds the whole model)")
         return None
-    held = task.eval_set
-    rows = getattr(held, "rows", held)  # packed: the rows in the blocks
-    prompts = [held.prompt(i) for i in range(min(count, len(rows)))]
     return Answers(engine, task.tokenizer, prompts, output_dir, max_new_tokens, task.spec.max_positions)

@@ -90,7 +90,7 @@ def evaluate(step, loaders) -> dict:
     if not isinstance(loaders, dict):
         return step.evaluate(loaders)
     parts = {name: step.evaluate(loader) for name, loader in loaders.items()}
-    units = {name: float(loader.batch_sampler.units.sum()) for name, loader in loaders.items()}
+    units = {name: loader.total_units() for name, loader in loaders.items()}
     derived = set(step.task.eval_metrics(1.0))
     combined = {key: sum(parts[name][key] * units[name] for name in parts) / sum(units.values())
                 for key in next(iter(parts.values())) if key not in derived}
@@ -110,18 +110,18 @@ class Loop:
         self.step, self.engine = step, step.engine
         self.train_loader, self.eval_loader, self.schedule, self.log = train_loader, eval_loader, schedule, log
         self.save, self.stop, self.answers = save, stop, answers
-        self.meter, self.clock = Meter(getattr(step, "metrics", ["loss"]), self.engine.device), Stopwatch()
+        self.meter, self.clock = Meter(step.metrics, self.engine.device), Stopwatch()
         self.divergence = Divergence(self.engine, schedule.max_nonfinite_steps)
         self.samples, self.seconds, self.last_eval, self.stopped = 0.0, 0.0, {}, False
         self.position = None  # (epoch, micro batches done in it) at the last log row
 
-    def fit(self, start=(0, 0)) -> dict:
+    def run(self, start=(0, 0)) -> dict:
         """Train from (epoch, micro batch) start; the run's totals and its last evaluation."""
         epoch, skip = start
         self.clock.lap()
         self.engine.train()
         while not self._done():
-            self.train_loader.batch_sampler.set_epoch(epoch, skip)
+            self.train_loader.set_epoch(epoch, skip)
             for batch_index, batch in enumerate(self.train_loader, start=skip + 1):
                 before = self.engine.global_steps
                 self.step.micro_step(batch, self.meter)
@@ -137,7 +137,7 @@ class Loop:
         return {"steps": self.engine.global_steps, "epochs": epoch, "samples": self.samples,
                 "train_s": self.seconds, **self.log.rates(self.samples, self.seconds),
                 "skipped_steps": self.engine.skipped_steps, "stopped_early": self.stopped, **self.last_eval,
-                **(self.train_loader.batch_sampler.drawn(*self.position) if self.position else {})}
+                **(self.train_loader.drawn(*self.position) if self.position else {})}
 
     def _done(self) -> bool:
         return self.schedule.finished(self.engine.global_steps) or self.stopped
@@ -154,7 +154,7 @@ class Loop:
             self.samples, self.seconds = self.samples + result["count"], self.seconds + elapsed
             extra = {name: result[name] for name in self.meter.names if name != "loss"}  # preference: rewards
             self.position = epoch, batch_index
-            extra.update(self.train_loader.batch_sampler.drawn(epoch, batch_index))  # several sources: each one's
+            extra.update(self.train_loader.drawn(epoch, batch_index))  # several sources: each one's
             self.log.train_row(step, epoch, result["loss"], self.engine.get_lr()[0], result["count"], elapsed,
                                skipped, extra)
         if schedule.eval_now(step):

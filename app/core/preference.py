@@ -10,11 +10,18 @@ import contextlib
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 
+from app.core import lora, models, reference
 from app.core.step import TrainStep
-from app.ds import internals as ds_internals
+from app.core.tasks import TextTask, answer_prompts
 from app.data.chat import IGNORE
+from app.distributed import dist
+from app.ds import internals as ds_internals
+from app.ds.precision import compute_dtype
+from app.errors import UserError
 from app.observe.metrics import Meter
+from app.settings import Settings
 
 LOSSES = ("sigmoid", "ipo", "hinge", "simpo")
 METRICS = ["loss", "rewards_chosen", "rewards_rejected", "reward_margin", "reward_accuracy"]
@@ -51,18 +58,6 @@ def pair_losses(kind: str, beta: float, gamma: float, policy: torch.Tensor, refe
     else:
         loss = -F.logsigmoid(rewards[:, 0] - rewards[:, 1])
     return loss, rewards[:, 0], rewards[:, 1]
-
-
-def reference_dict(ds: dict, replicas: int) -> dict:
-    """The DeepSpeed dict of a frozen reference: the policy's precision and, under ZeRO-3, its partitioning (and
-    parameter offload); no optimizer, scheduler nor optimizer state to shard; batch sizes of one (it never steps,
-    and is built before the policy's micro batch is settled)."""
-    ref = {k: v for k, v in ds.items() if k not in ("optimizer", "scheduler")}
-    ref.update(train_micro_batch_size_per_gpu=1, gradient_accumulation_steps=1, train_batch_size=replicas)
-    zero = ds.get("zero_optimization") or {}
-    ref["zero_optimization"] = {k: v for k, v in zero.items() if k != "offload_optimizer"} \
-        if zero.get("stage", 0) == 3 else {"stage": 0}
-    return ref
 
 
 class Reference:
@@ -129,75 +124,97 @@ class PreferenceStep(TrainStep):
         return {f"eval_{name}": result[name] for name in self.metrics}
 
 
-class Preference:
-    """The task of preference pairs on a causal language model (a TextTask, app/core/tasks.py): the data
-    (app/data/preference.py), the model as for instruction data, the loss and its reference."""
+class Preference(TextTask):
+    """Pairs of answers to one prompt (app/data/preference.py) on a causal language model, the model as for
+    instruction data; the DPO family's losses against a reference."""
     name = "preference"
-    loss = staticmethod(answer_logps)
-    step = PreferenceStep
+    sequences = 2
+    loss = staticmethod(answer_logps)  # the step's forward gives each sequence's terms; pair_losses combines them
     log_columns = (*METRICS[1:], *(f"eval_{name}" for name in METRICS[1:]))
-    """metrics.csv's columns besides every task's."""
+    summary_metrics = ("eval_loss", "eval_reward_accuracy")
 
-    def settle(self):
-        """What the settings ask of the loss and the reference; the reference's engine comes with prepare()."""
-        settings = self.settings
+    def __init__(self, settings: Settings, spec, data=None, tokenizer=None):
+        """What the settings ask of the loss and the reference; a frozen copy comes with before_search()."""
+        super().__init__(settings, spec, data, tokenizer)
         self.loss_kind, self.beta, self.gamma = settings.preference_loss, settings.beta, settings.simpo_gamma
-        self.frozen, self.info = None, None
+        self.frozen = None
         self.reference_kind = "none (SimPO)" if self.loss_kind == "simpo" else \
             "precomputed" if settings.reference == "precompute" else \
             "adapters off" if settings.lora else "frozen copy"
 
+    def check_layout(self, ranks):
+        super().check_layout(ranks)
+        if ranks.split or ranks.tensor > 1:
+            raise UserError("preference pairs train under data parallel and ZeRO 0-3, not pipeline stages or tensor "
+                            "parallelism: pick a ds_config without a pipeline or tensor_parallel section")
+
+    def flops_per_sample(self, model: nn.Module, info) -> float:
+        """A pair's training FLOPs: two sequences forward and backward, and a live reference's forward of both."""
+        sequence = models.train_flops_per_token(model, info.seq_len) * info.seq_len
+        if self.reference_kind in ("adapters off", "frozen copy"):
+            sequence += models.train_flops_per_token(model, info.seq_len, forward_only=True) * info.seq_len
+        return 2 * sequence
+
+    def build_model(self, info, ds_config: dict) -> nn.Module:
+        """As for any text task, its dropout off (the model and the reference must score an answer alike, as TRL's
+        disable_dropout does); a preset's weights drawn from --seed alone, so a frozen copy is the same model."""
+        with lora.seeded(self.settings.seed) if not self.spec.pretrained else contextlib.nullcontext():
+            model = super().build_model(info, ds_config)
+        for module in model.modules():
+            if isinstance(module, nn.Dropout):
+                module.p = 0.0
+        return model
+
     def live_reference(self, engine):
         """The Reference a step asks for each micro batch: None when the batch brings it (precomputed), when the
-        loss needs none, or before prepare() (the micro batch search's trials)."""
+        loss needs none, or before before_search() (a tool's steps)."""
         if self.reference_kind == "adapters off":
             return Reference(engine, adapters_off=True)
         return Reference(self.frozen, False) if self.reference_kind == "frozen copy" and self.frozen else None
 
-    def build_reference(self, ds: dict, replicas: int, info):
-        """The frozen copy, when the run trains against one: built before the micro batch is searched, so the
-        search's trial steps carry it as the run will. info: the DataInfo the model is shaped for."""
-        from app.core import reference
-        self.info = info
+    def before_search(self, ds: dict, replicas: int):
+        """The frozen copy, when the run trains against one, so the search's trial steps carry it as the run will."""
         if self.reference_kind == "frozen copy":
-            self.frozen = reference.frozen_copy(self, ds, replicas)
+            self.frozen = reference.frozen_copy(lambda ref: self.build_model(self.data.info, ref), ds, replicas)
 
-    def prepare(self, engine, ds: dict, output_dir):
-        """Before training and before a checkpoint is loaded, while the engine holds the base model's weights: the
-        precomputed log-probabilities; says which reference the run trains against."""
-        from app.core import reference
-        from app.distributed import dist
-        from app.ds.precision import compute_dtype
-        kind = self.reference_kind
-        if kind == "precomputed":
+    def after_trial(self):
+        """What a trial that ran out of memory left gathered in the frozen copy's partitions."""
+        if self.frozen is not None and self.frozen.zero_optimization_partition_weights():
+            self.frozen.empty_partition_cache()
+
+    def before_load(self, engine, ds: dict, output_dir):
+        """While the engine holds the base model's weights: the precomputed log-probabilities; says which reference
+        the run trains against."""
+        if self.reference_kind == "precomputed":
             reference.precompute(lambda: Reference(engine, adapters_off=self.settings.lora),
-                                 [self.train_set, self.eval_set], self.base(), compute_dtype(engine),
+                                 [self.data.train, self.data.held_out], self.base(), compute_dtype(engine),
                                  ds["train_micro_batch_size_per_gpu"], output_dir)
         dist.print0(f"preference: {self.loss_kind} loss, beta {self.beta:g}"
-                    f"{f', gamma {self.gamma:g}' if self.loss_kind == 'simpo' else ''}; reference: {kind}")
+                    f"{f', gamma {self.gamma:g}' if self.loss_kind == 'simpo' else ''}; reference: "
+                    f"{self.reference_kind}")
 
     def eager_because(self, engine) -> str:
-        """Why the run trains eager whatever --compile asks ('' where it may compile): under ZeRO-3, LoRA's
-        reference forward inside the compiled step ended both ranks with a segmentation fault on an H100
-        (docs/preference-tuning.md, "On a GPU"); eager, the same run trains."""
+        """Under ZeRO-3, LoRA's reference forward inside the compiled step ended both ranks with a segmentation
+        fault on an H100 (docs/preference-tuning.md, "On a GPU"); eager, the same run trains."""
         if self.reference_kind == "adapters off" and engine.zero_optimization_stage() == 3:
             return "LoRA's reference (the adapters off) inside ZeRO-3's compiled step crashed on a GPU"
         return ""
 
+    def make_step(self, engine, compile_model: bool, board=None) -> TrainStep:
+        return PreferenceStep(engine, self, compile_model, board)
+
+    def answer_prompts(self, count: int) -> list:
+        return answer_prompts(self.data.held_out, count)
+
     def base(self) -> str:
         """What identifies the base model the reference is (app/core/lora.py's fingerprint)."""
-        from app.core import lora
         return lora.fingerprint(self.settings.model, self.spec.pretrained, self.settings.seed, self.spec.config)
 
     def record(self) -> dict:
-        """What a checkpoint records of the preference run: the loss, beta, the reference and its base."""
+        """The loss, beta, gamma, the reference and its base: a resume must train with the same."""
         return {"loss": self.loss_kind, "beta": self.beta, "gamma": self.gamma, "reference": self.reference_kind,
                 "base": self.base()}
 
-    def eval_metrics(self, loss: float) -> dict:
-        return {}
-
     def sample_data(self, samples: int, seq_len: int) -> tuple:
-        from app.errors import UserError
         raise UserError("the benchmark runs image classifiers and causal language models on blocks of text; "
                         "leave --task preference out")

@@ -10,17 +10,18 @@ import torch
 
 from app.checkpoint.save import atomic_write
 from app.distributed import dist
+from app.ds import run_dict
 
 FILE = "reference-logps-{}.json"
 
 
-def frozen_copy(task, ds: dict, replicas: int):
-    """An engine of the base model for the reference alone: built as the policy was (the same weights; under
-    ZeRO-3 partitioned as they are made), then given to DeepSpeed without an optimizer, in eval mode."""
+def frozen_copy(build, ds: dict, replicas: int):
+    """An engine of the base model for the reference alone: built as the policy was (build(dict) -> the model: the
+    same weights; under ZeRO-3 partitioned as they are made), then given to DeepSpeed without an optimizer, in eval
+    mode."""
     import deepspeed
-    from app.core.preference import reference_dict
-    ref = reference_dict(ds, replicas)
-    model = task.build_model(task.info, ref)
+    ref = run_dict.for_reference(ds, replicas)
+    model = build(ref)
     for parameter in model.parameters():
         parameter.requires_grad_(False)
     engine, *_ = deepspeed.initialize(model=model, config=ref)
@@ -73,4 +74,4 @@ def precompute(reference_of, sets, base: str, dtype, micro: int, output_dir: Pat
     else:
         dist.print0(f"reference: log-probabilities of {sum(map(len, sets))} pairs read from {path}")
     for pairs, table in zip(sets, found["sets"]):
-        pairs.reference = torch.tensor(table, dtype=torch.float32)
+        pairs.add_reference(table)

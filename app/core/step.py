@@ -52,6 +52,13 @@ class TrainStep:
         self.engine.step()
         meter.add((w > 0).sum(), w.sum(), **sums)
 
+    def trial_parts(self, batch) -> list:
+        """The micro batch search's step in parts the ranks agree on one at a time: the forward (a rank out of
+        memory there stops before any gradient is reduced), then the backward and the optimizer step."""
+        held = {}
+        return [lambda: held.update(loss=self.batch_loss(batch)[0]),
+                lambda: (self.engine.backward(held.pop("loss")), self.engine.step())]
+
     def evaluate(self, loader) -> dict:
         """Eval loss and accuracy (and the task's own extras) over every rank's shard, padding excluded: means over
         samples, or answer tokens (the loader's weights count them)."""

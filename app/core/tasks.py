@@ -1,9 +1,7 @@
-"""One small object per kind of job: image classification, causal language modelling (on blocks of text, or on the
-answers of instruction data), sequence classification.
-
-Each builds its data and model and owns its loss, its metrics, its FLOPs per sample and the extra files its
-checkpoints carry, so train.py and the loop call it without knowing which kind of job it is.
-"""
+"""The kinds of training on a single model: image classification, causal language modelling on blocks of text,
+instruction tuning on the answers of chats and of prompts with completions, sequence classification (preference
+pairs: app/core/preference.py). Each implements the task contract (app/core/task.py); app/core/resolver.py picks
+one for a run."""
 import contextlib
 import math
 from pathlib import Path
@@ -12,15 +10,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from app.distributed import dist
-from app.core import lora, models, preference
-from app.ds import auto as ds_auto
-from app.settings import Settings
+from app.core import lora, models, packing
+from app.core.task import Task
+from app.data import Data
 from app.data import DataInfo, TextModel
-from app.data.chat import IGNORE
+from app.data.chat import IGNORE, PackedRows
+from app.distributed import dist
 from app.errors import UserError
-
-TEXT_TASKS = ("causal_lm", "instruction", "preference", "sequence_classification")
+from app.settings import Settings
 
 
 def class_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -54,27 +51,22 @@ def next_token_correct(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tens
     return right.view(len(logits), -1).sum(1) / counted
 
 
-class ImageClassification:
+def image_data(settings: Settings) -> Data:
+    """A torchvision dataset or a built-in one; an unreadable image is refused on every rank before any write."""
+    from app.data.images import build_image_sets, unreadable_images
+    with dist.main_process_first():  # rank 0 downloads, the others then read its files
+        train, held, info = build_image_sets(settings.dataset, settings.data_dir, settings.image_size)
+    problem = dist.broadcast_object(unreadable_images(train, held) if dist.is_main() else "")
+    if problem:
+        raise UserError(problem)
+    return Data(train, held, info)
+
+
+class ImageClassification(Task):
     """A torchvision dataset or a built-in one, a built-in or torchvision classifier."""
     name = "image_classification"
     loss = staticmethod(class_loss)
     correct = staticmethod(class_correct)
-    tokens_per_sample = 0
-    bench_batch = 32
-    """The global batch app.tools.bench uses unless told."""
-
-    def __init__(self, settings: Settings):
-        self.settings = settings
-
-    def build_data(self, output_dir: Path) -> tuple:
-        """(train set, eval set, DataInfo)."""
-        from app.data.images import build_image_sets, unreadable_images
-        with dist.main_process_first():  # rank 0 downloads, the others then read its files
-            sets = build_image_sets(self.settings.dataset, self.settings.data_dir, self.settings.image_size)
-        problem = dist.broadcast_object(unreadable_images(*sets[:2]) if dist.is_main() else "")  # before any write
-        if problem:
-            raise UserError(problem)
-        return sets
 
     def sample_data(self, samples: int, seq_len: int) -> tuple:
         """(train set, DataInfo) for benchmarks, whatever the size asked: the digits for the built-in models,
@@ -89,46 +81,34 @@ class ImageClassification:
         """Training FLOPs of one sample, counted on a forward and backward pass."""
         return models.counted_flops_per_sample(model, info)
 
-    def eval_metrics(self, loss: float) -> dict:
-        return {}
 
-    def per_sample(self) -> dict:
-        """What one sample holds besides itself, for the summary's rates: nothing."""
-        return {}
+def text_data(settings: Settings, spec: models.HFSpec, asked: str, output_dir: Path) -> tuple:
+    """(Data, tokenizer, the kind the rows are: causal_lm, instruction, preference or sequence_classification),
+    tokenized once on the main rank and cached; asked: the task the flags or the model name."""
+    from app.data.images import BUILDERS
+    from app.data.text_sets import build_text_sets
+    if settings.dataset in BUILDERS:
+        raise UserError(f"{settings.model} is a transformers model and trains on text, not {settings.dataset}; pass "
+                        f"--dataset <.txt/.json/.jsonl/.csv/.parquet file or folder, or a hub dataset>")
+    model = TextModel(spec.pretrained, models.vocab_size(spec.config), spec.max_positions)
+    train, held, info, tokenizer, kind = build_text_sets(settings, model, asked, output_dir)
+    return Data(train, held, info), tokenizer, kind
 
-    def save_files(self, folder: Path):
-        """Extra files a checkpoint carries: none, the weights are the whole model."""
 
-
-class TextTask:
+class TextTask(Task):
     """What the transformers tasks share: text data through a tokenizer, the model from its HFSpec."""
-    name = ""
     bench_batch = 16
+    sequences = 1
+    """Sequences in one sample (a preference pair: 2)."""
 
-    def __init__(self, settings: Settings, spec: models.HFSpec):
-        self.settings, self.spec = settings, spec
-        self.tokenizer, self.config, self.tokens_per_sample = None, None, 0
-        self.train_set = self.eval_set = self.adapters = None
-
-    def build_data(self, output_dir: Path) -> tuple:
-        """(train set, eval set, DataInfo), tokenized once on the main rank and cached."""
-        from app.data.images import BUILDERS
-        from app.data.text_sets import build_text_sets
-        if self.settings.dataset in BUILDERS:
-            raise UserError(f"{self.settings.model} is a transformers model and trains on text, not "
-                            f"{self.settings.dataset}; pass --dataset <.txt/.json/.jsonl/.csv/.parquet file or "
-                            f"folder, or a hub dataset>")
-        train_set, eval_set, info, self.tokenizer, self.name = build_text_sets(self.settings, self.text_model(),
-                                                                               self.name, output_dir)
-        self.tokens_per_sample, self.train_set, self.eval_set = info.seq_len, train_set, eval_set
-        return train_set, eval_set, info
+    def __init__(self, settings: Settings, spec: models.HFSpec, data: Data = None, tokenizer=None):
+        super().__init__(settings, data)
+        self.spec, self.tokenizer, self.config, self.adapters = spec, tokenizer, None, None
+        self.tokens_per_sample = self.sequences * data.info.seq_len if data is not None else 0
 
     def per_sample(self) -> dict:
         """Instruction data: the rows and real (not padding) tokens of a sample, on average; else nothing."""
-        return self.train_set.per_sample() if hasattr(self.train_set, "per_sample") else {}
-
-    def text_model(self) -> TextModel:
-        return TextModel(self.spec.pretrained, models.vocab_size(self.spec.config), self.spec.max_positions)
+        return self.data.train.per_sample()
 
     def build_model(self, info: DataInfo, ds_config: dict) -> nn.Module:
         """The transformers model as HFLogits; with --lora, its adapters on the frozen base (a preset's base
@@ -144,10 +124,7 @@ class TextTask:
 
     def flops_per_sample(self, model: nn.Module, info: DataInfo) -> float:
         """Training FLOPs of one sample from the transformer formula (app/core/models.py)."""
-        return models.train_flops_per_token(model, info.seq_len) * info.seq_len
-
-    def eval_metrics(self, loss: float) -> dict:
-        return {}
+        return self.sequences * models.train_flops_per_token(model, info.seq_len) * info.seq_len
 
     def save_files(self, folder: Path):
         """The config and tokenizer that make the checkpoint exportable in save_pretrained form (and with --lora,
@@ -157,12 +134,19 @@ class TextTask:
             self.adapters.save_pretrained(str(folder / models.HF_FILES))
 
 
+def answer_prompts(held, count: int) -> list:
+    """[(prompt ids, expected answer ids)] of the first `count` rows of a held-out set of instruction rows or pairs
+    (packed: the rows inside its blocks)."""
+    rows = held.rows if isinstance(held, PackedRows) else held
+    return [held.prompt(i) for i in range(min(count, len(rows)))]
+
+
 class CausalLM(TextTask):
-    """Next-token prediction on blocks of text, or (named instruction once the data shows it, app/data/chat.py) on
-    the answers of chats and of prompts with completions."""
+    """Next-token prediction on blocks of text."""
     name = "causal_lm"
     loss = staticmethod(next_token_loss)
     correct = staticmethod(next_token_correct)
+    summary_metrics = ("eval_loss", "eval_accuracy", "eval_perplexity")
 
     def eval_metrics(self, loss: float) -> dict:
         return {"eval_perplexity": math.exp(min(loss, 700))}
@@ -178,6 +162,20 @@ class CausalLM(TextTask):
                                                                         seq_len=seq_len)
 
 
+class Instruction(CausalLM):
+    """Next-token prediction on the answers of chats and of prompts with completions (app/data/chat.py); each
+    evaluation shows the model's answers to the first held-out prompts."""
+    name = "instruction"
+
+    def answer_prompts(self, count: int) -> list:
+        return answer_prompts(self.data.held_out, count)
+
+    def before_load(self, engine, ds: dict, output_dir: Path):
+        """Packed rows: refuse, in one line, a model whose attention lets them see each other."""
+        if self.data.info.packed:
+            packing.check(engine, self, self.data.train)
+
+
 class SequenceClassification(TextTask):
     """One label per row of text."""
     name = "sequence_classification"
@@ -187,92 +185,3 @@ class SequenceClassification(TextTask):
     def sample_data(self, samples: int, seq_len: int) -> tuple:
         raise UserError("the benchmark runs image classifiers and causal language models; "
                         f"{self.settings.model} is a sequence classifier")
-
-
-class Preference(preference.Preference, TextTask):
-    """Pairs of answers to one prompt, the DPO family's losses against a reference (app/core/preference.py)."""
-
-    def __init__(self, settings: Settings, spec: models.HFSpec):
-        TextTask.__init__(self, settings, spec)
-        self.settle()
-
-    def build_data(self, output_dir: Path) -> tuple:
-        """As for any text task; a sample is a pair: two sequences of the padded length."""
-        sets = super().build_data(output_dir)
-        self.tokens_per_sample = 2 * sets[2].seq_len
-        return sets
-
-    def flops_per_sample(self, model: nn.Module, info: DataInfo) -> float:
-        """A pair's training FLOPs: two sequences forward and backward, and a live reference's forward of both."""
-        sequence = super().flops_per_sample(model, info)
-        if self.reference_kind in ("adapters off", "frozen copy"):
-            sequence += models.train_flops_per_token(model, info.seq_len, forward_only=True) * info.seq_len
-        return 2 * sequence
-
-    def build_model(self, info: DataInfo, ds_config: dict) -> nn.Module:
-        """As for any text task, its dropout off (the model and the reference must score an answer alike, as TRL's
-        disable_dropout does); a preset's weights drawn from --seed alone, so a frozen copy is the same model."""
-        with lora.seeded(self.settings.seed) if not self.spec.pretrained else contextlib.nullcontext():
-            model = super().build_model(info, ds_config)
-        for module in model.modules():
-            if isinstance(module, nn.Dropout):
-                module.p = 0.0
-        return model
-
-
-def settled(task, ranks):
-    """The task once the data is known: a causal LM whose rows hold preference pairs trains on them, under data
-    parallel and ZeRO (ranks: the run's layout)."""
-    if task.name == "preference" and (ranks.split or ranks.tensor > 1):
-        raise UserError("preference pairs train under data parallel and ZeRO 0-3, not pipeline stages or tensor "
-                        "parallelism: pick a ds_config without a pipeline or tensor_parallel section")
-    if task.name != "preference" or isinstance(task, Preference):
-        return task
-    pairs = Preference(task.settings, task.spec)
-    pairs.__dict__.update({k: v for k, v in vars(task).items() if k in vars(TextTask(task.settings, task.spec))})
-    pairs.tokens_per_sample = 2 * task.tokens_per_sample  # two sequences a pair
-    return pairs
-
-
-def build(settings: Settings):
-    """The task for settings.model and settings.task ('auto': the model's own)."""
-    spec = models.hf_spec(settings.model)
-    if settings.task != "auto" and spec is None and settings.task in TEXT_TASKS:
-        raise UserError(f"--task {settings.task} trains a transformers model on text; {settings.model} is an image "
-                        f"model: pass a transformers model, or leave --task auto")
-    if settings.task != "auto" and (spec is None or settings.task not in TEXT_TASKS):
-        kinds = "transformers models" if spec is not None else "image models (leave --task auto)"
-        raise UserError(f"--task {settings.task!r} is not one of auto, {', '.join(TEXT_TASKS)} for {kinds}")
-    if spec is None:
-        if settings.lora:
-            raise UserError(f"--lora trains adapters on a transformers model (HF peft); {settings.model} is an image "
-                            f"model: pass a transformers model folder, hub name or preset, or leave --lora out")
-        if settings.streaming == "on":
-            raise UserError(f"--streaming on streams text for a transformers model; {settings.model} is an image "
-                            f"model: leave it off")
-        if settings.packing == "on":
-            raise UserError("--packing on packs the rows of instruction data for a transformers model; "
-                            f"{settings.model} is an image model: leave --packing auto")
-        return ImageClassification(settings)
-    name = spec.task if settings.task == "auto" else settings.task
-    if name == "preference" and spec.task != "causal_lm":
-        raise UserError(f"--task preference trains a causal language model on pairs of answers; {settings.model} is "
-                        f"a sequence classifier: pass a causal LM")
-    classes = {"sequence_classification": SequenceClassification, "preference": Preference}
-    task = classes.get(name, CausalLM)(settings, spec)
-    task.name = name
-    return task
-
-
-def auto_facts(task) -> ds_auto.Facts:
-    """What "auto" values depend on besides the JSON: whether the model loads trained weights, its hidden size."""
-    spec = getattr(task, "spec", None)
-    if spec is None:
-        return ds_auto.Facts()
-    config = spec.config
-    hidden = getattr(config, "hidden_size", None) or getattr(config, "n_embd", None) or getattr(config, "d_model", 0)
-    folder = Path(spec.pretrained) if spec.pretrained else None
-    weights = bool(spec.pretrained) and not (folder.is_dir() and not any(
-        any(folder.glob(pattern)) for pattern in models.WEIGHT_FILES))
-    blocks, block_size = models.block_shape(spec)
-    return ds_auto.Facts(pretrained=weights, hidden=int(hidden or 0), blocks=blocks, block_size=block_size)

@@ -1,5 +1,6 @@
-"""Data: image sources (images.py), text sources (text.py) and tokenizers (tokenizers.py) make datasets;
-loader.py shards them across ranks. DataInfo tells the model what the data looks like; TextModel tells text data what the model reads."""
+"""Data: image sources (images.py), text sources (text.py) and tokenizers (tokenizers.py) make datasets, each
+declaring what the loader reads of it (samples.py); loader.py shards them across ranks. Data is a run's sets;
+DataInfo tells the model what the data looks like; TextModel tells text data what the model reads."""
 from dataclasses import dataclass
 
 
@@ -27,3 +28,11 @@ class TextModel:
     vocab_size: int
     """Tokens its embedding really has (without padding rows)."""
     max_positions: int
+
+
+@dataclass(frozen=True)
+class Data:
+    """A run's data: the training set, the held-out set (or None) and what the model needs to know about them."""
+    train: object
+    held_out: object
+    info: DataInfo

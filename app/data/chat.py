@@ -5,9 +5,9 @@ A row becomes (input ids, labels): the rendered text cut into pieces at the star
 tokenized on its own (as the prompt is at inference, before the model answers), labels -100 outside the answers.
 """
 import torch
-from torch.utils.data import Dataset
 
 from app.data import tools
+from app.data.samples import Samples
 from app.errors import UserError, first_line
 
 IGNORE = -100  # a label the loss leaves out (transformers' convention)
@@ -63,13 +63,14 @@ def alpaca_turns(row: dict, index: str) -> list:
 
 def ensure_template(tokenizer) -> bool:
     """Give a tokenizer without a chat template the default one; True if it got it."""
-    if getattr(tokenizer, "chat_template", None):
+    if tokenizer.chat_template:
         return False
     tokenizer.chat_template = DEFAULT_TEMPLATE
     return True
 
 
-def _render(tokenizer, messages: list, generation: bool, row: str, tools=None) -> str:
+def render(tokenizer, messages: list, generation: bool, row: str, tools=None) -> str:
+    """The turns as the chat template renders them (generation: with the prompt of the answer to come)."""
     try:
         return tokenizer.apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=generation)
     except Exception as e:  # jinja's TemplateError, or a message that is not a dict
@@ -107,7 +108,7 @@ def _turn(m: dict, row: str) -> dict:
     return turn
 
 
-def _turns(value, row: str, what: str) -> list:
+def turns(value, row: str, what: str) -> list:
     """A list of turns, checked; ShareGPT's {from, value} turns are read as such."""
     if not isinstance(value, list) or not value or not all(isinstance(m, dict) and (m.get("role") or m.get("from"))
                                                            for m in value):
@@ -123,20 +124,20 @@ def pieces(tokenizer, row: dict, form: str, index: str) -> list:
             raise UserError(f"{index}: its completion is empty or not text")
         return [(row["prompt"], False), (row["completion"] + (tokenizer.eos_token or ""), True)]
     if form == "prompt_completion":
-        prompt = _turns(row["prompt"], index, "its prompt")
-        messages = prompt + _turns(row["completion"], index, "its completion")
+        prompt = turns(row["prompt"], index, "its prompt")
+        messages = prompt + turns(row["completion"], index, "its completion")
         answers = [i for i in range(len(prompt), len(messages)) if messages[i]["role"] == "assistant"]
     else:
-        messages = alpaca_turns(row, index) if form == "alpaca" else _turns(row[form], index, f"its {form}")
+        messages = alpaca_turns(row, index) if form == "alpaca" else turns(row[form], index, f"its {form}")
         answers = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
     if not answers:
         raise UserError(f"{index} has no assistant turn to learn from; every "
                         f"conversation needs at least one")
     offered = tools.offered(row, index)
-    whole, cuts = _render(tokenizer, messages, False, index, offered), [0]
+    whole, cuts = render(tokenizer, messages, False, index, offered), [0]
     for i in answers:
-        start = _render(tokenizer, messages[:i], True, index, offered)
-        end = _render(tokenizer, messages[:i + 1], False, index, offered)
+        start = render(tokenizer, messages[:i], True, index, offered)
+        end = render(tokenizer, messages[:i + 1], False, index, offered)
         if not (whole.startswith(start) and whole.startswith(end)) or len(start) < cuts[-1]:
             raise UserError(f"the chat template does not render the start of a conversation as the start of the "
                             f"whole ({index}): it rewrites earlier turns; pass --tokenizer with one that does not")
@@ -201,7 +202,7 @@ def packed_block(rows: list, block: int, pad_id: int) -> tuple:
     return (ids, positions), labels
 
 
-class AnswerRows(Dataset):
+class AnswerRows(Samples):
     """(input ids, labels) padded on the right to one length: the causal attention never lets a real token see
     the padding after it, and padding is never a label. units: each row's answer tokens, for the loss's weights."""
 
@@ -243,7 +244,7 @@ def pack_order(lengths: list, block: int) -> list:
     return blocks
 
 
-class PackedRows(Dataset):
+class PackedRows(Samples):
     """Rows of an AnswerRows packed into blocks of `block` tokens: ((input ids, position ids), labels). Position
     ids restart at each row, which the model's attention reads as the rows' bounds (app/core/packing.py checks
     that it does); each row's first token is never a label, as when it stands alone, so a block's loss is its

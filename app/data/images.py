@@ -4,7 +4,7 @@ import os
 from pathlib import Path
 
 import torch
-from torch.utils.data import TensorDataset
+from torch.utils.data import Subset, TensorDataset
 
 from app.data import DataInfo
 from app.errors import UserError, first_line
@@ -145,9 +145,9 @@ def _imagefolder(data_dir, image_size):
     else:
         order = torch.randperm(len(train), generator=torch.Generator().manual_seed(0)).tolist()
         cut = max(1, len(order) // 10)
-        eval_set = torch.utils.data.Subset(train, order[:cut])
-        train = torch.utils.data.Subset(train, order[cut:])
-    classes = len(train.classes) if hasattr(train, "classes") else len(train.dataset.classes)
+        eval_set = Subset(train, order[:cut])
+        train = Subset(train, order[cut:])
+    classes = len(train.dataset.classes if isinstance(train, Subset) else train.classes)
     return train, eval_set, DataInfo(classes, 3, image_size)
 
 
@@ -167,8 +167,8 @@ def unreadable_images(*datasets) -> str:
     that is not. Other datasets: ''."""
     from concurrent.futures import ThreadPoolExecutor
     from PIL import Image
-    bases = {id(base): base for base in (getattr(d, "dataset", d) for d in datasets)}.values()
-    paths = [path for base in bases for path, _ in getattr(base, "samples", [])]
+    bases = {id(base): base for base in (d.dataset if isinstance(d, Subset) else d for d in datasets)}.values()
+    paths = [path for base in bases for path, _ in getattr(base, "samples", [])]  # torchvision's folders' files
 
     def problem(path):
         try:

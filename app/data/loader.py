@@ -5,6 +5,11 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset, Subset, TensorDataset
 
+from app.data import Data
+from app.data.samples import Samples, declared, weights
+from app.data.stream import StreamLoader
+from app.distributed import dist
+from app.distributed.cores import usable_cores
 from app.errors import UserError
 
 
@@ -94,24 +99,22 @@ class ShardSampler:
 
     def __iter__(self):
         order, span = self._order(self.epoch), self.batch_size * self.world_size
-        scale = self.world_size * self.accumulation
         for k in range(self.skip, len(self)):
             chunk = order[k * span:(k + 1) * span]
             units = self.units[chunk[self.rank::self.world_size]].tolist()
             if self.normalise:
-                window = self._window_units(self.epoch, k)
-                units = [scale * u / window for u in units]
+                units = weights(units, self._window_units(self.epoch, k), self.world_size, self.accumulation)
             mine = list(zip(chunk[self.rank::self.world_size], units))
             mine += [(chunk[0], 0.0)] * (self.batch_size - len(mine))
             yield mine
 
 
-class Part(Dataset):
+class Part(Samples):
     """Samples first..end of a dataset (one source's held-out rows, app/data/sources.py), with their units."""
 
     def __init__(self, dataset, first: int, end: int):
         self.dataset, self.first, self.end = dataset, first, end
-        units = getattr(dataset, "units", None)
+        units = declared(dataset).units
         self.units = None if units is None else list(units[first:end])
 
     def __len__(self):
@@ -136,6 +139,28 @@ class Weighted(Dataset):
         return x, y, torch.tensor(weight, dtype=torch.float32)
 
 
+class ShardLoader(DataLoader):
+    """The DataLoader of a rank's ShardSampler batches. The loop's calls, which StreamLoader (app/data/stream.py)
+    answers alike: set_epoch, drawn, total_units, micro_batch, and len, the micro batches of an epoch."""
+
+    def set_epoch(self, epoch: int, skip: int = 0):
+        """Take the epoch's batches from its global micro batch `skip` on (ShardSampler.set_epoch)."""
+        self.batch_sampler.set_epoch(epoch, skip)
+
+    def drawn(self, epoch: int, done: int) -> dict:
+        """Each source's rows and tokens trained on up to global micro batch `done` of epoch (ShardSampler.drawn)."""
+        return self.batch_sampler.drawn(epoch, done)
+
+    def total_units(self) -> float:
+        """The units (samples, or answer tokens) of the whole set: the weight of its evaluation among others."""
+        return float(self.batch_sampler.units.sum())
+
+    @property
+    def micro_batch(self) -> int:
+        """Samples in each of this rank's micro batches."""
+        return self.batch_sampler.batch_size
+
+
 def feeding(dataset, cuda: bool, cores_per_rank: int, num_workers: int = -1, pin_memory: str = "auto") -> tuple:
     """(workers, pin) for --num_workers and --pin_memory, "auto" resolved as PyTorch's performance guide advises.
 
@@ -148,36 +173,51 @@ def feeding(dataset, cuda: bool, cores_per_rank: int, num_workers: int = -1, pin
     in_memory = isinstance(base, TensorDataset)
     workers = num_workers if num_workers >= 0 else \
         min(4, max(0, cores_per_rank - 1)) if cuda and not in_memory else 0
-    workers = min(workers, 1) if hasattr(dataset, "stream") else workers  # one sequence: one reader
+    workers = min(workers, 1) if declared(dataset).stream is not None else workers  # one sequence: one reader
     return workers, (cuda if pin_memory == "auto" else pin_memory == "on")
 
 
 def build_loader(dataset, batch_size, rank, world_size, shuffle, seed, num_workers=0, pin_memory=False,
                  persistent=True, accumulation=1, normalise=True):
-    """A DataLoader over this rank's shard of dataset; persistent: its workers live from epoch to epoch (the
+    """A ShardLoader over this rank's shard of dataset; persistent: its workers live from epoch to epoch (the
     training loader's), else they start for each pass and end with it (evaluation's, so that a rank's worker
-    budget is not held twice through training). accumulation and normalise: the weights' (ShardSampler); a
-    dataset's units attribute, if it has one, counts what each sample's loss averages over; its sources attribute
+    budget is not held twice through training). accumulation and normalise: the weights' (ShardSampler); the
+    dataset's units (app/data/samples.py) count what each sample's loss averages over; its sources
     (app/data/sources.py), what each sample's source is and how the training order mixes them."""
-    sampler = ShardSampler(len(dataset), batch_size, rank, world_size, shuffle, seed, accumulation,
-                           getattr(dataset, "units", None), normalise, getattr(dataset, "sources", None))
-    return DataLoader(Weighted(dataset), batch_sampler=sampler, num_workers=num_workers, pin_memory=pin_memory,
-                      persistent_workers=persistent and num_workers > 0)
+    data = declared(dataset)
+    sampler = ShardSampler(len(dataset), batch_size, rank, world_size, shuffle, seed, accumulation, data.units,
+                           normalise, data.sources)
+    return ShardLoader(Weighted(dataset), batch_sampler=sampler, num_workers=num_workers, pin_memory=pin_memory,
+                       persistent_workers=persistent and num_workers > 0)
 
 
 def training_loader(dataset, batch_size, rank, world_size, seed, num_workers=0, pin_memory=False, accumulation=1):
     """The training loader: a streamed set's StreamLoader (app/data/stream.py), else build_loader's, shuffled."""
-    if hasattr(dataset, "stream"):
-        from app.data.stream import StreamLoader
-        return StreamLoader(dataset.stream, batch_size, rank, world_size, accumulation, num_workers, pin_memory)
+    stream = declared(dataset).stream
+    if stream is not None:
+        return StreamLoader(stream, batch_size, rank, world_size, accumulation, num_workers, pin_memory)
     return build_loader(dataset, batch_size, rank, world_size, True, seed, num_workers, pin_memory,
                         accumulation=accumulation)
 
 
 def held_out_loaders(eval_set, batch_size, **args):
     """The evaluation's loader, or with several sources one for each ({name: loader}, app/core/loop.py: evaluate)."""
-    sources = getattr(eval_set, "sources", None)
+    sources = declared(eval_set).sources
     parts = [(None, eval_set)] if sources is None else [(n, Part(eval_set, a, b)) for n, a, b in sources.parts()]
     loaders = {name: build_loader(part, batch_size, shuffle=False, persistent=False, normalise=False, **args)
                for name, part in parts}
     return loaders[None] if sources is None else loaders
+
+
+def run_loaders(data: Data, ds: dict, settings, world, ranks) -> tuple:
+    """A run's (train loader, eval loader) over this data-parallel replica's shard (ranks: the run's layout; the
+    stages of a pipeline share one replica's), with its workers and pinning (feeding)."""
+    workers, pin = feeding(data.train, world.device.type == "cuda", usable_cores() // world.local_world_size,
+                           settings.num_workers, settings.pin_memory)
+    if workers or pin:
+        dist.print0(f"data: {workers} loader worker(s) per rank, {'pinned' if pin else 'pageable'} host memory")
+    args = dict(rank=ranks.replica, world_size=ranks.replicas, seed=settings.seed, num_workers=workers,
+                pin_memory=pin)
+    micro = ds["train_micro_batch_size_per_gpu"]
+    return (training_loader(data.train, micro, accumulation=ds["gradient_accumulation_steps"], **args),
+            held_out_loaders(data.held_out, micro, **args))

@@ -5,11 +5,12 @@ A row becomes two token sequences, the prompt followed by each answer, labelled 
 prompt rendered as the model sees it before it answers (add_generation_prompt), each answer the rest of the whole
 conversation's rendering, tokenized on its own as chat.py does.
 """
+import numpy as np
 import torch
-from torch.utils.data import Dataset
 
-from app.data import DataInfo, chat
+from app.data import DataInfo, chat, text
 from app.data.chat import IGNORE
+from app.data.samples import Samples
 from app.distributed import dist
 from app.errors import UserError
 
@@ -38,7 +39,7 @@ def _shared_start(chosen, rejected) -> int:
 
 def _as_turns(value, index: str, what: str) -> list:
     """A list of {role, content} turns; LLaMA-Factory's answers ({"from": "gpt", "value": ...}) are one turn."""
-    return chat._turns([value] if isinstance(value, dict) else value, index, what)
+    return chat.turns([value] if isinstance(value, dict) else value, index, what)
 
 
 def split_row(row: dict, index: str) -> tuple:
@@ -71,8 +72,8 @@ def _rendered(tokenizer, prompt, answer, index: str, which: str) -> tuple:
         return prompt, answer if answer.endswith(eos) else answer + eos
     if not any(turn["role"] == "assistant" for turn in answer):
         raise UserError(f"{index}: its {which} answer has no assistant turn after the prompt they share")
-    start = chat._render(tokenizer, prompt, True, index) if prompt else ""
-    whole = chat._render(tokenizer, prompt + answer, False, index)
+    start = chat.render(tokenizer, prompt, True, index) if prompt else ""
+    whole = chat.render(tokenizer, prompt + answer, False, index)
     if not whole.startswith(start):
         raise UserError(f"the chat template does not render the prompt as the start of the whole conversation "
                         f"({index}); pass --tokenizer with one that does")
@@ -114,16 +115,23 @@ def encoder(tokenizer, block: int, what: str):
     return encode
 
 
-class PairRows(Dataset):
+def _with_reference(rows, table):
+    """rows with the column `reference` (float32 pairs) of table, under the fingerprint rows had: the reference file
+    is keyed by the pairs (app/core/reference.py), which the column does not change."""
+    import pyarrow as pa
+    column = pa.FixedSizeListArray.from_arrays(pa.array(np.asarray(table, dtype=np.float32).ravel()), 2)
+    return rows.add_column("reference", column, new_fingerprint=rows._fingerprint)
+
+
+class PairRows(Samples):
     """((the two sequences' ids, each padded on the right to length), (their labels, the reference's
     log-probabilities of the two answers)), chosen first. The pair is the loss's unit: a step's loss is a mean over
-    its pairs. reference: a (rows, 2) tensor once precomputed (app/core/reference.py); zeros until then, which only
-    the micro batch search's trial steps read."""
+    its pairs. The log-probabilities are the rows' column `reference`, set once precomputed (add_reference, from
+    app/core/reference.py); zeros until then, which only the micro batch search's trial steps read."""
 
     def __init__(self, dataset, pad_id: int, length: int):
-        self.dataset, self.pad_id, self.length = dataset.with_format("torch"), pad_id, length
-        self.units = [1.0] * len(dataset)
-        self.reference = None
+        self.pad_id, self.length, self.units = pad_id, length, [1.0] * len(dataset)
+        self.dataset = _with_reference(dataset.with_format("torch"), np.zeros((len(dataset), 2)))
 
     def __len__(self):
         return len(self.dataset)
@@ -134,8 +142,17 @@ class PairRows(Dataset):
         labels = torch.full((2, self.length), IGNORE, dtype=torch.long)
         for k, which in enumerate(("chosen", "rejected")):
             ids[k, :len(row[which])], labels[k, :len(row[which])] = row[which], row[f"{which}_labels"]
-        reference = self.reference[i] if self.reference is not None else torch.zeros(2)  # before precompute
-        return ids, (labels, reference)
+        return ids, (labels, row["reference"])
+
+    def add_reference(self, table):
+        """Set the reference's log-probabilities of each pair's answers, [[chosen, rejected]] in row order."""
+        fingerprint = self.dataset._fingerprint
+        self.dataset = _with_reference(self.dataset.remove_columns(["reference"], new_fingerprint=fingerprint), table)
+
+    @property
+    def reference(self) -> torch.Tensor:
+        """The column `reference` as a (rows, 2) tensor."""
+        return self.dataset.select_columns(["reference"])[:]["reference"]
 
     def per_sample(self) -> dict:
         """Rows (pairs) and real (not padding) tokens per sample, on average over the set."""
@@ -152,9 +169,8 @@ class PairRows(Dataset):
 def pair_rows(dataset, tokenizer, block: int, what: str):
     """Pairs rendered and labelled on their answers (app/data/preference.py), cut to block tokens; says how many
     were cut, and leaves out (saying so) pairs whose two answers are the same or lost every answer token."""
-    from app.data.text import _cache_key, _mapped
-    key = _cache_key(dataset, tokenizer, "preference", block, tokenizer.chat_template)
-    rows = _mapped(dataset, encoder(tokenizer, block, what), key, what, "preference pairs", with_indices=True)
+    key = text.cache_key(dataset, tokenizer, "preference", block, tokenizer.chat_template)
+    rows = text.mapped(dataset, encoder(tokenizer, block, what), key, what, "preference pairs", with_indices=True)
     kept = [bool(c and r) for c, r in zip(rows["chosen_units"], rows["rejected_units"])]
     cut, empty = sum(rows["cut"]), kept.count(False)
     same = sum(1 for k, s in zip(kept, rows["same"]) if k and s)
@@ -178,10 +194,9 @@ def pair_rows(dataset, tokenizer, block: int, what: str):
 
 def pair_sets(train, eval_set, tokenizer, block: int, settings) -> tuple:
     """(train, held-out, DataInfo) of tokenized preference pairs (pair_rows), each answer padded to the longest."""
-    from app.data.text import _longest
     if settings.packing == "on":
         raise UserError("--packing on packs instruction rows; preference pairs are not packed: leave --packing "
                         "auto or pass off")
-    length = max(_longest(rows, which) for rows in (train, eval_set) for which in ("chosen", "rejected"))
+    length = max(text.longest(rows, which) for rows in (train, eval_set) for which in ("chosen", "rejected"))
     sets = [PairRows(rows, tokenizer.pad_token_id, length) for rows in (train, eval_set)]
     return (*sets, DataInfo(0, task="causal_lm", vocab_size=len(tokenizer), seq_len=length))

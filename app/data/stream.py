@@ -11,12 +11,17 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from torch.utils.data import DataLoader, Dataset, IterableDataset, default_collate
+from torch.utils.data import DataLoader, IterableDataset, default_collate
 
-from app.data import chat
+from app.data import DataInfo, chat, sources, text
+from app.data.forms import block_for, instruction_form, kind_of
+from app.data.samples import Samples, weights
+from app.data.tokenizers import run_tokenizer
+from app.distributed import dist
 from app.errors import UserError, first_line
 
 HEAD = 256  # samples read at start-up: the micro batch search's trials and the packing check draw on them
+ENDLESS = 2 ** 62  # a streamed loader's length: the run ends at --max_steps
 
 
 def read_rows(source: str, config: str, seed: int, buffer: int, one_pass: int):
@@ -24,9 +29,8 @@ def read_rows(source: str, config: str, seed: int, buffer: int, one_pass: int):
     drawn from the seed and the pass."""
     import datasets
     datasets.disable_progress_bars()
-    from app.data.text import local_files
     if Path(source).exists():
-        builder, files = local_files(Path(source), source)
+        builder, files = text.local_files(Path(source), source)
         rows = iter(datasets.load_dataset(builder, data_files=files, split="train", streaming=True))
     else:
         try:
@@ -116,27 +120,27 @@ class Batches(IterableDataset):
 
     def __iter__(self):
         samples, span, g = self.stream.samples(), self.batch * self.world, 0
-        scale = self.world * self.accumulation
         while True:
             window = [list(itertools.islice(samples, span)) for _ in range(self.accumulation)]
             total = sum(units for chunk in window for _, _, units in chunk)
             for chunk in window:
                 if g >= self.skip:
-                    yield default_collate([(x, y, torch.tensor(scale * units / total, dtype=torch.float32))
-                                           for x, y, units in chunk[self.rank::self.world]])
+                    mine = chunk[self.rank::self.world]
+                    weighed = weights([units for _, _, units in mine], total, self.world, self.accumulation)
+                    yield default_collate([(x, y, torch.tensor(w, dtype=torch.float32))
+                                           for (x, y, _), w in zip(mine, weighed)])
                 g += 1
 
 
-class StreamSet(Dataset):
+class StreamSet(Samples):
     """The training set of a streamed run: its stream, and the first HEAD samples as a set of its own (the micro
-    batch search's trial steps; with packing, the rows of the packing check)."""
+    batch search's trial steps; with packing, the rows of the packing check: rows)."""
 
     def __init__(self, stream: Stream):
         self.stream, self.block = stream, stream.block
         self.head = list(itertools.islice(stream.samples(), HEAD))
         self.units = [units for _, _, units in self.head]
-        if stream.packed:
-            self.rows = _head_rows(stream)
+        self.rows = _head_rows(stream) if stream.packed else None
 
     def __len__(self):
         return len(self.head)
@@ -161,21 +165,33 @@ def _head_rows(stream: Stream):
 
 class StreamLoader:
     """The training loader of a streamed run: one endless epoch (0), its position the global micro batches done
-    (set_epoch's skip), read in at most one worker process so that the order stays one sequence."""
+    (set_epoch's skip), read in at most one worker process so that the order stays one sequence. It answers the
+    loop's calls as app/data/loader.py's ShardLoader does: set_epoch, drawn, total_units, micro_batch, len (ENDLESS)."""
 
     def __init__(self, stream: Stream, batch: int, rank: int, world: int, accumulation: int, workers: int,
                  pin: bool):
         self.stream, self.args, self.workers, self.pin = stream, (batch, rank, world, accumulation), workers, pin
-        self.batch_sampler, self.skip, self.batch_size = self, 0, batch
+        self.skip = 0
 
     def set_epoch(self, epoch: int, skip: int = 0):
+        """Start at global micro batch `skip` of the one sequence (the epoch is always 0)."""
         self.skip = skip
 
     def drawn(self, epoch: int, done: int) -> dict:
+        """One source: no per-source counts."""
         return {}
 
+    def total_units(self) -> float:
+        """Endless: the units of a stream have no total."""
+        return float("inf")
+
+    @property
+    def micro_batch(self) -> int:
+        """Samples in each of this rank's micro batches."""
+        return self.args[0]
+
     def __len__(self):
-        return 2 ** 62  # endless: the run ends at --max_steps
+        return ENDLESS
 
     def __iter__(self):
         return iter(DataLoader(Batches(self.stream, *self.args, self.skip), batch_size=None,
@@ -185,9 +201,8 @@ class StreamLoader:
 def _held_out(settings, source: str):
     """The held-out rows of a streamed run, loaded whole: --eval_file, else the hub dataset's validation split."""
     import datasets
-    from app.data.text import load_splits
     if settings.eval_file:
-        return load_splits(settings.eval_file, "", "", settings.eval_fraction, settings.seed, hold_out=False)[0]
+        return text.load_splits(settings.eval_file, "", "", settings.eval_fraction, settings.seed, hold_out=False)[0]
     if not Path(source).exists():
         try:
             splits = datasets.get_dataset_split_names(source, settings.dataset_config or None)
@@ -204,10 +219,9 @@ def _held_out(settings, source: str):
 def _held_set(held, form: str, column: str, tokenizer, block: int, packed: bool, settings):
     """The held-out rows of a streamed run tokenized as when loaded: instruction rows (packed when the training
     is), or blocks of text."""
-    from app.data import text
     if form:
         rows = text.instruction_rows(held, tokenizer, form, block, settings.train_on_prompt, "held-out")
-        held_set = chat.AnswerRows(rows, tokenizer.pad_token_id, text._longest(rows))
+        held_set = chat.AnswerRows(rows, tokenizer.pad_token_id, text.longest(rows))
         return chat.PackedRows(held_set, block) if packed else held_set
     blocks = text.lm_blocks(held, tokenizer, column, block, "held-out")
     if not len(blocks):
@@ -220,10 +234,6 @@ def build(settings, model, task: str, output_dir):
     """(train, held-out, DataInfo, tokenizer, task) of a streamed run: the training set a StreamSet, the held-out
     set loaded and tokenized as for any run; the tokenizer's texts and the rows' form from the first rows."""
     import datasets
-    from app.data import DataInfo, sources, text
-    from app.data.text_sets import _kind, block_for, instruction_form
-    from app.data.tokenizers import run_tokenizer
-    from app.distributed import dist
     if len(sources.split_sources(settings.dataset)) > 1:
         raise UserError("--streaming on reads one --dataset source; mix several with it off")
     sources.mix_weights(settings.mix_weights, 1)  # refused: nothing to weigh
@@ -232,7 +242,7 @@ def build(settings, model, task: str, output_dir):
         first = datasets.Dataset.from_list(list(itertools.islice(read_rows(settings.dataset, settings.dataset_config,
                                                                            0, 0, 0), 10000)))
         form, held_form = instruction_form(first, task, settings), instruction_form(held, task, settings)
-        _kind([form, held_form], [settings.dataset], task)
+        kind_of([form, held_form], [settings.dataset], task)
         if form in ("explicit", "implicit") or task == "sequence_classification":
             raise UserError("--streaming on streams text and instruction data; preference pairs and labelled rows "
                             "load whole: pass --streaming off")

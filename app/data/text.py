@@ -5,10 +5,10 @@ import os
 from pathlib import Path
 
 import torch
-from torch.utils.data import Dataset
 
 from app.distributed import dist
 from app.data import chat
+from app.data.samples import Samples
 from app.errors import UserError, first_line
 
 # datasets.load_dataset builder for each file suffix it can read
@@ -73,6 +73,7 @@ def load_splits(source: str, config_name: str, eval_file: str, eval_fraction: fl
 
 def pick_column(dataset, wanted: str, role: str, defaults: tuple) -> str:
     """The column named wanted, else the first default present, else (text) the only string column."""
+    from datasets import Value
     columns = dataset.column_names
     if wanted:
         if wanted not in columns:
@@ -80,19 +81,20 @@ def pick_column(dataset, wanted: str, role: str, defaults: tuple) -> str:
         return wanted
     found = [c for c in defaults if c in columns]
     if not found and role == "text":
-        found = [c for c, f in dataset.features.items() if getattr(f, "dtype", "") in ("string", "large_string")]
+        found = [c for c, f in dataset.features.items()
+                 if isinstance(f, Value) and f.dtype in ("string", "large_string")]
     if len(found) == 1 or (found and found[0] in defaults):
         return found[0]
     raise UserError(f"cannot tell which column holds the {role}; pass --{role}_column, one of: {', '.join(columns)}")
 
 
-def _cache_key(dataset, tokenizer, *settings) -> str:
+def cache_key(dataset, tokenizer, *settings) -> str:
     """A datasets fingerprint for tokenizing this dataset with this tokenizer and these settings."""
     vocab = tokenizer.backend_tokenizer.to_str() if tokenizer.is_fast else repr(sorted(tokenizer.get_vocab().items()))
     return hashlib.sha256(repr((dataset._fingerprint, vocab, settings)).encode()).hexdigest()[:32]
 
 
-def _mapped(dataset, encode, key: str, what: str, unit: str, with_indices: bool = False):
+def mapped(dataset, encode, key: str, what: str, unit: str, with_indices: bool = False):
     """dataset.map(encode) under a fingerprint of our own, so ranks and later runs reuse the cached result."""
     cache = [f["filename"] for f in dataset.cache_files]
     reused = bool(cache) and os.path.exists(os.path.join(os.path.dirname(cache[0]), f"cache-{key}.arrow"))
@@ -111,7 +113,7 @@ def lm_blocks(dataset, tokenizer, column: str, block_size: int, what: str):
         flat = [token for doc in ids for token in (doc + [sep] if sep is not None else doc)]
         usable = len(flat) // block_size * block_size
         return {"input_ids": [flat[i:i + block_size] for i in range(0, usable, block_size)]}
-    return _mapped(dataset, encode, _cache_key(dataset, tokenizer, "lm", column, block_size), what,
+    return mapped(dataset, encode, cache_key(dataset, tokenizer, "lm", column, block_size), what,
                    f"blocks of {block_size} tokens")
 
 
@@ -125,15 +127,15 @@ def labelled_rows(dataset, tokenizer, column: str, label_column: str, labels: li
         if unknown:
             raise UserError(f"held-out label {unknown[0]!r} never occurs in the training data")
         return {"input_ids": ids, "target": [index[y] for y in batch[label_column]]}
-    return _mapped(dataset, encode, _cache_key(dataset, tokenizer, "cls", column, label_column, labels, block_size),
+    return mapped(dataset, encode, cache_key(dataset, tokenizer, "cls", column, label_column, labels, block_size),
                    what, "labelled rows")
 
 
 def instruction_rows(dataset, tokenizer, form: str, block: int, whole_text: bool, what: str):
     """Rows rendered with the chat template and labelled on their answers (app/data/chat.py), cut to block tokens;
     says once how many were cut, and leaves out those the cut left without an answer token."""
-    key = _cache_key(dataset, tokenizer, "instruction", form, block, whole_text, tokenizer.chat_template)
-    rows = _mapped(dataset, chat.encoder(tokenizer, form, block, whole_text, what), key, what, "rows", with_indices=True)
+    key = cache_key(dataset, tokenizer, "instruction", form, block, whole_text, tokenizer.chat_template)
+    rows = mapped(dataset, chat.encoder(tokenizer, form, block, whole_text, what), key, what, "rows", with_indices=True)
     cut, empty = sum(rows["cut"]), list(rows["units"]).count(0)
     if cut:
         lost = f"; {empty} lost every answer token and are left out" if empty else ""
@@ -166,8 +168,9 @@ def chat_texts(dataset, form: str):
 
 def label_names(dataset, column: str) -> list:
     """The classes in order: a ClassLabel's names, 0..max for integers, sorted values otherwise."""
+    from datasets import ClassLabel
     feature = dataset.features[column]
-    if hasattr(feature, "names"):
+    if isinstance(feature, ClassLabel):
         return list(range(len(feature.names)))
     values = set(dataset[column])
     if None in values:
@@ -177,7 +180,7 @@ def label_names(dataset, column: str) -> list:
     return sorted(values, key=str)
 
 
-class Rows(Dataset):
+class Rows(Samples):
     """(input, target) from a tokenized dataset: (ids, ids) for language modelling, ((ids, mask), label) else."""
 
     def __init__(self, dataset, pad_id: int, length: int = 0):
@@ -199,6 +202,7 @@ class Rows(Dataset):
         return (padded, mask), row["target"]
 
 
-def _longest(dataset, column: str = "input_ids") -> int:
+def longest(dataset, column: str = "input_ids") -> int:
+    """The most tokens a row of the column holds."""
     import pyarrow.compute as pc
     return pc.max(pc.list_value_length(dataset.data.column(column))).as_py() or 0

@@ -5,52 +5,18 @@ from pathlib import Path
 
 import numpy as np
 
-from app.data import DataInfo, TextModel, chat, preference, sources, text
+from app.data import DataInfo, TextModel, chat, preference, sources, stream, text
+from app.data.forms import block_for, instruction_form, kind_of
 from app.data.tokenizers import run_tokenizer
 from app.distributed import dist
 from app.errors import UserError
 from app.settings import Settings
 
-KINDS = {"explicit": "preference pairs", "implicit": "preference pairs", "": "text"}
-
-
-def instruction_form(train, task: str, settings: Settings) -> str:
-    """The form of a causal LM's rows: preference pairs' (app/data/preference.py) or instruction data's
-    (app/data/chat.py) when they hold one, else ''; --task preference and --task instruction refuse rows without."""
-    pairs = preference.form_of(train.column_names)
-    if task == "preference" and not pairs:
-        raise UserError(f"--task preference needs rows with 'chosen' and 'rejected' columns (and 'prompt' unless "
-                        f"both start with it); {settings.dataset} has: {', '.join(train.column_names)}")
-    if pairs and task == "sequence_classification" and not settings.text_column:
-        raise UserError(f"{settings.dataset} holds preference pairs ('chosen' and 'rejected'), which train a causal "
-                        f"language model; {settings.model} is a sequence classifier: pass a causal LM")
-    if pairs and task in ("causal_lm", "preference") and not settings.text_column:
-        return pairs
-    form = chat.form_of(train.column_names) if task in ("causal_lm", "instruction") and not settings.text_column \
-        else ""
-    if task == "instruction" and not form:
-        raise UserError(f"--task instruction needs rows with a 'messages' column (chats), 'conversations' (ShareGPT), "
-                        f"'prompt' and 'completion', or 'instruction' and 'output' (Alpaca); {settings.dataset} has: "
-                        f"{', '.join(train.column_names)}")
-    return form
-
-
-def block_for(settings: Settings, model: TextModel, tokenizer) -> int:
-    """The block rows are cut to, checked against the model's embedding and positions."""
-    if len(tokenizer) > model.vocab_size:
-        raise UserError(f"the tokenizer has {len(tokenizer)} tokens but {settings.model} embeds only "
-                        f"{model.vocab_size}; use the model's own tokenizer, or --tokenizer bytes")
-    block = settings.block_size or min(model.max_positions, 1024)
-    if block > model.max_positions:
-        raise UserError(f"--block_size {block} is longer than {settings.model}'s {model.max_positions} positions; "
-                        f"pass --block_size {model.max_positions} or less")
-    return block
-
 
 def instruction_sets(train, eval_set, tokenizer, block: int, packing: str, pack_held: bool = True) -> tuple:
     """(train, held-out, DataInfo) of tokenized instruction rows: padded to the longest kept, or packed into blocks
     unless --packing is off (the held-out rows too, unless pack_held is False: evaluated per source, row by row)."""
-    length = max(text._longest(train), text._longest(eval_set))
+    length = max(text.longest(train), text.longest(eval_set))
     sets = [chat.AnswerRows(rows, tokenizer.pad_token_id, length) for rows in (train, eval_set)]
     packed = packing != "off"
     if packed:
@@ -79,7 +45,9 @@ def _joined(parts: list):
 def _label_names(trains: list, labels: list) -> list:
     """The classes of every source together (text.label_names of each, merged); ClassLabel sources must agree on
     their names, which their labels index."""
-    names = [getattr(train.features[label], "names", None) for train, label in zip(trains, labels)]
+    from datasets import ClassLabel
+    names = [train.features[label].names if isinstance(train.features[label], ClassLabel) else None
+             for train, label in zip(trains, labels)]
     if any(names) and (None in names or any(n != names[0] for n in names)):
         raise UserError("the --dataset sources' labels differ in kind or order (ClassLabel names: " + "; ".join(
             ", ".join(n) if n else "plain values" for n in names) + "); give every source the same labels")
@@ -98,15 +66,6 @@ def _load(settings: Settings, listed: list) -> tuple:
                                settings.eval_fraction, settings.seed, hold_out=not shared)
               for i, source in enumerate(listed)]
     return loaded, text.load_splits(files[0], "", "", 0.1, 0, hold_out=False)[0] if shared else None
-
-
-def _kind(forms: list, names: list, task: str) -> str:
-    """What the sources make together: preference, instruction, or the task asked for (plain or labelled text)."""
-    kinds = [KINDS.get(form, "instruction data") for form in forms]
-    if len(set(kinds)) > 1:
-        raise UserError("the --dataset sources and held-out files hold different kinds of rows (" + ", ".join(
-            f"{n}: {k}" for n, k in zip([*names, "--eval_file"], kinds)) + "); one run trains one kind")
-    return "preference" if kinds[0] == "preference pairs" else "instruction" if forms[0] else task
 
 
 def _packing(settings: Settings, kind: str, weights) -> str:
@@ -158,7 +117,7 @@ def _sets(kind: str, train, held, tokenizer, block: int, settings: Settings, pac
         return preference.pair_sets(train, held, tokenizer, block, settings)
     if kind == "instruction":
         return instruction_sets(train, held, tokenizer, block, packing, pack_held)
-    length = max(text._longest(train), text._longest(held), 1) if classes else 0
+    length = max(text.longest(train), text.longest(held), 1) if classes else 0
     return (text.Rows(train, tokenizer.pad_token_id, length), text.Rows(held, tokenizer.pad_token_id, length),
             DataInfo(len(classes or ()), task=kind, vocab_size=len(tokenizer), seq_len=length or block))
 
@@ -185,7 +144,6 @@ def build_text_sets(settings: Settings, model: TextModel, task: str, output_dir:
     """(train, held-out, DataInfo, tokenizer, task) for a transformers model, tokenized on the main rank first.
     task: the one asked for; causal_lm becomes instruction when the rows hold chats or prompts and completions."""
     if settings.streaming == "on":
-        from app.data import stream
         return stream.build(settings, model, task, output_dir)
     listed = sources.split_sources(settings.dataset)
     names, several = sources.source_names(listed), len(listed) > 1
@@ -195,7 +153,7 @@ def build_text_sets(settings: Settings, model: TextModel, task: str, output_dir:
         trains = [train for train, _ in loaded]
         read = trains + ([shared] if shared else [])
         forms = [instruction_form(data, task, settings) for data in read]
-        kind = _kind(forms, names, task)
+        kind = kind_of(forms, names, task)
         columns = ["" if form else text.pick_column(data, settings.text_column, "text", ("text",))
                    for data, form in zip(read, forms)]
 

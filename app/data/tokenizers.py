@@ -3,6 +3,7 @@ from pathlib import Path
 
 from app.distributed import dist
 from app.data import TextModel
+from app.data.chat import ensure_template
 from app.errors import UserError, first_line, folder_files
 from app.settings import Settings
 
@@ -81,7 +82,6 @@ def run_tokenizer(settings: Settings, model: TextModel, texts, output_dir: Path,
     output_dir, with the default chat template when chat and it has none (app/data/chat.py); the other ranks load
     that copy."""
     from transformers import AutoTokenizer
-    from app.data.chat import ensure_template
     saved = Path(output_dir) / TOKENIZER_DIR
     if dist.is_main() and not (settings.resume and saved.is_dir()):
         tokenizer = build_tokenizer(settings.tokenizer, model.source, model.vocab_size, texts())

@@ -22,6 +22,12 @@ class StopRequest:
         self.looked = time.monotonic()
         self.previous = {sig: signal.signal(sig, self._on_signal) for sig in (signal.SIGTERM, signal.SIGINT)}
 
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *failed):
+        self.close()
+
     def _on_signal(self, signum, frame):
         self.request(signal.Signals(signum).name)
 

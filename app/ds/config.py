@@ -269,7 +269,7 @@ def resolve_batch_sizes(ds: dict, world_size: int, where: str) -> dict:
 REDUCE_BUCKET = int(5e8)  # DeepSpeed's reduce_bucket_size when the JSON sets none, in elements
 
 
-def fit_buckets(ds: dict, trainable: int) -> dict:
+def buckets_within(ds: dict, trainable: int) -> dict:
     """ds with ZeRO's reduce bucket no larger than the model's trainable parameters where the JSON leaves it unset:
     DeepSpeed allocates whole buckets (5e8 elements: 2 GB in fp32, per gradient dtype) whatever the model holds."""
     zero = ds.get("zero_optimization") or {}

@@ -29,6 +29,27 @@ def final(ds: dict, filled: dict, steps: int, universal: bool, trainable: int, t
     return for_engine(ds, trainable, tensor)
 
 
+def for_trial(ds: dict, micro: int, replicas: int) -> dict:
+    """The dict of a micro batch search's trial engine (for_engine makes it whole once its model is built): the
+    planned dict at `micro` samples, one step of no accumulation. A length past the warm-up keeps DeepSpeed from
+    warning that it is shorter; "auto" lengths wait for the run's step count, which the micro batch decides: one
+    step stands in."""
+    trial = ds_config.resolve_batch_sizes({**ds, ds_config.MICRO: micro, "gradient_accumulation_steps": 1,
+                                           "train_batch_size": micro * replicas}, replicas, "a trial")
+    trial = ds_auto.fill_lengths(trial, 1, {})
+    return ds_config.fill_scheduler_length(trial, max(1, (trial.get("scheduler") or {}).get("params", {}).get(
+        "warmup_num_steps", 1)))
+
+
+def for_benchmark(ds: dict, micro: int, facts: ds_auto.Facts, replicas: int, steps: int, where: str) -> dict:
+    """The dict of app.tools.bench's engine (for_engine makes it whole once its model is built): the JSON at `micro`
+    samples and no accumulation, its "auto" values filled as a run fills them, the scheduler as long as the
+    benchmark's steps."""
+    ds = ds_auto.fill({**ds, ds_config.MICRO: micro, "gradient_accumulation_steps": 1}, facts, replicas)[0]
+    ds = ds_auto.fill_lengths(ds_config.resolve_batch_sizes(ds, replicas, where), steps, {})
+    return ds_config.fill_scheduler_length(ds, steps)
+
+
 def trainable(model) -> int:
     """The parameters of model that train (with LoRA, the adapters alone)."""
     return sum(p.numel() for p in model.parameters() if p.requires_grad)
@@ -38,5 +59,17 @@ def for_engine(ds: dict, trainable: int, tensor: int) -> dict:
     """ds with what an engine of it needs that the JSON leaves out: DeepSpeed's throughput timer off (TIMERS_OFF),
     ZeRO's reduce bucket no larger than the trainable parameters, and under AutoTP (tensor > 1) train_batch_size
     left for DeepSpeed to derive (it checks it against the whole world, not the replicas)."""
-    ds = ds_config.fit_buckets({"timers": TIMERS_OFF, **ds}, trainable)
+    ds = ds_config.buckets_within({"timers": TIMERS_OFF, **ds}, trainable)
     return {k: v for k, v in ds.items() if k != "train_batch_size"} if tensor > 1 else ds
+
+
+def for_reference(ds: dict, replicas: int) -> dict:
+    """The dict of a frozen reference's engine: the run's precision and, under ZeRO-3, its partitioning (and
+    parameter offload); no optimizer, scheduler nor optimizer state to shard; batch sizes of one (it never steps,
+    and is built before the run's micro batch is settled)."""
+    ref = {k: v for k, v in ds.items() if k not in ("optimizer", "scheduler")}
+    ref.update(train_micro_batch_size_per_gpu=1, gradient_accumulation_steps=1, train_batch_size=replicas)
+    zero = ds.get("zero_optimization") or {}
+    ref["zero_optimization"] = {k: v for k, v in zero.items() if k != "offload_optimizer"} \
+        if zero.get("stage", 0) == 3 else {"stage": 0}
+    return ref

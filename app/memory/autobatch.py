@@ -30,10 +30,9 @@ from app.core import loop
 from app.checkpoint.save import STATE, checkpoint_root, complete_checkpoints
 from app.core.compiling import describe
 from app.data.loader import build_loader
-from app.ds.auto import fill_lengths
-from app.ds.config import MICRO, fill_scheduler_length, resolve_batch_sizes
+from app.ds.config import MICRO, resolve_batch_sizes
 from app.errors import UserError
-from app.observe.metrics import Meter, reset_peak_memory
+from app.observe.metrics import reset_peak_memory
 from app.checkpoint.resume import checkpoint_folder
 
 
@@ -112,20 +111,12 @@ def _saved_micro(output_dir, resumed: str) -> tuple:
 def _trial(ds: dict, micro: int, layout, task, build, train_set, where: str, ran: int, board) -> str:
     """'' when a forward, backward and optimizer step of `micro` samples ran on every rank, else why not;
     ran: the largest micro batch that ran so far (0: none), for the line of a rank that must end the run."""
-    trial = resolve_batch_sizes({**ds, MICRO: micro, "gradient_accumulation_steps": 1,
-                                 "train_batch_size": micro * layout.replicas}, layout.replicas, "a trial")
-    # one step is taken; a length past the warm-up keeps DeepSpeed from warning that it is shorter ("auto" lengths
-    # wait for the run's step count, which the micro batch decides: one step stands in)
-    trial = fill_lengths(trial, 1, {})
-    trial = fill_scheduler_length(trial, max(1, (trial.get("scheduler") or {}).get("params", {}).get(
-        "warmup_num_steps", 1)))
+    trial = run_dict.for_trial(ds, micro, layout.replicas)
     try:
         return _trial_steps(trial, micro, layout, task, build, train_set,
                             lambda part: _agreed(part, micro, where, ran, board))
     finally:  # the trial's frame is gone: its engine is garbage now, unless DeepSpeed's globals still hold it
-        frozen = getattr(task, "frozen", None)  # preference: the reference's engine outlives the trials
-        if frozen is not None and frozen.zero_optimization_partition_weights():
-            frozen.empty_partition_cache()  # what a trial that ran out of memory left gathered
+        task.after_trial()  # what a trial that ran out of memory left gathered in the task's own engines
         ds_internals.forget_parallel_groups()
         ds_internals.forget_unfinished_forward()
         here = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
@@ -140,13 +131,11 @@ def _trial_steps(trial: dict, micro: int, layout, task, build, train_set, agreed
         step = layout.train_step(engine, task, False)
     try:
         batch = next(iter(build_loader(train_set, micro, layout.replica, layout.replicas, False, 0)))
-        if hasattr(step, "batch_loss"):  # agreed after the forward, before any gradient is reduced
-            held = {}
-            why = agreed(lambda: held.update(loss=step.batch_loss(batch)[0]))
+        for part in step.trial_parts(batch):
+            why = agreed(part)
             if why:
                 return why
-            return agreed(lambda: (engine.backward(held.pop("loss")), engine.step()))
-        return agreed(lambda: step.micro_step(batch, Meter(["loss"], engine.device)))
+        return ""
     finally:
         engine.destroy()  # its hooks on the parameters (held by torch's autograd, out of gc's sight) go
 

@@ -16,7 +16,7 @@ import torch
 
 from app.ds.internals import torch_private
 from app.parallel import activations
-from app.ds.config import fit_buckets, zero_stage
+from app.ds.config import buckets_within, zero_stage
 
 FP32 = 4
 # What a GPU gives a run of its memory: the CUDA context and the caching allocator's fragmentation take the rest.
@@ -133,11 +133,11 @@ def comm_kinds(model) -> tuple:
 
 def bucket_bytes(total: int, ds: dict, kinds: tuple = (True, True)) -> int:
     """ZeRO's reduce buckets, as DeepSpeed allocates them: reduce_bucket_size elements each (the app caps an unset
-    size at the model's parameters: ds_config.fit_buckets), one per gradient communication dtype, two of each for
+    size at the model's parameters: ds_config.buckets_within), one per gradient communication dtype, two of each for
     ZeRO 1-2 with overlap_comm. Under torch_autocast, Linear and Conv weights communicate in the autocast dtype
     unless lower_precision_safe_modules is [] (kinds: comm_kinds of the model), so there may be two dtypes:
     ZeRO 1-2's buckets hold the weights' dtype, ZeRO-3's each its own."""
-    zero = fit_buckets(ds, total).get("zero_optimization") or {}
+    zero = buckets_within(ds, total).get("zero_optimization") or {}
     elements, stage = int(zero["reduce_bucket_size"]), zero_stage(ds)
     width = 2 if any((ds.get(name) or {}).get("enabled") is True for name in ("bf16", "fp16")) else FP32
     autocast = ds.get("torch_autocast") or {}

@@ -179,3 +179,16 @@ class Stopwatch:
             yield
         finally:
             self.start += time.perf_counter() - began
+
+
+def throughput_for(tokens_per_sample: int, flops: float, device: torch.device, dtype: torch.dtype,
+                   peak_flops: float) -> Throughput:
+    """Tokens/s and model FLOP utilisation where samples have tokens; the peak per rank is peak_flops (--peak_flops)
+    or a matmul measured now on every rank at once, as they will share the machine while training."""
+    if not tokens_per_sample:
+        return Throughput()
+    dist.barrier()
+    per_rank = peak_flops or dist.host_sum([matmul_flops(device, dtype)])[0] / dist.world_size()
+    dist.print0(f"throughput: {flops / tokens_per_sample / 1e6:.1f} MFLOP per token trained, peak "
+                f"{per_rank / 1e9:.1f} GFLOP/s per rank ({'--peak_flops' if peak_flops else 'measured'})")
+    return Throughput(tokens_per_sample, flops, per_rank * dist.world_size())

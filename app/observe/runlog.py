@@ -9,6 +9,7 @@ from pathlib import Path
 
 from app.distributed import dist
 from app.checkpoint.save import atomic_write
+from app.data.samples import declared
 from app.observe.metrics import Throughput
 
 CSV_FIELDS = ["step", "epoch", "loss", "lr", "skipped_steps", "samples_per_s", "tokens_per_s", "mfu", "eval_loss",
@@ -20,8 +21,8 @@ SHOWN = ("loss", "lr", "skipped_steps", "samples_per_s", "tokens_per_s", "mfu", 
 def columns(task, train_set, held_set) -> tuple:
     """metrics.csv's columns: the task's own, and with several sources each one's evaluation (eval_loss/<name>, ...)
     and the rows and tokens it gave to training (rows/<name>, tokens/<name>)."""
-    own = tuple(getattr(task, "log_columns", ()))
-    held, train = getattr(held_set, "sources", None), getattr(train_set, "sources", None)
+    own = tuple(task.log_columns)
+    held, train = declared(held_set).sources, declared(train_set).sources
     evals = [c for c in (*CSV_FIELDS, *own) if c.startswith("eval_")]
     each_held = tuple(f"{c}/{n}" for n in held.names for c in evals) if held is not None else ()
     each_trained = tuple(f"{what}/{n}" for what in ("rows", "tokens") for n in train.names) if train is not None else ()

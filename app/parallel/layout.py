@@ -2,7 +2,6 @@
 (app/parallel/tensor_parallel.py), each with data-parallel replicas. train.py asks this module, not the two."""
 from dataclasses import dataclass
 
-from app.core.step import TrainStep
 from app.parallel import activations, pipeline
 from app.parallel import tensor_parallel
 
@@ -34,8 +33,9 @@ class RankLayout:
     def train_step(self, engine, task, compile_model: bool, board=None):
         """What the loop runs: whole batches through the pipeline's schedule, else micro steps (board: the run's
         endings.Board, for the first compiled step)."""
-        return (pipeline.PipeStep if self.split else getattr(task, "step", TrainStep))(engine, task, compile_model,
-                                                                                       board)
+        if self.split:
+            return pipeline.PipeStep(engine, task, compile_model, board)
+        return task.make_step(engine, compile_model, board)
 
     def describe(self, engine) -> str:
         """The start-up line of a model-parallel run ('' for data parallel alone)."""

@@ -240,6 +240,15 @@ class PipeStep:
         if compile_model:
             dist.print0("compile: pipeline stages run eager (the app compiles whole models, not stages)")
 
+    metrics = ["loss"]
+    """What the meter sums at each micro step, and the log rows show."""
+    compiled = False
+    """Pipeline stages run eager."""
+
+    def trial_parts(self, batch) -> list:
+        """The micro batch search's step: the whole batch through the pipeline's schedule, in one part."""
+        return [lambda: self.micro_step(batch, Meter(self.metrics, self.engine.device))]
+
     def _batch(self, batch) -> tuple:
         x, y, w = batch
         return (x.to(self.dtype) if x.is_floating_point() else x), (y, w)

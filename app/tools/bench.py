@@ -17,12 +17,13 @@ from app.distributed import dist
 from app.ds import config as ds_config
 from app.distributed import launch
 from app.parallel import layout
-from app.core import lora, tasks
+from app.core import lora, resolver
 from app.settings import Settings
 from app.errors import UserError, first_line, report
 from app.observe import metrics
 from app.tools.bench_plan import add_planned_peaks
-from app.tools.bench_modes import COMPILE_SUFFIX, LORA, build_model, build_workload, forget_engines, measure
+from app.tools.bench_common import build_model
+from app.tools.bench_modes import COMPILE_SUFFIX, LORA, build_workload, forget_engines, measure
 from app.tools.bench_report import TORCH_MODES, adapters, add_ratios, checkpointing, headline, headline_vs_fsdp2, \
     plot, splitting, table
 
@@ -88,7 +89,8 @@ def _checked(args):
                     for name in args.configs.split(",") if name and "app" in args.modes}
     # the torch modes' optimizer and clipping, read here: in a rank, DeepSpeed's check would count its world size
     args.reference = next(iter(args.configs.values()), None) or ds_config.load_ds_config(ds_config.DEFAULT_DS_CONFIG)
-    args.batch = args.batch or tasks.build(Settings(model=args.model, lora=bool(args.lora))).bench_batch  # as train.py
+    args.batch = args.batch or \
+        resolver.build(Settings(model=args.model, lora=bool(args.lora))).bench_batch  # as train.py
     if args.batch % args.ranks:
         raise UserError(f"--batch {args.batch} is not divisible by --ranks {args.ranks}; each rank takes an equal share")
     args.output_dir = Path(args.output_dir or f"runs/bench-{args.model}-{time.strftime('%Y%m%d-%H%M%S')}")
@@ -207,7 +209,7 @@ def main(argv=None) -> int:
         args = parse(argv)
         work = build_workload(args)
         # a transformers model is counted on the meta device: an 8B model's weights are never made in this process
-        with torch.device("meta") if getattr(work.task, "spec", None) else contextlib.nullcontext():
+        with torch.device("meta") if work.task.spec else contextlib.nullcontext():
             model = build_model(work)
             args.flops_per_sample = work.task.flops_per_sample(model, work.info)
             args.lora_flops_per_sample = bool(args.lora) and work.task.flops_per_sample(build_model(work, lora=True),

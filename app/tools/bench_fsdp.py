@@ -5,7 +5,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 from app.core import compiling, models
-from app.tools.bench_modes import DTYPES, Workload, build_model, param_bytes
+from app.tools.bench_common import DTYPES, Workload, build_model, param_bytes
 from app.tools.bench_torch import train
 
 # fp32 weights gathered, fp32 gradients reduced, the forward under autocast in --dtype: as the raw loop and the app's

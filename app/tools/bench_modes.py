@@ -2,111 +2,38 @@
 step by step on every rank. The app modes run the app's own loop (app/core/loop.py), not a copy of it."""
 import logging
 import statistics
-import time
-from dataclasses import dataclass, replace
 
 import torch
-from torch.distributed.tensor import DTensor
 
 from app.ds.internals import torch_private
 from app.parallel import activations
 from app.core import compiling
 from app.ds import precision
 from app.distributed import dist
-from app.ds import config as ds_config
 from app.ds import internals as ds_internals
-from app.ds import auto as ds_auto
 from app.ds import run_dict
 from app.core import loop
 from app.observe import metrics
 from app.parallel import layout
 from app.observe import runlog
-from app.core import tasks
+from app.core import resolver
 from app.settings import Settings
 from app.data.loader import build_loader
+from app.tools.bench_common import Clock, TimedLoader, Workload, build_model, param_bytes
+from app.tools.bench_fsdp import run_fsdp2
 from app.tools.bench_profile import STEPS as PROFILED_STEPS, Profile, graphs_made
 from app.tools.bench_report import TORCH_MODES
+from app.tools.bench_torch import run_torch
 
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 LORA = "+lora"  # the app mode's name for its run with LoRA adapters on the frozen model
 COMPILE_SUFFIX = {"on": "compile", "off": "eager", "auto": "auto"}  # app mode names: zero1+compile, zero1+eager
 
 
-@dataclass
-class Workload:
-    """The task, its training set and what the model needs to know about it."""
-    task: object
-    train_set: object
-    info: object
-
-
 def build_workload(args) -> Workload:
     """The model's task with as many samples as the run uses: random token blocks for language models, else digits."""
-    task = tasks.build(Settings(model=args.model))
+    task = resolver.build(Settings(model=args.model))
     train_set, info = task.sample_data(args.batch * (args.steps + args.warmup + 1), args.seq_len)
     return Workload(task, train_set, info)
-
-
-def build_model(work: Workload, ds=None, lora: bool = False):
-    """The model every mode trains, from the same seed (lora: with LoRA adapters, the rest frozen)."""
-    torch.manual_seed(0)
-    work.task.settings = replace(work.task.settings, lora=lora)
-    return work.task.build_model(work.info, ds or {})
-
-
-class Clock:
-    """Marks the start and the end of each optimizer step, and the time each step waited for its batch. On a GPU
-    each mark is a CUDA event, so the loop never waits for the device; times() synchronises once."""
-
-    def __init__(self, device):
-        self.device, self.marks, self.waits = device, [], []
-        self.tick()
-
-    after_tick = None  # called after each mark (the profiler's step)
-
-    def tick(self):
-        if self.device.type == "cuda":
-            event = torch.cuda.Event(enable_timing=True)
-            event.record()
-            self.marks.append(event)
-        else:
-            self.marks.append(time.perf_counter())
-        if self.after_tick:
-            self.after_tick()
-
-    def times(self) -> list:
-        """Seconds from each mark to the next: the first is the time to the first step's end."""
-        if self.device.type == "cuda":
-            self.marks[-1].synchronize()
-            return [a.elapsed_time(b) / 1e3 for a, b in zip(self.marks, self.marks[1:])]
-        return [b - a for a, b in zip(self.marks, self.marks[1:])]
-
-
-class TimedLoader:
-    """A loader whose next() time goes on the clock; endless when `endless` (for the raw loops)."""
-
-    def __init__(self, loader, clock, endless=False):
-        self.loader, self.clock, self.endless = loader, clock, endless
-        self.batch_sampler = loader.batch_sampler
-
-    def __len__(self):
-        return len(self.loader)
-
-    def __iter__(self):
-        epoch = 0
-        while True:
-            it = iter(self.loader)
-            while True:
-                start = time.perf_counter()
-                batch = next(it, None)
-                self.clock.waits.append(time.perf_counter() - start)
-                if batch is None:
-                    break
-                yield batch
-            if not self.endless:
-                return
-            epoch += 1
-            self.batch_sampler.set_epoch(epoch)
 
 
 def rank_layout_of(mode, args, world) -> layout.RankLayout:
@@ -116,12 +43,6 @@ def rank_layout_of(mode, args, world) -> layout.RankLayout:
     return layout.rank_layout(config or {}, world.world_size, world.rank, mode)
 
 
-def param_bytes(module) -> int:
-    """Bytes of the parameters this rank holds: its stage, its shards, its ZeRO-3 partition or its FSDP2 shard."""
-    held = (p.to_local() if isinstance(p, DTensor) else getattr(p, "ds_tensor", p) for p in module.parameters())
-    return sum(t.numel() * t.element_size() for t in held)
-
-
 def run_app(mode, args, world, work: Workload, loader, clock, total):  # long: the engine, the timed step, the Loop
     """The app's own path: the task's model (split or sharded as its ds_config says), build_engine with the real
     ds_config, the app's Loop; returns (the ZeRO state, dtype, compiled, parameter bytes of this rank)."""
@@ -129,14 +50,11 @@ def run_app(mode, args, world, work: Workload, loader, clock, total):  # long: t
     labels = {label: choice for choice, label in COMPILE_SUFFIX.items()}
     choice = next((labels[s] for s in suffixes if s in labels), "auto")
     ranks = rank_layout_of(mode, args, world)
-    ds = {**args.configs[name], "train_micro_batch_size_per_gpu": loader.batch_sampler.batch_size,
-          "gradient_accumulation_steps": 1}
-    ds = ds_config.resolve_batch_sizes(ds_auto.fill(ds, tasks.auto_facts(work.task), ranks.replicas)[0],
-                                       ranks.replicas, name)  # "auto" filled in as a run fills it
+    ds = run_dict.for_benchmark(args.configs[name], loader.micro_batch,
+                                resolver.auto_facts(work.task.spec), ranks.replicas, total, name)
     module, _, _ = ranks.prepare(build_model(work, ds, mode.endswith(LORA)), work.task, args.model, ds)
-    engine = loop.build_engine(module, run_dict.for_engine(ds_config.fill_scheduler_length(ds, total),
-                                                           run_dict.trainable(module), ranks.tensor))
-    micro = loader.batch_sampler.batch_size  # a pipeline's stages pass activations of one fixed shape
+    engine = loop.build_engine(module, run_dict.for_engine(ds, run_dict.trainable(module), ranks.tensor))
+    micro = loader.micro_batch  # a pipeline's stages pass activations of one fixed shape
     eval_loader = build_loader(torch.utils.data.Subset(work.train_set, range(ranks.replicas * micro)), micro,
                                ranks.replica, ranks.replicas, False, 0)
     state, real_step, real_reduce = {}, engine.optimizer.step, engine.allreduce_gradients
@@ -157,8 +75,8 @@ def run_app(mode, args, world, work: Workload, loader, clock, total):  # long: t
     precision.set_tf32(world.device, precision.compute_dtype(engine), "on")  # as train.py does
     schedule = loop.Schedule(total, log_interval=10, eval_interval=total)
     try:
-        loop.Loop(step, TimedLoader(loader, clock), eval_loader, schedule, runlog.RunLog(None, total)).fit()
-        compiled = engine.is_compiled and getattr(step, "compiled", False)  # False once it fell back to eager
+        loop.Loop(step, TimedLoader(loader, clock), eval_loader, schedule, runlog.RunLog(None, total)).run()
+        compiled = engine.is_compiled and step.compiled  # False once it fell back to eager
         return state or None, precision.compute_dtype(engine), compiled, param_bytes(engine.module)
     finally:
         engine.destroy()  # its hooks on the parameters (held by torch's autograd, out of gc's sight) go
@@ -234,8 +152,6 @@ def measure(mode, args, world, threads, per_rank_batch, work: Workload) -> dict:
 def _run(mode, args, world, work: Workload, loader, clock) -> tuple:
     """The mode's runner over its warm-up, measured and (where --profile names the mode) profiled steps: (ZeRO state,
     dtype, compiled and never fallen back to eager, this rank's parameter bytes, (graphs compiled, graph breaks))."""
-    from app.tools.bench_fsdp import run_fsdp2  # here, not above: bench_fsdp and bench_torch build on this module
-    from app.tools.bench_torch import run_torch
     profiled = mode in args.profile
     profile = Profile(world.device, args.warmup + args.steps) if profiled and world.rank == 0 else None
     total = args.warmup + args.steps + (PROFILED_STEPS if profiled else 0)  # profiled after the measured

@@ -1,15 +1,15 @@
 """The memory plan beside the benchmark: for each app mode, the peak the plan predicts for its config, world size and
 micro batch, against the peak the device reached in that mode (CUDA's max_memory_allocated on a GPU)."""
-from app.core import tasks
+from app.core import resolver
 from app.ds import auto as ds_auto
-from app.memory import fit
+from app.memory import planner
 from app.tools.bench_report import TORCH_MODES
 
 
 def add_planned_peaks(rows: list, configs: dict, work) -> list:
     """Set plan_peak_bytes and plan_over_peak on each app row the plan covers (LoRA modes left out); the lines that
     say them. On a CPU the measured peak is the process's resident set, which the plan does not predict."""
-    build = fit.workload(work.task, work.info.seq_len, work.info.image_size)
+    build = planner.workload(work.task, work.info.seq_len, work.info.image_size)
     plans, lines = {}, []
     for row in rows:
         row["plan_peak_bytes"] = row["plan_over_peak"] = None
@@ -18,8 +18,8 @@ def add_planned_peaks(rows: list, configs: dict, work) -> list:
             continue
         key = (name, row["ranks"])
         if key not in plans:
-            ds = ds_auto.fill(configs[name], tasks.auto_facts(work.task), row["ranks"])[0]  # as the mode ran it
-            plans[key] = fit.plans(build, {name: ds}, row["ranks"])[name]
+            ds = ds_auto.fill(configs[name], resolver.auto_facts(work.task.spec), row["ranks"])[0]  # as the mode ran it
+            plans[key] = planner.plans(build, {name: ds}, row["ranks"])[name]
         planned, measured = plans[key].peak(row["micro_batch"]), max(row["peak_memory_bytes"])
         row["plan_peak_bytes"], row["plan_over_peak"] = planned, planned / measured if measured else None
         lines.append(f"plan {row['mode']} x{row['ranks']}: {planned / 2**20:.0f} MB planned, {measured / 2**20:.0f} "

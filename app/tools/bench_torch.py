@@ -3,7 +3,7 @@ plain model, the peer the app's step is measured against; fsdp2 (bench_fsdp.py) 
 import torch
 
 from app.ds import precision
-from app.tools.bench_modes import DTYPES, TimedLoader, Workload, build_model, param_bytes
+from app.tools.bench_common import DTYPES, TimedLoader, Workload, build_model, param_bytes
 
 
 def run_torch(mode, args, world, work: Workload, loader, clock, total):

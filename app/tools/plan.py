@@ -16,8 +16,8 @@ from app.ds import auto as ds_auto
 from app.ds import config as ds_config
 from app.ds import internals as ds_internals
 from app.core import lora, preference
-from app.memory import estimate, fit
-from app.core import tasks
+from app.memory import estimate, planner
+from app.core import resolver
 from app.settings import Settings
 from app.errors import UserError, report
 
@@ -99,7 +99,7 @@ def configs(args) -> dict:
         name = str(path) if args.deepspeed_config else path.stem
         found[name] = ds_config.load_ds_config(path, cuda=True, bf16_ok=True)
         if (found[name].get("torch_autocast") or {}).get("enabled") is True:
-            found[name + BF16] = fit.with_bf16_weights(found[name])
+            found[name + BF16] = planner.with_bf16_weights(found[name])
     return found
 
 
@@ -116,7 +116,7 @@ def _speed_rank(name: str) -> tuple:
 
 def task_of(args):
     """The task train.py builds for these flags (LoRA or preference on an image model: the task says no)."""
-    return tasks.build(Settings(model=args.model, lora=args.lora, task="preference" if args.preference else "auto",
+    return resolver.build(Settings(model=args.model, lora=args.lora, task="preference" if args.preference else "auto",
                                 reference=args.reference, preference_loss=args.preference_loss))
 
 
@@ -124,11 +124,11 @@ def measure(args, named: dict, task) -> dict:
     """{name: MemoryPlan} of each config, from the model's shape alone; ZeRO's "auto" values (bucket sizes, ZeRO-3's
     leaf blocks) as a run fills them for this model."""
     adapters = (args.lora_rank, lora.targets_of(args)) if args.lora else None
-    work = fit.workload(task, args.seq_len, args.image_size, frozen=args.lora)
-    facts = tasks.auto_facts(task)
+    work = planner.workload(task, args.seq_len, args.image_size, frozen=args.lora)
+    facts = resolver.auto_facts(task.spec)
     zero = {name: {**ds, "zero_optimization": ds_auto.fill(ds, facts, args.world_size)[0]["zero_optimization"]}
             if "zero_optimization" in ds else ds for name, ds in named.items()}
-    return fit.plans(work, zero, args.world_size, adapters, getattr(task, "reference_kind", "") == "frozen copy")
+    return planner.plans(work, zero, args.world_size, adapters, task.reference_kind == "frozen copy")
 
 
 # What each reference of preference tuning (the task's reference_kind) holds while training.
@@ -222,7 +222,7 @@ def main(argv=None) -> int:
         plans = measure(args, named, task)
     except UserError as e:
         return report(e)
-    for line in table(args, named, plans, getattr(task, "reference_kind", "")):
+    for line in table(args, named, plans, task.reference_kind):
         print(line)
     skipped = [f"{n} ({why})" for n, why in NOT_PLANNED.items() if not args.deepspeed_config]
     if skipped:

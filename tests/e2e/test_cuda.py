@@ -172,18 +172,18 @@ def test_auto_takes_bf16_weights_where_only_they_fit_the_gpu(tmp_path):
     weights: precision "auto" takes bf16 weights, says why on its precision line, and the run trains."""
     need(1)
     import json
-    from app.core import tasks
+    from app.core import resolver
     from app.ds import precision
     from app.ds.config import load_ds_config
-    from app.memory import estimate, fit
+    from app.memory import estimate, planner
     from app.settings import Settings
     from conftest import write_text_rows
     memory = int(subprocess.run([sys.executable, "-c", "import torch; print(torch.cuda.get_device_properties(0)"
                                  ".total_memory)"], capture_output=True, text=True, env=cuda_env()).stdout)
     ds, _ = precision.resolve_precision(load_ds_config(REPO / "ds_configs" / "dp.json", resolve=False), "dp.json",
                                         cuda=True, bf16_ok=True)
-    task = tasks.build(Settings(model="gpt2-124m", block_size=1024))
-    found = fit.plans(fit.workload(task, 1024), {"autocast": ds, "bf16": fit.with_bf16_weights(ds)}, 1)
+    task = resolver.build(Settings(model="gpt2-124m", block_size=1024))
+    found = planner.plans(planner.workload(task, 1024), {"autocast": ds, "bf16": planner.with_bf16_weights(ds)}, 1)
     usable = estimate.USABLE * memory
     micro = next(m for m in range(1, 4096) if found["autocast"].peak(m) > usable)
     assert found["bf16"].peak(micro) <= usable, "the plan leaves bf16 weights no micro batch of their own here"

@@ -160,9 +160,8 @@ def test_collectives_across_ranks(world, tmp_path):
 def _beside_a_device_only_group(rank, world, tmp):
     """What NCCL does to a CPU tensor, on a CPU: a default group registered for cuda alone refuses it. The app's
     bookkeeping (meters, stop requests, summaries, probes, checkpoint agreement) must never touch that group."""
-    from app import train
     from app.distributed import preemption
-    from app.observe import runlog
+    from app.observe import metrics, runlog, summary
     torch.distributed.init_process_group("cuda:gloo", rank=rank, world_size=world,
                                          timeout=datetime.timedelta(seconds=60))
     with pytest.raises(RuntimeError, match="No backend type associated with device type cpu"):
@@ -179,14 +178,14 @@ def _beside_a_device_only_group(rank, world, tmp):
                              pipeline_parallelism=False, num_stages=1, autotp_size=lambda: 1,
                              torch_autocast_enabled=lambda: False, bfloat16_enabled=lambda: False,
                              fp16_enabled=lambda: False)
-    task = SimpleNamespace(tokens_per_sample=16, name="causal_lm", per_sample=dict)
+    task = SimpleNamespace(tokens_per_sample=16, name="causal_lm", per_sample=dict, summary_metrics=("eval_loss",))
     settings = SimpleNamespace(peak_flops=0.0, model="m", dataset="d", deepspeed_config="c.json")
-    throughput = train.throughput_for(task, 1e9, engine, settings)
+    throughput = metrics.throughput_for(task.tokens_per_sample, 1e9, engine.device, torch.float32, settings.peak_flops)
     assert throughput.peak_flops > 0
     world_info = SimpleNamespace(world_size=world, launcher="deepspeed", device=torch.device("cpu"))
     log = runlog.RunLog(tmp / "run" if rank == 0 else None, 1)
     result = {"steps": 1, "stopped_early": False, "eval_loss": 1.0}
-    assert train.summarise(result, settings, world_info, engine, task, log, None, time.perf_counter()) == 0
+    assert summary.summarise(result, settings, world_info, engine, task, log, None, time.perf_counter()) == 0
     assert dist.broadcast_object(rank) == 0 and dist.gather_objects(rank) == list(range(world))
     dist.teardown()
 

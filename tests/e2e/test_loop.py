@@ -1,4 +1,4 @@
-"""Loop.fit driving a real DeepSpeed engine in one spawned rank: when it logs, evaluates and saves, the position it
+"""Loop.run driving a real DeepSpeed engine in one spawned rank: when it logs, evaluates and saves, the position it
 saves, resuming mid-epoch, an agreed stop. The schedule alone: tests/unit/test_loop.py."""
 import json
 
@@ -30,7 +30,7 @@ class StopAt:
 
 
 def _fit(total, start, at_step, stop_at, intervals):
-    """(rows, saves, result) of Loop.fit over 10 samples in micro batches of 4 (3 per epoch, the last padded)."""
+    """(rows, saves, result) of Loop.run over 10 samples in micro batches of 4 (3 per epoch, the last padded)."""
     import torch
     from app.observe import runlog
     from app.core import tasks
@@ -50,7 +50,7 @@ def _fit(total, start, at_step, stop_at, intervals):
     forward = TrainStep(engine, tasks.ImageClassification(Settings()), compile_model=False)
     fitted = loop.Loop(forward, train_loader, eval_loader, loop.Schedule(total, **intervals), log,
                        save=lambda *at: saves.append(list(at)), stop=stop)
-    result = fitted.fit(start)
+    result = fitted.run(start)
     return {"rows": log.rows, "saves": saves, "result": result}
 
 

@@ -124,14 +124,14 @@ def _tied_after_training(rank, world):
     from app.ds import config as ds_config
     from app.distributed import launch
     from conftest import engine_of
-    from app.core import tasks
+    from app.core import resolver
     from app.settings import Settings
     from app.data.tokenizers import byte_tokenizer
     from app.observe.metrics import Meter
     launch.setup(False, 120)
     ds = {**PIPE, "train_micro_batch_size_per_gpu": 4, "train_batch_size": 4}
     torch.manual_seed(0)
-    task = tasks.build(Settings(model="gpt2-tiny"))
+    task = resolver.build(Settings(model="gpt2-tiny"))
     model = models.build_hf(task.spec, DataInfo(0, task="causal_lm"), byte_tokenizer(), ds)
     module, _ = pipeline.split(model, "gpt2-tiny", pipeline.StagePlan(2), task)
     engine = engine_of(module, ds_config.fill_scheduler_length(ds, 3))

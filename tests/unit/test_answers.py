@@ -6,6 +6,8 @@ import datasets
 import pytest
 import torch
 
+from app.data import Data
+from app.data import DataInfo
 from app.core import answers, tasks
 from app.data import chat
 from app.data.tokenizers import byte_tokenizer
@@ -110,9 +112,10 @@ def _rows() -> chat.AnswerRows:
 
 
 def _task(name="instruction", eval_set=None, max_positions=16):
-    task = tasks.CausalLM(None, SimpleNamespace(max_positions=max_positions))
-    task.name, task.tokenizer, task.eval_set = name, TOKENIZER, eval_set if eval_set is not None else _rows()
-    return task
+    held = eval_set if eval_set is not None else _rows()
+    kind = tasks.Instruction if name == "instruction" else tasks.CausalLM
+    return kind(None, SimpleNamespace(max_positions=max_positions),
+                Data(held, held, DataInfo(0, task="causal_lm", seq_len=8)), TOKENIZER)
 
 
 def test_an_instruction_run_answers_its_first_held_out_prompts_counted_in_rows_even_packed(tmp_path):

@@ -89,12 +89,13 @@ def test_evaluation_workers_live_only_while_it_evaluates():
     rank holds one budget of workers, not two."""
     from types import SimpleNamespace
     from torch.utils.data import TensorDataset
-    from app import train
-    data = TensorDataset(torch.zeros(16, 2), torch.zeros(16))
+    from app.data import Data
+    rows = TensorDataset(torch.zeros(16, 2), torch.zeros(16))
+    data = Data(rows, rows, None)
     settings = SimpleNamespace(seed=0, num_workers=2, pin_memory="off")
     world = SimpleNamespace(device=torch.device("cpu"), local_world_size=1)
     ds = {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 1}
-    train_loader, eval_loader = train.loaders(data, data, ds, settings, world, SimpleNamespace(replica=0, replicas=1))
+    train_loader, eval_loader = loader.run_loaders(data, ds, settings, world, SimpleNamespace(replica=0, replicas=1))
     assert (train_loader.num_workers, train_loader.persistent_workers) == (2, True)
     assert (eval_loader.num_workers, eval_loader.persistent_workers) == (2, False)
 

@@ -2,12 +2,13 @@
 answers alone, the prompt's tokens shared by both sequences; cuts to the block; the rows as padded pairs."""
 import json
 import math
+import pickle
 
 import datasets
 import pytest
 import torch
 
-from app.data import chat, preference, text_sets
+from app.data import chat, forms, preference
 from app.data.tokenizers import byte_tokenizer
 from app.errors import UserError
 from app.settings import Settings
@@ -159,7 +160,7 @@ def test_pair_rows_are_padded_pairs_with_the_reference_zero_until_set():
             assert labels[k, :n].tolist() == encoded[i][f"{which}_labels"] and (labels[k, n:] == chat.IGNORE).all()
         prompt, answer = pairs.prompt(i)
         assert tok.decode(prompt) == rows[i]["prompt"] and tok.decode(answer) == rows[i]["chosen"] + EOS
-    pairs.reference = torch.arange(2 * len(pairs), dtype=torch.float32).view(-1, 2) - 50
+    pairs.add_reference(torch.arange(2 * len(pairs), dtype=torch.float32).view(-1, 2) - 50)
     assert pairs[3][1][1].tolist() == [-44.0, -43.0]
     real = sum(len(ids) for w in ("chosen", "rejected") for ids in encoded[w])
     assert math.isclose(pairs.per_sample()["real_tokens"], real / 19) and pairs.per_sample()["rows"] == 1.0
@@ -176,6 +177,26 @@ def _chat_tokenizer():
 
 def _pair_rows(extra=()) -> list:
     return [json.loads(line) for line in PAIRS.read_text().splitlines()] + list(extra)
+
+
+def test_the_reference_is_a_column_of_the_pairs_that_travels_with_them():
+    """add_reference keeps the log-probabilities as the rows' column, in place of any before, under the pairs'
+    fingerprint (the reference file's key); a loader's worker gets them with the rows (pickled)."""
+    tok = tokenizer()
+    rows = load("trl-zen-standard_explicit.jsonl")
+    encoded = rows.map(preference.encoder(tok, BIG, "train"), batched=True, with_indices=True,
+                       remove_columns=rows.column_names)
+    pairs = preference.PairRows(encoded, tok.pad_token_id, 400)
+    fingerprint = pairs.dataset._fingerprint
+    assert fingerprint == encoded.with_format("torch")._fingerprint, "the zeros before precompute change no key"
+    assert torch.equal(pairs.reference, torch.zeros(len(pairs), 2))
+    pairs.add_reference([[-1.5, -2.5]] * len(pairs))
+    table = torch.arange(2.0 * len(pairs)).view(-1, 2).tolist()
+    pairs.add_reference(table)
+    assert pairs.dataset.column_names.count("reference") == 1 and pairs.dataset._fingerprint == fingerprint
+    assert pairs.reference.dtype == torch.float32 and pairs.reference.tolist() == table
+    sent = pickle.loads(pickle.dumps(pairs))
+    assert sent[4][1][1].tolist() == table[4] and torch.equal(sent[4][0], pairs[4][0])
 
 
 def test_pair_rows_leave_out_pairs_with_the_same_answers_and_say_so(capsys):
@@ -226,15 +247,15 @@ def test_the_form_of_preference_pairs_and_the_tasks_that_refuse_them():
     implicit = pairs.remove_columns("prompt")
     plain = datasets.Dataset.from_list([{"text": "a"}, {"text": "b"}])
     settings = Settings(model="llama-tiny", dataset="pairs.jsonl")
-    assert text_sets.instruction_form(pairs, "preference", settings) == "explicit"
-    assert text_sets.instruction_form(implicit, "causal_lm", settings) == "implicit"
-    assert text_sets.instruction_form(implicit, "causal_lm", Settings(model="llama-tiny", text_column="chosen")) == ""
+    assert forms.instruction_form(pairs, "preference", settings) == "explicit"
+    assert forms.instruction_form(implicit, "causal_lm", settings) == "implicit"
+    assert forms.instruction_form(implicit, "causal_lm", Settings(model="llama-tiny", text_column="chosen")) == ""
     with pytest.raises(UserError, match="--task preference needs rows with 'chosen' and 'rejected' columns .*"
                                         "pairs.jsonl has: text$"):
-        text_sets.instruction_form(plain, "preference", settings)
+        forms.instruction_form(plain, "preference", settings)
     with pytest.raises(UserError, match="pairs.jsonl holds preference pairs .* llama-tiny is a sequence "
                                         "classifier: pass a causal LM$"):
-        text_sets.instruction_form(pairs, "sequence_classification", settings)
+        forms.instruction_form(pairs, "sequence_classification", settings)
 
 
 def test_a_plain_answer_that_ends_with_the_end_of_text_token_gets_no_second_one():

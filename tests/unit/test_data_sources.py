@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 from app.data import loader, sources
+from app.data.samples import Samples
 from app.errors import UserError
 
 
@@ -94,7 +95,7 @@ def test_ranks_take_exclusive_shares_of_the_draw_and_as_many_steps(world):
 
 
 def test_a_part_is_one_sources_held_out_rows_with_their_units():
-    class Rows:
+    class Rows(Samples):
         units = [1.0, 2.0, 3.0, 4.0, 5.0]
 
         def __len__(self):

@@ -3,11 +3,12 @@ packed or padded instruction rows made on the fly, every rank's exclusive share 
 loaded sampler's weights, a resume's skip, and the refusals."""
 import itertools
 import json
+import math
 
 import pytest
 import torch
 
-from app.data import TextModel, chat, stream, text_sets
+from app.data import TextModel, chat, loader, stream, text_sets
 from app.data.tokenizers import byte_tokenizer
 from app.errors import UserError
 from app.settings import Settings
@@ -92,6 +93,25 @@ def test_a_resume_skips_the_global_micro_batches_done(tmp_path):
     assert all(torch.equal(a[0], b[0]) and torch.equal(a[2], b[2]) for a, b in zip(whole[5:], resumed))
 
 
+def test_the_streamed_and_the_loaded_loader_answer_the_loops_calls_alike(tmp_path):
+    """The loop drives either loader alike: set_epoch(epoch, skip) starts at global micro batch skip, drawn is
+    empty with one source, total_units weighs an evaluation, len counts an epoch's micro batches."""
+    train = stream.StreamSet(_stream(_chats(tmp_path / "chats.jsonl", 30), "instruction", form="messages", block=64))
+    loaded = loader.build_loader(train, 2, 1, 2, True, 0, accumulation=2)
+    streamed = loader.training_loader(train, 2, 1, 2, 0, accumulation=2)
+    assert isinstance(loaded, loader.ShardLoader) and isinstance(streamed, stream.StreamLoader)
+    for each in (loaded, streamed):
+        each.set_epoch(0)
+        whole = list(itertools.islice(iter(each), 6))
+        each.set_epoch(0, 3)
+        resumed = list(itertools.islice(iter(each), 3))
+        assert all(torch.equal(a[0], b[0]) and torch.equal(a[2], b[2]) for a, b in zip(whole[3:], resumed))
+        assert not torch.equal(whole[0][0], resumed[0][0]) and each.drawn(0, 3) == {}
+    assert loaded.total_units() == sum(train.units) and streamed.total_units() == math.inf
+    assert len(loaded) == math.ceil(stream.HEAD / 4) and len(streamed) == stream.ENDLESS
+    assert loader.feeding(train, cuda=True, cores_per_rank=8) == (1, True), "one sequence: one reader"
+
+
 def test_streamed_sets_refuse_what_they_cannot_stream(tmp_path):
     chats = _chats(tmp_path / "chats.jsonl", 20)
     with pytest.raises(UserError, match="--streaming on reads the data pass after pass.*set --max_steps"):
@@ -116,4 +136,4 @@ def test_streamed_sets_refuse_what_they_cannot_stream(tmp_path):
     alpaca.write_text("".join(json.dumps({"instruction": f"Add {i}.", "output": f"{i}"}) + "\n" for i in range(20)))
     train, held, info, _, kind = build(dataset=str(chats), eval_file=str(alpaca), packing="off")
     assert kind == "instruction" and info.seq_len == 128 and not info.packed and len(held) == 20
-    assert len(train) == stream.HEAD and hasattr(train, "stream") and train[0][0].shape == (128,)
+    assert len(train) == stream.HEAD and train.stream is not None and train[0][0].shape == (128,)

@@ -53,7 +53,7 @@ def test_without_weights_the_sources_pack_together_and_one_held_out_file_serves_
     held_file = _alpaca(tmp_path / "held.jsonl", 12)
     train, held, info, _, _ = _build(tmp_path, dataset=f"{chats},{alpaca}", eval_file=str(held_file))
     assert info.packed and train.sources.mixture is None and train.sources.groups is train.groups
-    assert len(train.rows) == 90 and len(held.rows) == 12 and not hasattr(held, "sources")
+    assert len(train.rows) == 90 and len(held.rows) == 12 and held.sources is None
     rows, _ = train.sources.counts(range(len(train)))
     assert rows.tolist() == [60, 30]  # every block once: every row of each source once
 

@@ -97,7 +97,7 @@ def test_content_parts_other_than_text_are_refused_in_one_line():
 
 def test_sharegpt_function_call_and_observation_turns_are_a_call_and_its_result():
     row = json.loads((TOOLS / "llamafactory-glaive_toolcall_en_demo-sharegpt.jsonl").read_text().splitlines()[0])
-    assert chat._turns(row["conversations"], "r", "its conversations") == [
+    assert chat.turns(row["conversations"], "r", "its conversations") == [
         {"role": "user", "content": row["conversations"][0]["value"]},
         {"role": "assistant", "content": "", "tool_calls": [{"type": "function", "function": {
             "name": "calculate_tip", "arguments": {"bill_amount": 100, "tip_percentage": 15}}}]},

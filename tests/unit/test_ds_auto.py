@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from app.core import tasks
+from app.core import resolver
 from app.ds import auto as ds_auto
 from app.ds import config as ds_config
 from app.ds import precision
@@ -75,12 +75,12 @@ def test_zero3s_leaf_modules_and_prefetch_come_from_the_models_blocks():
     """The shipped zero3.json's "auto" leaf classes and prefetch bucket: the model's transformer block and its
     parameters; a model without blocks (the CNN) leaves both to DeepSpeed (its defaults: no leaf of its own)."""
     shipped = ds_config.load_ds_config(ds_config.REPO / "ds_configs" / "zero3.json", resolve=False)
-    facts = tasks.auto_facts(tasks.build(Settings(model="llama-1b")))
+    facts = resolver.auto_facts(resolver.build(Settings(model="llama-1b")).spec)
     zero, said = ds_auto.fill(shipped, facts, 8)
     zero = zero["zero_optimization"]
     assert (zero["leaf_module"], zero["stage3_prefetch_bucket_size"]) == ({"classes": ["LlamaDecoderLayer"]}, 60_821_504)
     assert "zero_optimization.leaf_module.classes" in said
-    plain = ds_auto.fill(shipped, tasks.auto_facts(tasks.build(Settings(model="cnn"))), 1)[0]["zero_optimization"]
+    plain = ds_auto.fill(shipped, resolver.auto_facts(resolver.build(Settings(model="cnn")).spec), 1)[0]["zero_optimization"]
     assert plain["leaf_module"] == {} and "stage3_prefetch_bucket_size" not in plain
 
 

@@ -124,6 +124,92 @@ def test_the_cycle_rule_sees_a_cycle():
     assert _cycle({("core", "data"): [], ("core", "settings"): [], ("data", "settings"): []}) == []
 
 
+def _module_name(path: Path, root: Path) -> str:
+    """A file's dotted module name: app/data/chat.py is app.data.chat, app/data/__init__.py is app.data."""
+    parts = path.relative_to(root.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _imported_modules(node, source: str, package: bool, modules: set) -> list:
+    """The app modules one import statement names: `from app.data import chat` is app.data.chat where chat is a
+    module, else app.data (a name its __init__ defines); relative imports are made absolute first."""
+    if isinstance(node, ast.Import):
+        return [a.name for a in node.names if a.name.split(".")[0] == "app"]
+    if not isinstance(node, ast.ImportFrom):
+        return []
+    base = node.module or ""
+    if node.level:
+        parts = source.split(".") if package else source.split(".")[:-1]
+        base = ".".join(parts[:len(parts) - node.level + 1] + ([node.module] if node.module else []))
+    if base.split(".")[0] != "app":
+        return []
+    return [f"{base}.{a.name}" if f"{base}.{a.name}" in modules else base for a in node.names]
+
+
+def _module_arrows(root: Path = APP) -> dict:
+    """{(module, app module it imports): [file:line import, ...]} for every import under root, in functions too."""
+    paths = {_module_name(p, root): p for p in sorted(root.rglob("*.py"))}
+    arrows = {}
+    for source, path in paths.items():
+        for node in ast.walk(ast.parse(path.read_text())):
+            for target in dict.fromkeys(_imported_modules(node, source, path.name == "__init__.py", set(paths))):
+                if target != source:
+                    where = f"{path.relative_to(root.parent)}:{node.lineno} {ast.unparse(node)}"
+                    arrows.setdefault((source, target), []).append(where)
+    return arrows
+
+
+def _circles(arrows) -> list:
+    """[(one cycle through a group of modules that import each other, every import inside the group), ...]."""
+    graph = {}
+    for source, target in arrows:
+        graph.setdefault(source, set()).add(target)
+
+    def reach(node) -> set:
+        seen, todo = set(), [node]
+        while todo:
+            new = graph.get(todo.pop(), set()) - seen
+            seen |= new
+            todo += new
+        return seen
+    reached = {node: reach(node) for node in graph}
+    groups = {frozenset(n for n in reached[node] if node in reached.get(n, ()))
+              for node in graph if node in reached[node]}
+    found = []
+    for group in sorted(groups, key=sorted):
+        inside = {pair: lines for pair, lines in sorted(arrows.items()) if set(pair) <= group}
+        found.append((_cycle(inside), [line for lines in inside.values() for line in lines]))
+    return found
+
+
+def test_no_circle_between_the_modules_of_app():
+    """Modules that import each other break on whichever is imported first; an import inside a function only hides
+    the circle until someone moves it up."""
+    circles = _circles(_module_arrows())
+    why = [f"{' -> '.join(cycle)} ({'; '.join(lines)})" for cycle, lines in circles]
+    assert not circles, f"modules import each other in a circle; move what they share below them: {' | '.join(why)}"
+
+
+def test_the_module_circle_rule_sees_a_circle_however_its_imports_are_written(tmp_path):
+    files = {"__init__.py": "", "data/__init__.py": "", "data/chat.py": "def f():\n    from app.data import text\n",
+             "data/text.py": "def g():\n    import app.data.chat as chat\n",
+             "data/loader.py": "from app.data import chat, Info\nfrom . import text\n",
+             "core/__init__.py": "from app.core.step import run\n", "core/step.py": "from app.data import loader\n",
+             "core/tasks.py": "from app.core import step\nfrom app import core\n"}
+    for name, text in files.items():
+        (tmp_path / "app" / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / "app" / name).write_text(text)
+    arrows = _module_arrows(tmp_path / "app")
+    assert arrows[("app.data.loader", "app.data")] == ["app/data/loader.py:1 from app.data import chat, Info"]
+    assert arrows[("app.data.loader", "app.data.text")] == ["app/data/loader.py:2 from . import text"]
+    assert _circles(arrows) == [(["app.data.chat", "app.data.text", "app.data.chat"],
+                                 ["app/data/chat.py:2 from app.data import text",
+                                  "app/data/text.py:2 import app.data.chat as chat"])]
+    (tmp_path / "app" / "data" / "__init__.py").write_text("from app.data.loader import build\n")
+    assert [cycle for cycle, _ in _circles(_module_arrows(tmp_path / "app"))] == [
+        ["app.data", "app.data.loader", "app.data"], ["app.data.chat", "app.data.text", "app.data.chat"]]
+
+
 def test_app_is_grouped_in_packages_with_train_errors_redact_and_settings_beside_them():
     loose = sorted(p.name for p in APP.glob("*.py"))
     assert loose == ["__init__.py", "errors.py", "redact.py", "settings.py", "train.py"], loose

@@ -1,8 +1,16 @@
-"""The loop's schedule: when it logs, evaluates, saves and stops, and the run's length in optimizer steps.
-Loop.fit driving a real DeepSpeed engine: tests/e2e/test_loop.py."""
+"""The loop's schedule: when it logs, evaluates, saves and stops, and the run's length in optimizer steps; the
+evaluation of several sources, each weighed by its loader's units.
+Loop.run driving a real DeepSpeed engine: tests/e2e/test_loop.py."""
+import math
+from types import SimpleNamespace
+
+import numpy as np
 import pytest
+import torch
 
 from app.core import loop
+from app.data import loader, sources
+from app.data.samples import Samples
 from app.errors import UserError
 
 STEPS = range(1, 13)
@@ -47,3 +55,28 @@ def test_a_run_too_short_for_one_optimizer_step_is_refused():
     with pytest.raises(UserError, match="1 epoch\\(s\\) of 3 micro batches make no optimizer step with "
                                         "gradient_accumulation_steps 4"):
         loop.total_steps(0, 1, 3, 4)
+
+
+class Held(Samples):
+    """Two sources' held-out rows: a's 2 of one unit each, b's 3 of two units each (answer tokens)."""
+    units = [1.0, 1.0, 2.0, 2.0, 2.0]
+    sources = sources.Sources(["a", "b"], [0, 2, 5], np.ones(5))
+
+    def __len__(self):
+        return 5
+
+    def __getitem__(self, i):
+        return torch.tensor([float(i)]), torch.tensor(i)
+
+
+def test_the_evaluation_of_several_sources_weighs_each_by_the_units_its_loader_holds():
+    """eval_loss is the mean over every unit held out: each source's weighed by its loader's units (2 and 6)."""
+    loaders = loader.held_out_loaders(Held(), 2, rank=0, world_size=1, seed=0)
+    losses = {"a": 1.0, "b": 3.0}
+    by_loader = {id(made): losses[name] for name, made in loaders.items()}
+    step = SimpleNamespace(evaluate=lambda made: {"eval_loss": by_loader[id(made)]},
+                           task=SimpleNamespace(eval_metrics=lambda loss: {"eval_perplexity": math.exp(loss)}))
+    result = loop.evaluate(step, loaders)
+    assert result["eval_loss"] == pytest.approx((1.0 * 2 + 3.0 * 6) / 8)
+    assert result["eval_perplexity"] == pytest.approx(math.exp(2.5)), "derived from the combined loss"
+    assert (result["eval_loss/a"], result["eval_loss/b"]) == (1.0, 3.0)

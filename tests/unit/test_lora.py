@@ -9,7 +9,7 @@ import torch
 
 from app.checkpoint import resume
 from app.checkpoint.save import TrainerState
-from app.core import lora, tasks
+from app.core import lora, resolver
 from app.errors import UserError
 from app.settings import Settings
 
@@ -33,7 +33,7 @@ def test_impossible_lora_flags_are_one_line(flags, message):
 
 def test_lora_on_an_image_model_is_one_line():
     with pytest.raises(UserError, match="--lora trains adapters on a transformers model.*cnn is an image model"):
-        tasks.build(Settings(model="cnn", lora=True))
+        resolver.build(Settings(model="cnn", lora=True))
 
 
 def test_a_target_the_model_does_not_have_is_named_with_those_it_has():

@@ -5,7 +5,9 @@ import math
 import pytest
 import torch
 
-from app.core import preference
+from app.core import preference, resolver
+from app.data import DataInfo
+from app.settings import Settings
 from app.data.chat import IGNORE
 
 BETA, GAMMA = 0.3, 0.7
@@ -90,21 +92,35 @@ def test_answer_logps_sum_the_labelled_next_tokens_and_count_them():
     assert torch.equal(preference.answer_logps(changed, labels), got)
 
 
-def test_the_reference_dict_keeps_precision_and_zero3_partitioning_and_drops_the_optimizer():
-    ds = {"train_micro_batch_size_per_gpu": 8, "gradient_accumulation_steps": 4, "bf16": {"enabled": True},
-          "fp16": {"enabled": False}, "optimizer": {"type": "AdamW"}, "scheduler": {"type": "WarmupLR"},
-          "gradient_clipping": 1.0}
-    three = {"stage": 3, "offload_param": {"device": "cpu"}, "offload_optimizer": {"device": "cpu"},
-             "stage3_prefetch_bucket_size": 100}
-    ref = preference.reference_dict({**ds, "zero_optimization": three}, 4)
-    assert "optimizer" not in ref and "scheduler" not in ref
-    assert ref["bf16"] == {"enabled": True} and ref["fp16"] == {"enabled": False}
-    assert ref["zero_optimization"] == {"stage": 3, "offload_param": {"device": "cpu"},
-                                        "stage3_prefetch_bucket_size": 100}
-    assert "offload_optimizer" in three and ds["train_micro_batch_size_per_gpu"] == 8, "the policy's dict is kept"
-    assert (ref["train_micro_batch_size_per_gpu"], ref["gradient_accumulation_steps"], ref["train_batch_size"]) == \
-        (1, 1, 4), "it never steps: one sample per replica"
-    for stage in (1, 2):
-        zero = {"stage": stage, "offload_optimizer": {"device": "cpu"}}
-        assert preference.reference_dict({**ds, "zero_optimization": zero}, 2)["zero_optimization"] == {"stage": 0}
-    assert preference.reference_dict(ds, 1)["zero_optimization"] == {"stage": 0}
+def test_a_preference_model_has_its_dropout_off_and_a_preset_is_drawn_from_the_seed(tmp_path):
+    """TRL's disable_dropout: the model and its reference score an answer alike. A folder saved with dropout 0.1
+    (GPT-2's defaults) comes back without it; a preset built twice is the same model (its frozen copy)."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+    from app.data.tokenizers import byte_tokenizer
+    GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=320)).save_pretrained(tmp_path / "gpt2")
+    info = DataInfo(0, task="causal_lm", vocab_size=320, seq_len=16)
+    for name in (str(tmp_path / "gpt2"), "llama-tiny"):
+        task = resolver.build(Settings(model=name, task="preference"))
+        task.tokenizer = byte_tokenizer()
+        models = [task.build_model(info, {}) for _ in range(2)]
+        dropouts = [m for m in models[0].modules() if isinstance(m, torch.nn.Dropout)]
+        assert all(m.p == 0.0 for m in dropouts) and (dropouts or name == "llama-tiny"), name
+        assert all(torch.equal(a, b) for a, b in zip(models[0].state_dict().values(), models[1].state_dict().values()))
+
+
+def test_a_pairs_flops_are_two_sequences_trained_and_the_live_references_forward_of_both():
+    """Full training: 6 per weight and 2 for the reference (4/3 of training); LoRA: 4 per frozen weight and 2 (3/2);
+    precomputed: training alone."""
+    from app.core import models
+    from app.data.tokenizers import byte_tokenizer
+    info = DataInfo(0, task="causal_lm", vocab_size=320, seq_len=16)
+    ratios = {}
+    for lora, reference in ((False, "live"), (True, "live"), (False, "precompute")):
+        task = resolver.build(Settings(model="llama-tiny", task="preference", lora=lora, reference=reference))
+        task.tokenizer = byte_tokenizer()
+        model = task.build_model(info, {})
+        trained = models.train_flops_per_token(model, 16) * 16
+        ratios[lora, reference] = task.flops_per_sample(model, info) / (2 * trained)
+    assert ratios[False, "precompute"] == 1.0
+    assert abs(ratios[False, "live"] - 4 / 3) < 1e-9
+    assert 1.45 < ratios[True, "live"] < 1.5  # the adapters' own 6 per weight pull it a little below 3/2

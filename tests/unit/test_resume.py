@@ -251,6 +251,47 @@ def test_what_may_change_across_a_resume():
     resume.check_compatible(_state(), current, "step00000004")
 
 
+DPO = {"loss": "sigmoid", "beta": 0.1, "gamma": 0.5, "reference": "frozen copy", "base": "gpt2-tiny seed 42"}
+SIMPO = {**DPO, "loss": "simpo", "beta": 2.0, "reference": "none (SimPO)"}
+
+
+@pytest.mark.parametrize("then, now, differs, flags", [
+    (DPO, {**DPO, "loss": "ipo"}, "loss 'sigmoid' -> 'ipo'", "--preference_loss"),
+    (DPO, {**DPO, "beta": 0.2}, "beta 0.1 -> 0.2", "--beta"),
+    (DPO, {**DPO, "reference": "precomputed"}, "reference 'frozen copy' -> 'precomputed'", "--reference"),
+    (SIMPO, {**SIMPO, "gamma": 1.0}, "gamma 0.5 -> 1.0", "--simpo_gamma"),
+    (DPO, SIMPO, "loss 'sigmoid' -> 'simpo', beta 0.1 -> 2.0, reference 'frozen copy' -> 'none (SimPO)'",
+     "--preference_loss, --beta, --reference"),
+])
+def test_a_preference_run_resumed_with_other_settings_is_one_line_naming_them(then, now, differs, flags, tmp_path):
+    _write_checkpoint(tmp_path / "checkpoints" / "step00000004", _state(task_record=then))
+    with pytest.raises(UserError) as caught:
+        resume.checkpoint_to_resume(tmp_path, "auto", _state(step=0, task_record=now))
+    assert _one_line(caught) == (f"checkpoint {tmp_path / 'checkpoints' / 'step00000004'} was made with other "
+                                 f"preference settings than this run has ({differs}), which would change the loss "
+                                 f"mid-run; pass the same {flags} as that run or start a new --output_dir")
+
+
+def test_a_preference_run_resumes_with_its_own_settings_and_gamma_counts_only_for_simpo(tmp_path):
+    folder = _write_checkpoint(tmp_path / "checkpoints" / "step00000004", _state(task_record=DPO))
+    assert resume.checkpoint_to_resume(tmp_path, "auto", _state(step=0, task_record=DPO))[0] == folder
+    resume.check_compatible(_state(task_record=DPO), _state(task_record={**DPO, "gamma": 1.0}), folder)
+
+
+@pytest.mark.parametrize("then, now, message", [
+    (DPO, {**DPO, "base": "gpt2-tiny seed 7"}, "trained against a reference of another base model than gpt2-tiny"),
+    ({}, DPO, "was made with no preference tuning but this run has preference tuning; pass the same --task"),
+    (DPO, {}, "was made with preference tuning but this run has no preference tuning; pass the same --task"),
+])
+def test_a_preference_run_resumed_on_another_base_or_task_is_refused(then, now, message, tmp_path):
+    with pytest.raises(UserError, match=message) as caught:
+        resume.check_compatible(_state(model="gpt2-tiny", task_record=then), _state(model="gpt2-tiny", task_record=now),
+                                tmp_path)
+    assert _one_line(caught).endswith("start a new --output_dir")
+    # SimPO trains against no reference: its base may change as another task's may
+    resume.check_compatible(_state(task_record=SIMPO), _state(task_record={**SIMPO, "base": "other"}), tmp_path)
+
+
 @pytest.mark.parametrize("stage, saved_world, world, needed", [
     (0, 2, 1, False),  # stage 0: every rank holds everything, any world size loads it
     (1, 2, 2, False), (1, 2, 1, True), (2, 1, 2, True), (3, 2, 3, True), (3, 4, 4, False),
@@ -259,10 +300,10 @@ def test_needs_universal_only_for_partitioned_state_on_another_world_size(stage,
     assert resume.needs_universal(_state(zero_stage=stage, world_size=saved_world), world) is needed
 
 
-def test_plan_resume_without_a_checkpoint(tmp_path, capsys):
-    assert resume.plan_resume(tmp_path, "", _state()) == (None, None, False)
+def test_checkpoint_to_resume_without_a_checkpoint(tmp_path, capsys):
+    assert resume.checkpoint_to_resume(tmp_path, "", _state()) == (None, None, False)
     assert capsys.readouterr().out == ""
-    assert resume.plan_resume(tmp_path, "auto", _state()) == (None, None, False)
+    assert resume.checkpoint_to_resume(tmp_path, "auto", _state()) == (None, None, False)
     assert capsys.readouterr().out == f"resume: no complete checkpoint in {tmp_path / 'checkpoints'}, starting fresh\n"
 
 
@@ -270,7 +311,7 @@ def test_plan_resume_without_a_checkpoint(tmp_path, capsys):
 def test_a_model_parallel_run_resumes_only_on_its_own_world_size(split, tmp_path):
     _write_checkpoint(tmp_path / "checkpoints" / "step00000004", _state(world_size=2, **split))
     with pytest.raises(UserError, match="run of 2 rank.s. and the app cannot reshape.*resume it with 2 rank") as caught:
-        resume.plan_resume(tmp_path, "auto", _state(step=0, world_size=4, **split))
+        resume.checkpoint_to_resume(tmp_path, "auto", _state(step=0, world_size=4, **split))
     _one_line(caught)
 
 
@@ -279,12 +320,12 @@ def test_samples_into_epoch_counts_replicas_not_stages():
     assert _state(batch=4, world_size=4, pipeline_stages=2, data_parallel_size=2).samples_into_epoch() == 256
 
 
-def test_plan_resume_checks_before_anything_is_built(tmp_path):
+def test_checkpoint_to_resume_checks_before_anything_is_built(tmp_path):
     folder = _write_checkpoint(tmp_path / "checkpoints" / "step00000004", _state(world_size=2))
     # ZeRO stage 0 saved by 2 ranks loads on 1 as it is: no conversion
-    assert resume.plan_resume(tmp_path, "auto", _state(step=0, world_size=1)) == (folder, _state(world_size=2), False)
+    assert resume.checkpoint_to_resume(tmp_path, "auto", _state(step=0, world_size=1)) == (folder, _state(world_size=2), False)
     with pytest.raises(UserError, match="was made with model='cnn' but this run has model='mlp'"):
-        resume.plan_resume(tmp_path, "auto", _state(model="mlp"))
+        resume.checkpoint_to_resume(tmp_path, "auto", _state(model="mlp"))
 
 
 def test_a_state_saved_before_model_parallelism_loads_with_its_defaults(tmp_path):

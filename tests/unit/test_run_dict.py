@@ -42,3 +42,42 @@ def test_trainable_counts_the_parameters_that_train():
     model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 1))
     model[0].requires_grad_(False)
     assert run_dict.trainable(model) == 3 + 1
+
+
+def test_the_reference_dict_keeps_precision_and_zero3_partitioning_and_drops_the_optimizer():
+    ds = {"train_micro_batch_size_per_gpu": 8, "gradient_accumulation_steps": 4, "bf16": {"enabled": True},
+          "fp16": {"enabled": False}, "optimizer": {"type": "AdamW"}, "scheduler": {"type": "WarmupLR"},
+          "gradient_clipping": 1.0}
+    three = {"stage": 3, "offload_param": {"device": "cpu"}, "offload_optimizer": {"device": "cpu"},
+             "stage3_prefetch_bucket_size": 100}
+    ref = run_dict.for_reference({**ds, "zero_optimization": three}, 4)
+    assert "optimizer" not in ref and "scheduler" not in ref
+    assert ref["bf16"] == {"enabled": True} and ref["fp16"] == {"enabled": False}
+    assert ref["zero_optimization"] == {"stage": 3, "offload_param": {"device": "cpu"},
+                                        "stage3_prefetch_bucket_size": 100}
+    assert "offload_optimizer" in three and ds["train_micro_batch_size_per_gpu"] == 8, "the policy's dict is kept"
+    assert (ref["train_micro_batch_size_per_gpu"], ref["gradient_accumulation_steps"], ref["train_batch_size"]) == \
+        (1, 1, 4), "it never steps: one sample per replica"
+    for stage in (1, 2):
+        zero = {"stage": stage, "offload_optimizer": {"device": "cpu"}}
+        assert run_dict.for_reference({**ds, "zero_optimization": zero}, 2)["zero_optimization"] == {"stage": 0}
+    assert run_dict.for_reference(ds, 1)["zero_optimization"] == {"stage": 0}
+
+
+def test_a_trial_engine_takes_one_step_of_the_micro_batch_tried():
+    ds, _, _ = run_dict.planned(dict(JSON), "j.json", torch.device("cpu"), 2, ds_auto.Facts())
+    trial = run_dict.for_trial(ds, 3, 2)
+    assert (trial["train_micro_batch_size_per_gpu"], trial["gradient_accumulation_steps"],
+            trial["train_batch_size"]) == (3, 1, 6)
+    assert trial["scheduler"]["params"]["total_num_steps"] == 1, "\"auto\" waits for the run: one step stands in"
+    assert ds["train_micro_batch_size_per_gpu"] == 4, "the planned dict is kept"
+
+
+def test_the_benchmarks_engine_fills_auto_as_a_run_and_schedules_the_benchmarks_steps():
+    given = {**JSON, "zero_optimization": {"stage": 3, "stage3_prefetch_bucket_size": "auto"}}
+    facts = ds_auto.Facts(hidden=64, blocks=("LlamaDecoderLayer",), block_size=1000)
+    ds = run_dict.for_benchmark(given, 8, facts, 2, 30, "j.json")
+    assert (ds["train_micro_batch_size_per_gpu"], ds["gradient_accumulation_steps"], ds["train_batch_size"]) == \
+        (8, 1, 16)
+    assert ds["scheduler"]["params"]["total_num_steps"] == 30
+    assert ds["zero_optimization"]["stage3_prefetch_bucket_size"] != "auto"

@@ -1,9 +1,15 @@
 """The main rank's files of a run: log lines or a progress bar, metrics.csv, TensorBoard, summary, plot; the output
 folder check."""
 import json
+from types import SimpleNamespace
 
+import numpy as np
 import pytest
+import torch
+from torch.utils.data import TensorDataset
 
+from app.data import sources
+from app.data.samples import Samples
 from app.observe import metrics
 from app.observe import runlog
 
@@ -47,3 +53,17 @@ def test_run_log_progress_bar_or_plain_lines(show, plain, tmp_path):
     assert log.plain is plain
     log.train_row(1, 0, 2.0, 0.1, samples=8, seconds=1.0)
     log.finish({})
+
+
+def test_the_columns_name_each_source_the_sets_declare():
+    """Several sources: each one's evaluation and what it gave to training get columns; a foreign set (a
+    TensorDataset) and a set of one source, none."""
+    train, held = Samples(), Samples()
+    train.sources = sources.Sources(["a", "b"], [0, 2, 4], np.ones(4))
+    held.sources = sources.Sources(["a", "b"], [0, 1, 2], np.ones(2))
+    task = SimpleNamespace(log_columns=("eval_rewards",))
+    found = runlog.columns(task, train, held)
+    assert found[:1] == ("eval_rewards",) and "eval_loss/a" in found and "eval_rewards/b" in found
+    assert found[-4:] == ("rows/a", "rows/b", "tokens/a", "tokens/b")
+    foreign = TensorDataset(torch.zeros(2))
+    assert runlog.columns(task, foreign, foreign) == runlog.columns(task, Samples(), Samples()) == ("eval_rewards",)

@@ -37,6 +37,10 @@ def test_an_older_state_file_gets_the_fields_added_since_and_a_newer_ones_extra_
     assert (old.pipeline_stages, old.data_parallel_size, old.tensor_parallel_size, old.lora) == (0, 0, 1, {})
     newer = TrainerState.from_json(json.dumps({**saved, "sequence_parallel_size": 2}), "x")
     assert newer == old
+    record = {"loss": "sigmoid", "beta": 0.1}
+    del saved["task_record"]
+    assert TrainerState.from_json(json.dumps({**saved, "preference": record}), "x").task_record == record, \
+        "a preference run's record, as checkpoints before task records wrote it, is read as the task's"
 
 
 @pytest.mark.parametrize("text", ["[4, 0, 4]", '"step 4"', "null", "4"])

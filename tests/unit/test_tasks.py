@@ -5,7 +5,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from app.core import tasks
+from app.core import resolver, tasks
 from app.settings import Settings
 from app.data import DataInfo
 from app.data.chat import IGNORE
@@ -64,99 +64,25 @@ def test_a_perfect_next_token_guess_scores_one():
     assert tasks.next_token_loss(logits, tokens).item() < 1e-6
 
 
-@pytest.mark.parametrize("model, task, kind, name", [
-    ("cnn", "auto", tasks.ImageClassification, "image_classification"),
-    ("resnet18", "auto", tasks.ImageClassification, "image_classification"),
-    ("gpt2-tiny", "auto", tasks.CausalLM, "causal_lm"),
-    ("bert-tiny", "auto", tasks.SequenceClassification, "sequence_classification"),
-    ("gpt2-tiny", "sequence_classification", tasks.SequenceClassification, "sequence_classification"),
-    ("bert-tiny", "causal_lm", tasks.CausalLM, "causal_lm"),
-    ("llama-tiny", "instruction", tasks.CausalLM, "instruction"),
-])
-def test_build_picks_the_task(model, task, kind, name):
-    built = tasks.build(Settings(model=model, task=task))
-    assert type(built) is kind and built.name == name
-    language_model = name in ("causal_lm", "instruction")
-    assert built.loss is (tasks.next_token_loss if language_model else tasks.class_loss)
-    assert built.correct is (tasks.next_token_correct if language_model else tasks.class_correct)
-
-
-@pytest.mark.parametrize("task", ["causal_lm", "preference"])
-def test_a_text_task_is_refused_for_image_models(task):
-    with pytest.raises(UserError, match=rf"--task {task} trains a transformers model on text; cnn is an image model"):
-        tasks.build(Settings(model="cnn", task=task))
-
-
-def test_an_unknown_task_for_an_image_model_names_the_choices():
-    with pytest.raises(UserError, match=r"--task 'translation' is not one of auto, causal_lm, instruction, preference, "
-                                        r"sequence_classification for image models \(leave --task auto\)"):
-        tasks.build(Settings(model="cnn", task="translation"))
-
-
-def test_packing_is_refused_for_image_models():
-    with pytest.raises(UserError, match="--packing on packs the rows of instruction data for a transformers model"):
-        tasks.build(Settings(model="cnn", packing="on"))
-
-
-def test_an_unknown_task_names_the_choices():
-    with pytest.raises(UserError, match="--task 'translation' is not one of auto, causal_lm, instruction, "
-                                        "preference, sequence_classification"):
-        tasks.build(Settings(model="gpt2-tiny", task="translation"))
-
-
 def test_what_each_task_reports():
-    image = tasks.build(Settings(model="mlp"))
+    image = resolver.build(Settings(model="mlp"))
     assert image.tokens_per_sample == 0 and image.eval_metrics(0.5) == {}
     info = DataInfo(10, 3, 16)
     model = image.build_model(info, {})
     assert model(torch.randn(2, 3, 16, 16)).shape == (2, 10)
     pixels = 3 * 16 * 16  # forward, weight gradients, and the input gradient of all but the first layer
     assert image.flops_per_sample(model, info) == 3 * 2 * (pixels * 64 + 64 * 10) - 2 * pixels * 64
-    lm = tasks.build(Settings(model="gpt2-tiny"))
+    lm = resolver.build(Settings(model="gpt2-tiny"))
     assert lm.eval_metrics(math.log(50.0)) == {"eval_perplexity": pytest.approx(50.0)}
     assert lm.eval_metrics(1e6)["eval_perplexity"] == math.exp(700), "capped, never an overflow"
-    assert tasks.build(Settings(model="bert-tiny")).eval_metrics(0.5) == {}
+    assert resolver.build(Settings(model="bert-tiny")).eval_metrics(0.5) == {}
 
 
 def test_benchmark_data_of_a_language_model():
-    lm = tasks.build(Settings(model="gpt2-tiny"))
+    lm = resolver.build(Settings(model="gpt2-tiny"))
     data, info = lm.sample_data(6, 16)
     x, y = data[0]
     assert len(data) == 6 and x.shape == (16,) and torch.equal(x, y) and int(x.max()) < 8192
     assert (info.task, info.vocab_size, info.seq_len, lm.tokens_per_sample) == ("causal_lm", 8192, 16, 16)
     with pytest.raises(UserError, match="bert-tiny is a sequence classifier"):
-        tasks.build(Settings(model="bert-tiny")).sample_data(6, 16)
-
-
-def test_a_preference_model_has_its_dropout_off_and_a_preset_is_drawn_from_the_seed(tmp_path):
-    """TRL's disable_dropout: the model and its reference score an answer alike. A folder saved with dropout 0.1
-    (GPT-2's defaults) comes back without it; a preset built twice is the same model (its frozen copy)."""
-    from transformers import GPT2Config, GPT2LMHeadModel
-    from app.data.tokenizers import byte_tokenizer
-    GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=320)).save_pretrained(tmp_path / "gpt2")
-    info = DataInfo(0, task="causal_lm", vocab_size=320, seq_len=16)
-    for name in (str(tmp_path / "gpt2"), "llama-tiny"):
-        task = tasks.build(Settings(model=name, task="preference"))
-        task.tokenizer = byte_tokenizer()
-        models = [task.build_model(info, {}) for _ in range(2)]
-        dropouts = [m for m in models[0].modules() if isinstance(m, torch.nn.Dropout)]
-        assert all(m.p == 0.0 for m in dropouts) and (dropouts or name == "llama-tiny"), name
-        assert all(torch.equal(a, b) for a, b in zip(models[0].state_dict().values(), models[1].state_dict().values()))
-
-
-def test_a_pairs_flops_are_two_sequences_trained_and_the_live_references_forward_of_both():
-    """Full training: 6 per weight and 2 for the reference (4/3 of training); LoRA: 4 per frozen weight and 2 (3/2);
-    precomputed: training alone."""
-    from app.core import models
-    from app.data.tokenizers import byte_tokenizer
-    info = DataInfo(0, task="causal_lm", vocab_size=320, seq_len=16)
-    ratios = {}
-    for lora, reference in ((False, "live"), (True, "live"), (False, "precompute")):
-        task = tasks.build(Settings(model="llama-tiny", task="preference", lora=lora, reference=reference))
-        task.tokenizer = byte_tokenizer()
-        model = task.build_model(info, {})
-        trained = models.train_flops_per_token(model, 16) * 16
-        ratios[lora, reference] = task.flops_per_sample(model, info) / (2 * trained)
-    assert ratios[False, "precompute"] == 1.0
-    assert abs(ratios[False, "live"] - 4 / 3) < 1e-9
-    assert 1.45 < ratios[True, "live"] < 1.5  # the adapters' own 6 per weight pull it a little below 3/2
+        resolver.build(Settings(model="bert-tiny")).sample_data(6, 16)

@@ -1,13 +1,12 @@
-"""The benchmark's measuring parts in one process: workload, models, clock, timed loader, rank layouts, one raw mode."""
+"""The benchmark's measuring parts in one process: workload, models, rank layouts, eager fallbacks, one raw mode (the
+clock, timed loader and parameter bytes: test_tools_bench_common.py)."""
 import logging
-import time
 
 import pytest
 import torch
 
 from app.distributed.dist import World
 from app.ds import config as ds_config
-from app.data.loader import build_loader
 from app.ds.internals import torch_private
 from app.tools import bench, bench_modes
 from app.tools.bench import FIELDS
@@ -44,41 +43,6 @@ def test_a_lora_mode_builds_adapters_and_the_next_mode_the_whole_model_again():
     assert trained and all("lora_" in name for name in trained)
     whole = bench_modes.build_model(work)
     assert all(p.requires_grad for p in whole.parameters()), "the LoRA choice must not stick to the task"
-
-
-def test_the_clock_gives_one_time_per_step_from_the_mark_before_it():
-    clock = bench_modes.Clock(CPU)
-    for pause in (0.03, 0.0, 0.01):
-        time.sleep(pause)
-        clock.tick()
-    times = clock.times()
-    assert len(times) == 3 and min(times) >= 0
-    assert times[0] >= 0.03 and times[2] >= 0.01 and times[1] < times[0]
-
-
-def test_the_timed_loader_counts_each_wait_and_ends_with_its_loader():
-    loader = build_loader(torch.utils.data.TensorDataset(torch.arange(12.0), torch.arange(12)), 4, 0, 1, True, 0)
-    clock = bench_modes.Clock(CPU)
-    timed = bench_modes.TimedLoader(loader, clock)
-    batches = list(timed)
-    assert len(timed) == len(loader) == len(batches) == 3 and timed.batch_sampler is loader.batch_sampler
-    assert len(clock.waits) == 4, "one wait per batch, and the one that found the loader done"
-    assert sorted(torch.cat([x for x, _, _ in batches]).tolist()) == [float(i) for i in range(12)]
-
-
-def test_an_endless_timed_loader_goes_on_into_a_new_epoch_in_a_new_order():
-    loader = build_loader(torch.utils.data.TensorDataset(torch.arange(64.0), torch.arange(64)), 32, 0, 1, True, 0)
-    batches = iter(bench_modes.TimedLoader(loader, bench_modes.Clock(CPU), endless=True))
-    epochs = [torch.cat([next(batches)[0] for _ in range(2)]).tolist() for _ in range(3)]
-    assert all(sorted(epoch) == [float(i) for i in range(64)] for epoch in epochs)
-    assert epochs[0] != epochs[1] != epochs[2], "each epoch shuffled by its own number"
-
-
-def test_parameter_bytes_count_each_dtype_and_a_zero3_rank_only_its_partition():
-    module = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 2).to(torch.bfloat16))
-    assert bench_modes.param_bytes(module) == (4 * 3 + 3) * 4 + (3 * 2 + 2) * 2
-    module[0].weight.ds_tensor = torch.empty(5)  # what ZeRO-3 leaves: the rank's partition beside an empty weight
-    assert bench_modes.param_bytes(module) == (5 + 3) * 4 + (3 * 2 + 2) * 2
 
 
 def test_each_mode_lays_out_its_ranks_as_its_config_says():

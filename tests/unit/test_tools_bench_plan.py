@@ -2,10 +2,10 @@
 micro batch, the same plan app.tools.plan prints; torch and LoRA rows get none."""
 import pytest
 
-from app.core import tasks
+from app.core import resolver
 from app.ds import auto as ds_auto
 from app.ds import config as ds_config
-from app.memory import fit
+from app.memory import planner
 from app.tools import bench, bench_modes
 from app.tools.bench_plan import add_planned_peaks
 
@@ -23,9 +23,9 @@ def _configs(*names) -> dict:
 
 def _planned(work, name: str, ranks: int, micro: int) -> int:
     """The plan's peak, as `python -m app.tools.plan` makes it: the config with its "auto" filled for the model."""
-    ds = ds_auto.fill(_configs(name)[name], tasks.auto_facts(work.task), ranks)[0]
-    build = fit.workload(work.task, work.info.seq_len, work.info.image_size)
-    return fit.plans(build, {name: ds}, ranks)[name].peak(micro)
+    ds = ds_auto.fill(_configs(name)[name], resolver.auto_facts(work.task.spec), ranks)[0]
+    build = planner.workload(work.task, work.info.seq_len, work.info.image_size)
+    return planner.plans(build, {name: ds}, ranks)[name].peak(micro)
 
 
 @pytest.mark.parametrize("model, flags", [("cnn", []), ("gpt2-tiny", ["--seq_len", "16"])])

@@ -5,8 +5,10 @@ import dataclasses
 
 import torch
 
-from app.core import lora, models, preference
+from app.core import lora, models
 from app.data import DataInfo
+from app.distributed import dist
+from app.ds import run_dict
 from app.ds.internals import torch_private
 from app.memory import estimate
 from app.parallel import activations
@@ -48,7 +50,7 @@ def plans(work, named: dict, ranks: int, adapters=None, reference: bool = False)
     """{name: MemoryPlan} of each DeepSpeed dict in named: the model built once on fake tensors for its sizes, one
     fake forward and backward per precision and checkpointing asked; adapters: (rank, targets) of LoRA, or None;
     reference: a frozen copy of the model rides along (preference tuning), its weights alone, as its own engine
-    lays them out (preference.reference_dict: the config's precision, partitioned and offloaded under ZeRO-3 only);
+    lays them out (run_dict.for_reference: the config's precision, partitioned and offloaded under ZeRO-3 only);
     its no_grad forward's transients, freed before the policy's forward, stay below the policy's own peak."""
     build, inputs, loss = work
     with torch_private.fake_tensor_mode():
@@ -71,7 +73,7 @@ def plans(work, named: dict, ranks: int, adapters=None, reference: bool = False)
         found[name] = estimate.memory_plan(name, ds, ranks, sizes, largest, cache[key], kinds, trainable)
         found[name].largest_layer = largest
         if reference:
-            device, host = estimate.model_states(sizes, preference.reference_dict(ds, ranks), ranks,
+            device, host = estimate.model_states(sizes, run_dict.for_reference(ds, ranks), ranks,
                                                  [False] * len(sizes))
             found[name].device["reference"] = device.get("weights", 0)
             if "weights" in host:  # ZeRO-3 with offload_param: the copy's partition waits on the host
@@ -89,7 +91,7 @@ def weigh(ds: dict, note: str, task, settings, replicas: int, memory: int) -> tu
     batch while bf16 weights do, the dict with bf16 weights and a note saying why; else both as they were. Only
     transformers models, data parallel, a micro batch set in the JSON (an "auto" one is found at start)."""
     micro = ds.get("train_micro_batch_size_per_gpu")
-    if not (memory and note.startswith(AUTOCAST_BY_AUTO) and isinstance(micro, int) and getattr(task, "spec", None)):
+    if not (memory and note.startswith(AUTOCAST_BY_AUTO) and isinstance(micro, int) and task.spec):
         return ds, note
     try:
         return _weighed(ds, note, task, settings, replicas, memory, micro)
@@ -100,7 +102,7 @@ def weigh(ds: dict, note: str, task, settings, replicas: int, memory: int) -> tu
 def _weighed(ds: dict, note: str, task, settings, replicas: int, memory: int, micro: int) -> tuple:
     adapters = (settings.lora_rank, lora.targets_of(settings)) if settings.lora else None
     work = workload(task, settings.block_size, frozen=bool(adapters))
-    frozen_copy = getattr(task, "reference_kind", "") == "frozen copy"  # preference tuning's reference
+    frozen_copy = task.reference_kind == "frozen copy"  # preference tuning's reference
     usable, bf16 = estimate.USABLE * memory, with_bf16_weights(ds)
     autocast_peak = plans(work, {"autocast": ds}, replicas, adapters, frozen_copy)["autocast"].peak(micro)
     if autocast_peak <= usable:  # the usual case, measured once: autocast stays
@@ -111,3 +113,12 @@ def _weighed(ds: dict, note: str, task, settings, replicas: int, memory: int, mi
     return bf16, (f"bf16 (torch_autocast \"auto\" gave way to bf16 weights: the memory plan puts a micro batch of "
                   f"{micro} at {autocast_peak / 1e9:.1f} GB a rank with autocast's fp32 weights and "
                   f"{bf16_peak / 1e9:.1f} GB with bf16 weights, of {usable / 1e9:.1f} GB this GPU gives a run)")
+
+
+def weighed_for_run(ds: dict, note: str, task, settings, ranks, device) -> tuple:
+    """(ds, note) of a run once its data has settled the task: on a GPU, with data parallel, weighed by rank 0 (one
+    decision, however the GPUs differ); else as they were (a split model's bytes are its stages')."""
+    if device.type != "cuda" or ranks.split or ranks.tensor > 1:
+        return ds, note
+    gpu = torch.cuda.get_device_properties(device).total_memory
+    return dist.broadcast_object(weigh(ds, note, task, settings, ranks.replicas, gpu) if dist.is_main() else None)

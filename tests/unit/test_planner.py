@@ -2,10 +2,10 @@
 bf16 autocast's fp32 weights do not fit the micro batch and bf16 weights do, else the precision "auto" picked."""
 import pytest
 
-from app.core import tasks
+from app.core import resolver
 from app.ds import precision
 from app.ds.config import DEFAULT_DS_CONFIG, load_ds_config
-from app.memory import estimate, fit
+from app.memory import estimate, planner
 from app.settings import Settings
 
 SETTINGS = Settings(model="gpt2-tiny", block_size=128)
@@ -16,15 +16,15 @@ def on_a_gpu(micro: int) -> tuple:
     ds = load_ds_config(DEFAULT_DS_CONFIG, resolve=False)
     ds, note = precision.resolve_precision({**ds, "train_micro_batch_size_per_gpu": micro}, "dp.json", cuda=True,
                                            bf16_ok=True)
-    assert note.startswith(fit.AUTOCAST_BY_AUTO), note
+    assert note.startswith(planner.AUTOCAST_BY_AUTO), note
     return ds, note
 
 
 def peaks(micro: int) -> tuple:
     """The plan's peaks of the micro batch under autocast and with bf16 weights, on 1 rank."""
     ds, _ = on_a_gpu(micro)
-    task = tasks.build(SETTINGS)
-    found = fit.plans(fit.workload(task, 128), {"autocast": ds, "bf16": fit.with_bf16_weights(ds)}, 1)
+    task = resolver.build(SETTINGS)
+    found = planner.plans(planner.workload(task, 128), {"autocast": ds, "bf16": planner.with_bf16_weights(ds)}, 1)
     return found["autocast"].peak(micro), found["bf16"].peak(micro)
 
 
@@ -32,7 +32,7 @@ def test_bf16_weights_where_only_they_fit_and_the_first_line_says_why():
     autocast, bf16 = peaks(64)
     assert bf16 < autocast
     memory = int((autocast + bf16) / 2 / estimate.USABLE)
-    ds, note = fit.weigh(*on_a_gpu(64), tasks.build(SETTINGS), SETTINGS, 1, memory)
+    ds, note = planner.weigh(*on_a_gpu(64), resolver.build(SETTINGS), SETTINGS, 1, memory)
     assert ds["bf16"] == {"enabled": True} and "torch_autocast" not in ds
     assert note.startswith("bf16 (torch_autocast \"auto\" gave way to bf16 weights: the memory plan puts a micro "
                            "batch of 64 at ") and "with bf16 weights, of " in note
@@ -44,26 +44,26 @@ def test_autocast_stays_where_it_fits_and_where_nothing_does(share):
     out-of-memory handling says what to do."""
     autocast, _ = peaks(64)
     ds, note = on_a_gpu(64)
-    assert fit.weigh(ds, note, tasks.build(SETTINGS), SETTINGS, 1, int(share * autocast / estimate.USABLE)) == (ds, note)
+    assert planner.weigh(ds, note, resolver.build(SETTINGS), SETTINGS, 1, int(share * autocast / estimate.USABLE)) == (ds, note)
 
 
 def test_only_auto_on_a_gpu_with_a_set_micro_batch_is_weighed():
     ds, note = on_a_gpu(64)
-    task = tasks.build(SETTINGS)
-    assert fit.weigh(ds, note, task, SETTINGS, 1, 0) == (ds, note), "no GPU"
-    assert fit.weigh({**ds, "train_micro_batch_size_per_gpu": "auto"}, note, task, SETTINGS, 1, 10**6)[1] == note
+    task = resolver.build(SETTINGS)
+    assert planner.weigh(ds, note, task, SETTINGS, 1, 0) == (ds, note), "no GPU"
+    assert planner.weigh({**ds, "train_micro_batch_size_per_gpu": "auto"}, note, task, SETTINGS, 1, 10**6)[1] == note
     set_by_file = "bf16 autocast"  # torch_autocast enabled true in the file: the user chose
-    assert fit.weigh(ds, set_by_file, task, SETTINGS, 1, 10**6) == (ds, set_by_file)
-    image = tasks.build(Settings(model="cnn"))
-    assert fit.weigh(ds, note, image, Settings(model="cnn"), 1, 10**6) == (ds, note), "image models: not weighed"
+    assert planner.weigh(ds, set_by_file, task, SETTINGS, 1, 10**6) == (ds, set_by_file)
+    image = resolver.build(Settings(model="cnn"))
+    assert planner.weigh(ds, note, image, Settings(model="cnn"), 1, 10**6) == (ds, note), "image models: not weighed"
 
 
 def test_lora_plans_a_frozen_model_whose_backward_keeps_fewer_activations():
     """Frozen weights take no gradient, so the forward keeps no input for one; the backward still reaches the
     input, as it reaches the adapters."""
     import torch
-    task = tasks.build(SETTINGS)
-    held = {frozen: estimate.activation_bytes(*fit.workload(task, 128, frozen=frozen), 4, torch.bfloat16, False)
+    task = resolver.build(SETTINGS)
+    held = {frozen: estimate.activation_bytes(*planner.workload(task, 128, frozen=frozen), 4, torch.bfloat16, False)
             for frozen in (False, True)}
     assert 0 < held[True] < held[False]
 
@@ -73,16 +73,16 @@ def test_a_preference_run_is_weighed_with_its_pairs_and_its_frozen_copy():
     the pairs fit under autocast only without the copy, and bf16 weights with a bf16 copy fit, the preference run
     takes bf16 weights; a plain run of the same micro batch keeps autocast."""
     pairs = Settings(model="gpt2-tiny", block_size=128, task="preference")
-    task = tasks.build(pairs)
+    task = resolver.build(pairs)
     ds, note = on_a_gpu(32)
-    work, named = fit.workload(task, 128), {"autocast": ds, "bf16": fit.with_bf16_weights(ds)}
-    alone, beside = (fit.plans(work, named, 1, reference=copy) for copy in (False, True))
+    work, named = planner.workload(task, 128), {"autocast": ds, "bf16": planner.with_bf16_weights(ds)}
+    alone, beside = (planner.plans(work, named, 1, reference=copy) for copy in (False, True))
     assert beside["autocast"].device["reference"] == beside["autocast"].device["weights"], "fp32, as the policy's"
     assert beside["bf16"].device["reference"] == beside["bf16"].device["weights"], "bf16, as the policy's"
     assert beside["bf16"].peak(32) < alone["autocast"].peak(32) < beside["autocast"].peak(32)
     assert peaks(32)[0] < alone["autocast"].peak(32) / 1.5, "32 pairs: about twice 32 plain samples' activations"
     memory = int((alone["autocast"].peak(32) + beside["autocast"].peak(32)) / 2 / estimate.USABLE)
-    assert fit.weigh(ds, note, tasks.build(SETTINGS), SETTINGS, 1, memory) == (ds, note), "a plain run: autocast"
-    weighed, said = fit.weigh(ds, note, task, pairs, 1, memory)
+    assert planner.weigh(ds, note, resolver.build(SETTINGS), SETTINGS, 1, memory) == (ds, note), "a plain run: autocast"
+    weighed, said = planner.weigh(ds, note, task, pairs, 1, memory)
     assert weighed["bf16"] == {"enabled": True}, said
     assert f"{beside['autocast'].peak(32) / 1e9:.1f} GB a rank with autocast's fp32 weights" in said

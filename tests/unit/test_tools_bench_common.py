@@ -1,0 +1,47 @@
+"""What every mode of the benchmark builds on, in one process: the clock, the timed loader, the parameter bytes."""
+import time
+
+import torch
+
+from app.data.loader import build_loader
+from app.tools import bench_common
+
+CPU = torch.device("cpu")
+
+
+def test_the_clock_gives_one_time_per_step_from_the_mark_before_it():
+    clock = bench_common.Clock(CPU)
+    for pause in (0.03, 0.0, 0.01):
+        time.sleep(pause)
+        clock.tick()
+    times = clock.times()
+    assert len(times) == 3 and min(times) >= 0
+    assert times[0] >= 0.03 and times[2] >= 0.01 and times[1] < times[0]
+
+
+def test_the_timed_loader_counts_each_wait_and_ends_with_its_loader():
+    loader = build_loader(torch.utils.data.TensorDataset(torch.arange(12.0), torch.arange(12)), 4, 0, 1, True, 0)
+    clock = bench_common.Clock(CPU)
+    timed = bench_common.TimedLoader(loader, clock)
+    batches = list(timed)
+    assert len(timed) == len(loader) == len(batches) == 3
+    timed.set_epoch(1, 2)
+    assert (loader.batch_sampler.epoch, loader.batch_sampler.skip) == (1, 2), "the loop's calls reach the loader"
+    assert timed.total_units() == 12.0 and timed.drawn(1, 2) == {}
+    assert len(clock.waits) == 4, "one wait per batch, and the one that found the loader done"
+    assert sorted(torch.cat([x for x, _, _ in batches]).tolist()) == [float(i) for i in range(12)]
+
+
+def test_an_endless_timed_loader_goes_on_into_a_new_epoch_in_a_new_order():
+    loader = build_loader(torch.utils.data.TensorDataset(torch.arange(64.0), torch.arange(64)), 32, 0, 1, True, 0)
+    batches = iter(bench_common.TimedLoader(loader, bench_common.Clock(CPU), endless=True))
+    epochs = [torch.cat([next(batches)[0] for _ in range(2)]).tolist() for _ in range(3)]
+    assert all(sorted(epoch) == [float(i) for i in range(64)] for epoch in epochs)
+    assert epochs[0] != epochs[1] != epochs[2], "each epoch shuffled by its own number"
+
+
+def test_parameter_bytes_count_each_dtype_and_a_zero3_rank_only_its_partition():
+    module = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 2).to(torch.bfloat16))
+    assert bench_common.param_bytes(module) == (4 * 3 + 3) * 4 + (3 * 2 + 2) * 2
+    module[0].weight.ds_tensor = torch.empty(5)  # what ZeRO-3 leaves: the rank's partition beside an empty weight
+    assert bench_common.param_bytes(module) == (5 + 3) * 4 + (3 * 2 + 2) * 2
