@@ -18,7 +18,7 @@ class Settings:
     .txt/.json/.jsonl/.csv/.parquet file or a folder of them, or a hub dataset name; several, comma-separated (a,b),
     train together (--mix_weights)."""
     task: str = "auto"
-    """Text: causal_lm, instruction, preference or sequence_classification; auto takes the model's own (presets:
+    """Text: causal_lm, instruction, preference, grpo or sequence_classification; auto takes the model's own (presets:
     gpt2-* and llama-* causal_lm, bert-tiny sequence_classification; folders and hub models: the architecture in
     their config), and a causal LM whose rows hold 'messages', or 'prompt' and 'completion', fine-tunes on
     instructions; one whose rows hold 'chosen' and 'rejected' answers, on preferences (preference)."""
@@ -46,14 +46,43 @@ class Settings:
     preference_loss: str = "sigmoid"
     """Preference pairs: sigmoid (DPO), ipo, hinge, or simpo (no reference; length-normalised, margin
     --simpo_gamma)."""
-    beta: float = 0.1
-    """Preference pairs: how far from the reference the loss lets the model go (smaller: further; SimPO's paper
-    uses 2 to 2.5)."""
+    beta: str = "auto"
+    """How far from the reference the loss lets the model go (smaller: further): preference pairs 0.1 (auto; SimPO's
+    paper uses 2 to 2.5), grpo the KL term's weight, 0 (auto: no KL term and no reference, as TRL)."""
     simpo_gamma: float = 0.5
     """Preference pairs, --preference_loss simpo: the reward margin the loss asks of the chosen answer."""
     reference: str = "live"
     """Preference pairs: live (under --lora the model with its adapters off, else a frozen copy built as the
     model is, partitioned under ZeRO-3) or precompute (one pass before training, kept beside the tokenized data)."""
+    reward: str = ""
+    """grpo: the reward functions, FILE.py:NAME[,FILE.py:NAME...], each fn(prompts, completions, completion_ids,
+    **columns) -> a float or None per completion, as TRL's GRPOTrainer calls them (docs/rl.md)."""
+    reward_weights: str = ""
+    """grpo: each reward function's weight in the sum, in order (default: 1 each)."""
+    num_generations: int = 8
+    """grpo: completions sampled for each prompt, compared within their group (at least 2)."""
+    max_completion_length: int = 256
+    """grpo: the most tokens of each completion; one cut there has not ended (docs/rl.md)."""
+    temperature: float = 1.0
+    """grpo: the sampling temperature of the completions (and of the log-probabilities the loss takes)."""
+    top_p: float = 1.0
+    """grpo: sample from the smallest set of tokens whose probabilities reach top_p (1: all)."""
+    top_k: int = 0
+    """grpo: sample from the top_k most likely tokens (0: all)."""
+    grpo_loss: str = "dapo"
+    """grpo: dapo (every completion token of the optimizer step weighs the same), grpo (each completion's token mean,
+    then their mean) or dr_grpo (token sums over completions x --max_completion_length)."""
+    epsilon: float = 0.2
+    """grpo: the clipping of the probability ratio below 1 (and above, unless --epsilon_high)."""
+    epsilon_high: float = 0.0
+    """grpo: the clipping of the ratio above 1 (0: --epsilon; DAPO uses 0.28)."""
+    scale_rewards: str = "group"
+    """grpo: advantages are rewards less their group's mean, divided by the group's std (group), by the whole
+    step's std (batch), or not (none)."""
+    mask_truncated_completions: bool = False
+    """grpo: leave completions cut at --max_completion_length out of the loss (they count in the metrics)."""
+    num_iterations: int = 1
+    """grpo: optimizer steps on each batch of completions (TRL's mu); only 1 today."""
     lora: bool = False
     """Transformers models: train low-rank adapters (LoRA, through HF peft) and freeze the base model; checkpoints
     hold the adapters, and app.tools.export writes the adapter folder or the merged model."""
@@ -133,6 +162,15 @@ class Settings:
     deepspeed_config: str = str(DEFAULT_DS_CONFIG)
     """Path of the DeepSpeed JSON file."""
 
+    def beta_or(self, default: float) -> float:
+        """--beta as a number: the task's default where it is auto."""
+        if self.beta == "auto":
+            return default
+        try:
+            return float(self.beta)
+        except (TypeError, ValueError):
+            raise UserError(f"--beta must be a number or auto, got {self.beta!r}") from None
+
     def __post_init__(self):
         for name in ("epochs", "log_interval", "dist_timeout", "image_size", "grace_period"):
             if getattr(self, name) < 1:
@@ -147,7 +185,9 @@ class Settings:
                               ("packing", ("auto", "on", "off")), ("mix_by", ("rows", "tokens")),
                               ("streaming", ("off", "on")),
                               ("pin_memory", ("auto", "on", "off")), ("reference", ("live", "precompute")),
-                              ("preference_loss", ("sigmoid", "ipo", "hinge", "simpo"))):
+                              ("preference_loss", ("sigmoid", "ipo", "hinge", "simpo")),
+                              ("grpo_loss", ("dapo", "grpo", "dr_grpo")),
+                              ("scale_rewards", ("group", "batch", "none"))):
             if getattr(self, name) not in allowed:
                 raise UserError(f"--{name} must be one of {', '.join(allowed)}, got {getattr(self, name)!r}")
         if self.streaming == "on" and not self.max_steps:
@@ -159,8 +199,11 @@ class Settings:
         if self.lora_alpha <= 0 or not 0 <= self.lora_dropout < 1:
             raise UserError(f"--lora_alpha must be above 0 and --lora_dropout at least 0 and below 1, got "
                             f"{self.lora_alpha} and {self.lora_dropout}")
-        if self.beta <= 0:
-            raise UserError(f"--beta must be above 0 (0.1 is usual for DPO, 2 for SimPO), got {self.beta}")
+        self.beta_or(0.0)  # a number or "auto"; each task checks its own range
+        if self.num_generations < 2 or self.max_completion_length < 1:
+            raise UserError(f"--num_generations must be at least 2 (a group's rewards are compared with each other) "
+                            f"and --max_completion_length at least 1, got {self.num_generations} and "
+                            f"{self.max_completion_length}")
         if not 0 < self.eval_fraction < 1:
             raise UserError(f"--eval_fraction must be between 0 and 1, got {self.eval_fraction}")
 

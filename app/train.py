@@ -159,7 +159,8 @@ def build(settings: Settings, world: World, settled: Settled) -> Built:
                          pipeline_stages=ranks.split.stages if ranks.split else 0, data_parallel_size=ranks.replicas,
                          tensor_parallel_size=ranks.tensor, lora=lora.record(settings, task.spec),
                          task_record=task.record())
-    folder, saved, universal = resume.checkpoint_to_resume(settled.output_dir, settings.resume, state, settings.overwrite)
+    folder, saved, universal = resume.checkpoint_to_resume(settled.output_dir, settings.resume, state,
+                                                           settings.overwrite)
     state.deepspeed_config = run_dict.final(settled.ds, settled.filled, steps, universal, learnt, ranks.tensor)
     return Built(loop.build_engine(trained, state.deepspeed_config), loaders, steps, state, folder, saved, flops,
                  tuple(saves))

@@ -169,6 +169,24 @@ def train_jobs(launcher: str, nproc: int, jobs: list, timeout=900, base_env=None
         return outputs
 
 
+def named_jobs(tmp: Path, two: dict, one: dict, refused: set, wrapper=()) -> dict:
+    """{name: (its run folder, its output)} of named train.py jobs: the 2-rank ones in one launch, then the
+    one-process ones, each writing to tmp/<name>. A job is an argument list, or {"argv": [...], "env": {...},
+    "folder": another job's name} (folder: go on in that job's run, a resume); refused: the jobs that end in one line
+    (exit 2)."""
+    def folder(name, job):
+        return tmp / (job.get("folder", name) if isinstance(job, dict) else name)
+
+    def argv(name, job):
+        given = job if isinstance(job, dict) else {"argv": job}
+        return {"argv": [*given["argv"], "--output_dir", folder(name, job)], "env": given.get("env", {})}
+    outputs = train_jobs("ranks", 2, [argv(n, j) for n, j in two.items()],
+                         codes=[2 if n in refused else 0 for n in two], wrapper=wrapper)
+    outputs += train_jobs("python", 1, [argv(n, j) for n, j in one.items()],
+                          codes=[2 if n in refused else 0 for n in one])
+    return {name: (folder(name, job), output) for (name, job), output in zip([*two.items(), *one.items()], outputs)}
+
+
 def read_metrics(output_dir: Path):
     """(train rows, eval rows) from metrics.csv, numbers parsed."""
     with open(output_dir / "metrics.csv") as f:

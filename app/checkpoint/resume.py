@@ -124,7 +124,7 @@ def _weights_of(ds: dict) -> str:
 
 def check_compatible(saved: TrainerState, current: TrainerState, folder: Path):
     """Refuse a checkpoint made for another model, dataset, order of its rows, ZeRO stage, pipeline split, weights'
-    precision, LoRA adapters or preference settings."""
+    precision, LoRA adapters or the task's recorded settings."""
     for key in ("model", "dataset", "zero_stage", "pipeline_stages", "tensor_parallel_size"):
         if getattr(saved, key) != getattr(current, key):
             raise UserError(f"checkpoint {folder} was made with {key}={getattr(saved, key)!r} but this run has "
@@ -145,33 +145,39 @@ def check_compatible(saved: TrainerState, current: TrainerState, folder: Path):
         said = lambda lora: f"LoRA {lora}" if lora else "no LoRA"  # noqa: E731
         raise UserError(f"checkpoint {folder} was made with {said(then)} but this run has {said(now)}; pass the "
                         f"same --lora flags or start a new --output_dir")
-    _check_preference(saved, current, folder)
+    _check_task_record(saved, current, folder)
     if saved.lora.get("base") != current.lora.get("base"):
         raise UserError(f"checkpoint {folder} holds LoRA adapters trained on another base model than {current.model} "
                         f"has now (its config or weights differ); resume on the base model they were trained on, "
                         f"or start a new --output_dir")
 
 
-# The flag that sets each field of a preference run's record (the reference one also follows --lora).
-PREFERENCE_FLAGS = {"loss": "--preference_loss", "beta": "--beta", "gamma": "--simpo_gamma", "reference": "--reference"}
+# The flag that sets each field of a task's record where it is not --<field> (the reference one also follows --lora).
+FLAGS = {"loss": "--preference_loss", "gamma": "--simpo_gamma"}
+# What the lines call each kind of training that records its settings (a record without "task": preference's).
+KINDS = {"preference": ("preference", "preference tuning"), "grpo": ("GRPO", "GRPO")}
 
 
-def _check_preference(saved: TrainerState, current: TrainerState, folder: Path):
-    """Refuse a preference run resumed with another loss, beta, SimPO gamma or reference, or onto another base."""
+def _check_task_record(saved: TrainerState, current: TrainerState, folder: Path):
+    """Refuse a resume with other settings of the task's loss (preference tuning's loss, beta, SimPO's gamma or
+    reference; GRPO's loss, sampling and rewards), another kind of training, or a reference on another base."""
     then, now = saved.task_record, current.task_record
-    if bool(then) != bool(now):
-        said = lambda record: "preference tuning" if record else "no preference tuning"  # noqa: E731
-        raise UserError(f"checkpoint {folder} was made with {said(then)} but this run has {said(now)}; pass the "
+    kinds = [KINDS[record.get("task", "preference")] if record else None for record in (then, now)]
+    if kinds[0] != kinds[1]:
+        named = next(kind for kind in kinds if kind)[1]
+        said = [kind[1] if kind else f"no {named}" for kind in kinds]
+        raise UserError(f"checkpoint {folder} was made with {said[0]} but this run has {said[1]}; pass the "
                         f"same --task or start a new --output_dir")
-    keys = [key for key in PREFERENCE_FLAGS if key != "gamma" or "simpo" in (then.get("loss"), now.get("loss"))]
-    changed = [key for key in keys if then.get(key) != now.get(key)]  # gamma counts only where SimPO's loss reads it
+    simpo = "simpo" in (then.get("loss"), now.get("loss"))  # gamma counts only where SimPO's loss reads it
+    keys = [key for key in {**then, **now} if key != "base" and (key != "gamma" or simpo)]
+    changed = [key for key in keys if then.get(key) != now.get(key)]
     if changed:
         said = ", ".join(f"{key} {then.get(key)!r} -> {now.get(key)!r}" for key in changed)
-        flags = ", ".join(PREFERENCE_FLAGS[key] for key in changed)
-        raise UserError(f"checkpoint {folder} was made with other preference settings than this run has ({said}), "
+        flags = ", ".join(FLAGS.get(key, f"--{key}") for key in changed)
+        raise UserError(f"checkpoint {folder} was made with other {kinds[0][0]} settings than this run has ({said}), "
                         f"which would change the loss mid-run; pass the same {flags} as that run or start a new "
                         f"--output_dir")
-    if then.get("base") != now.get("base") and then.get("reference") not in (None, "none (SimPO)"):
+    if then.get("base") != now.get("base") and then.get("reference") not in (None, "", "none (SimPO)"):
         raise UserError(f"checkpoint {folder} trained against a reference of another base model than {current.model} "
                         f"has now (its config or weights differ, or its seed); resume on the base model it started "
                         f"from, or start a new --output_dir")

@@ -18,7 +18,7 @@ from app.errors import UserError
 ALL_LINEAR = "all-linear"
 ADAPTER_CONFIG = "adapter_config.json"  # peft's file names
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
-PEFT_TASKS = {"causal_lm": "CAUSAL_LM", "instruction": "CAUSAL_LM", "preference": "CAUSAL_LM",
+PEFT_TASKS = {"causal_lm": "CAUSAL_LM", "instruction": "CAUSAL_LM", "preference": "CAUSAL_LM", "grpo": "CAUSAL_LM",
               "sequence_classification": "SEQ_CLS"}
 SAMPLED = 1 << 20  # bytes read from each end of a weight file for the base model's fingerprint
 

@@ -14,10 +14,9 @@ from torch import nn
 
 from app.core import lora, models, reference
 from app.core.step import TrainStep
-from app.core.tasks import TextTask, answer_prompts
-from app.data.chat import IGNORE
+from app.core.reference import AgainstReference, Reference, answer_logps
+from app.core.tasks import answer_prompts, without_dropout
 from app.distributed import dist
-from app.ds import internals as ds_internals
 from app.ds.precision import compute_dtype
 from app.errors import UserError
 from app.observe.metrics import Meter
@@ -25,15 +24,6 @@ from app.settings import Settings
 
 LOSSES = ("sigmoid", "ipo", "hinge", "simpo")
 METRICS = ["loss", "rewards_chosen", "rewards_rejected", "reward_margin", "reward_accuracy"]
-
-
-def answer_logps(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """(sequences, 2): each sequence's log-probability of its labelled tokens (summed, in fp32) and how many
-    there are."""
-    rows, targets = logits[:, :-1].reshape(-1, logits.size(-1)), labels[:, 1:].reshape(-1)
-    logp = -F.cross_entropy(rows.float(), targets, reduction="none", ignore_index=IGNORE)
-    counted = (labels[:, 1:] != IGNORE).sum(1).clamp(min=1).float()
-    return torch.stack([logp.view(len(logits), -1).sum(1), counted], 1)
 
 
 def pair_losses(kind: str, beta: float, gamma: float, policy: torch.Tensor, reference: torch.Tensor) -> tuple:
@@ -58,27 +48,6 @@ def pair_losses(kind: str, beta: float, gamma: float, policy: torch.Tensor, refe
     else:
         loss = -F.logsigmoid(rewards[:, 0] - rewards[:, 1])
     return loss, rewards[:, 0], rewards[:, 1]
-
-
-class Reference:
-    """The reference's log-probabilities of a micro batch's sequences, under no_grad, eager, in eval mode.
-    engine: the policy's engine (adapters_off: its LoRA adapters switched off) or a frozen copy's."""
-
-    def __init__(self, engine, adapters_off: bool):
-        self.engine, self.adapters_off = engine, adapters_off
-
-    def __call__(self, ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        engine = self.engine
-        training = engine.module.training
-        off = engine.module.hf.disable_adapter() if self.adapters_off else contextlib.nullcontext()
-        engine.eval()
-        try:
-            with torch.no_grad(), torch.compiler.set_stance("force_eager"), off:
-                # the policy's own engine: its forward counts as part of the policy's step (ZeRO-3's gather order)
-                logits = ds_internals.forward_within_the_step(engine, ids) if self.adapters_off else engine(ids)
-                return answer_logps(logits, labels)[:, 0]
-        finally:
-            engine.train(training)
 
 
 class PreferenceStep(TrainStep):
@@ -124,7 +93,7 @@ class PreferenceStep(TrainStep):
         return {f"eval_{name}": result[name] for name in self.metrics}
 
 
-class Preference(TextTask):
+class Preference(AgainstReference):
     """Pairs of answers to one prompt (app/data/preference.py) on a causal language model, the model as for
     instruction data; the DPO family's losses against a reference."""
     name = "preference"
@@ -136,7 +105,9 @@ class Preference(TextTask):
     def __init__(self, settings: Settings, spec, data=None, tokenizer=None):
         """What the settings ask of the loss and the reference; a frozen copy comes with before_search()."""
         super().__init__(settings, spec, data, tokenizer)
-        self.loss_kind, self.beta, self.gamma = settings.preference_loss, settings.beta, settings.simpo_gamma
+        self.loss_kind, self.beta, self.gamma = settings.preference_loss, settings.beta_or(0.1), settings.simpo_gamma
+        if self.beta <= 0:
+            raise UserError(f"--beta must be above 0 (0.1 is usual for DPO, 2 for SimPO), got {self.beta:g}")
         self.frozen = None
         self.reference_kind = "none (SimPO)" if self.loss_kind == "simpo" else \
             "precomputed" if settings.reference == "precompute" else \
@@ -159,28 +130,7 @@ class Preference(TextTask):
         """As for any text task, its dropout off (the model and the reference must score an answer alike, as TRL's
         disable_dropout does); a preset's weights drawn from --seed alone, so a frozen copy is the same model."""
         with lora.seeded(self.settings.seed) if not self.spec.pretrained else contextlib.nullcontext():
-            model = super().build_model(info, ds_config)
-        for module in model.modules():
-            if isinstance(module, nn.Dropout):
-                module.p = 0.0
-        return model
-
-    def live_reference(self, engine):
-        """The Reference a step asks for each micro batch: None when the batch brings it (precomputed), when the
-        loss needs none, or before before_search() (a tool's steps)."""
-        if self.reference_kind == "adapters off":
-            return Reference(engine, adapters_off=True)
-        return Reference(self.frozen, False) if self.reference_kind == "frozen copy" and self.frozen else None
-
-    def before_search(self, ds: dict, replicas: int):
-        """The frozen copy, when the run trains against one, so the search's trial steps carry it as the run will."""
-        if self.reference_kind == "frozen copy":
-            self.frozen = reference.frozen_copy(lambda ref: self.build_model(self.data.info, ref), ds, replicas)
-
-    def after_trial(self):
-        """What a trial that ran out of memory left gathered in the frozen copy's partitions."""
-        if self.frozen is not None and self.frozen.zero_optimization_partition_weights():
-            self.frozen.empty_partition_cache()
+            return without_dropout(super().build_model(info, ds_config))
 
     def before_load(self, engine, ds: dict, output_dir):
         """While the engine holds the base model's weights: the precomputed log-probabilities; says which reference

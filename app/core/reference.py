@@ -2,17 +2,31 @@
 the policy is, and the reference's log-probabilities computed once (--reference precompute) and kept beside the
 tokenized data, keyed by the data, the base model and the precision, so a resumed run, or one on another world
 size, reads them instead."""
+import contextlib
 import hashlib
 import json
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 
 from app.checkpoint.save import atomic_write
 from app.distributed import dist
+from app.core.tasks import TextTask
+from app.data.chat import IGNORE
+from app.ds import internals as ds_internals
 from app.ds import run_dict
 
 FILE = "reference-logps-{}.json"
+
+
+def answer_logps(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """(sequences, 2): each sequence's log-probability of its labelled tokens (summed, in fp32) and how many
+    there are."""
+    rows, targets = logits[:, :-1].reshape(-1, logits.size(-1)), labels[:, 1:].reshape(-1)
+    logp = -F.cross_entropy(rows.float(), targets, reduction="none", ignore_index=IGNORE)
+    counted = (labels[:, 1:] != IGNORE).sum(1).clamp(min=1).float()
+    return torch.stack([logp.view(len(logits), -1).sum(1), counted], 1)
 
 
 def frozen_copy(build, ds: dict, replicas: int):
@@ -75,3 +89,50 @@ def precompute(reference_of, sets, base: str, dtype, micro: int, output_dir: Pat
         dist.print0(f"reference: log-probabilities of {sum(map(len, sets))} pairs read from {path}")
     for pairs, table in zip(sets, found["sets"]):
         pairs.add_reference(table)
+
+
+class Reference:
+    """The reference's logits, or log-probabilities of a micro batch's answers, under no_grad, eager, in eval mode.
+    engine: the policy's engine (adapters_off: its LoRA adapters switched off) or a frozen copy's."""
+
+    def __init__(self, engine, adapters_off: bool):
+        self.engine, self.adapters_off = engine, adapters_off
+
+    def __call__(self, ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        return answer_logps(self.logits(ids), labels)[:, 0]
+
+    def logits(self, ids: torch.Tensor) -> torch.Tensor:
+        """The reference's logits of the sequences."""
+        engine = self.engine
+        training = engine.module.training
+        off = engine.module.hf.disable_adapter() if self.adapters_off else contextlib.nullcontext()
+        engine.eval()
+        try:
+            with torch.no_grad(), torch.compiler.set_stance("force_eager"), off:
+                # the policy's own engine: its forward counts as part of the policy's step (ZeRO-3's gather order)
+                return ds_internals.forward_within_the_step(engine, ids) if self.adapters_off else engine(ids)
+        finally:
+            engine.train(training)
+
+
+class AgainstReference(TextTask):
+    """A text task whose loss compares the model with a reference (preference tuning, GRPO's KL term): the model
+    with its LoRA adapters off, or a frozen copy built as it is; reference_kind says which (the subclass sets it)."""
+    frozen = None
+
+    def live_reference(self, engine):
+        """The Reference a step asks for each micro batch: the adapters off, the frozen copy, or None (none, or one
+        the batch brings, or before before_search(): a tool's steps)."""
+        if self.reference_kind == "adapters off":
+            return Reference(engine, adapters_off=True)
+        return Reference(self.frozen, False) if self.frozen is not None else None
+
+    def before_search(self, ds: dict, replicas: int):
+        """The frozen copy, when the run trains against one, so the search's trial steps carry it as the run will."""
+        if self.reference_kind == "frozen copy":
+            self.frozen = frozen_copy(lambda ref: self.build_model(self.data.info, ref), ds, replicas)
+
+    def after_trial(self):
+        """What a trial that ran out of memory left gathered in the frozen copy's partitions."""
+        if self.frozen is not None and self.frozen.zero_optimization_partition_weights():
+            self.frozen.empty_partition_cache()

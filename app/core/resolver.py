@@ -3,6 +3,7 @@ instruction or preference); the tools, which bring their own data, pick from the
 from pathlib import Path
 
 from app.core import models
+from app.core.grpo import Grpo
 from app.core.preference import Preference
 from app.core.task import Task
 from app.core.tasks import CausalLM, ImageClassification, Instruction, SequenceClassification, image_data, text_data
@@ -10,8 +11,8 @@ from app.ds import auto as ds_auto
 from app.errors import UserError
 from app.settings import Settings
 
-TEXT_TASKS = ("causal_lm", "instruction", "preference", "sequence_classification")
-CLASSES = {"causal_lm": CausalLM, "instruction": Instruction, "preference": Preference,
+TEXT_TASKS = ("causal_lm", "instruction", "preference", "grpo", "sequence_classification")
+CLASSES = {"causal_lm": CausalLM, "instruction": Instruction, "preference": Preference, "grpo": Grpo,
            "sequence_classification": SequenceClassification}
 
 
@@ -34,9 +35,12 @@ def spec_of(settings: Settings):
         if settings.packing == "on":
             raise UserError("--packing on packs the rows of instruction data for a transformers model; "
                             f"{settings.model} is an image model: leave --packing auto")
-    elif asked(settings, spec) == "preference" and spec.task != "causal_lm":
-        raise UserError(f"--task preference trains a causal language model on pairs of answers; {settings.model} is "
-                        f"a sequence classifier: pass a causal LM")
+    elif asked(settings, spec) in ("preference", "grpo") and spec.task != "causal_lm":
+        what = "pairs of answers" if settings.task == "preference" else "completions it samples"
+        raise UserError(f"--task {settings.task} trains a causal language model on {what}; {settings.model} is a "
+                        f"sequence classifier: pass a causal LM")
+    elif asked(settings, spec) == "grpo":
+        Grpo.check(settings)
     return spec
 
 

@@ -134,6 +134,15 @@ class TextTask(Task):
             self.adapters.save_pretrained(str(folder / models.HF_FILES))
 
 
+def without_dropout(model: nn.Module) -> nn.Module:
+    """The model with every dropout off: the trained model and its reference score a sequence alike (TRL's
+    disable_dropout)."""
+    for module in model.modules():
+        if isinstance(module, nn.Dropout):
+            module.p = 0.0
+    return model
+
+
 def answer_prompts(held, count: int) -> list:
     """[(prompt ids, expected answer ids)] of the first `count` rows of a held-out set of instruction rows or pairs
     (packed: the rows inside its blocks)."""

@@ -1,6 +1,7 @@
 """Image datasets: one small builder per source, each returning (train set, eval set, DataInfo)."""
 import contextlib
 import os
+import sys
 from pathlib import Path
 
 import torch
@@ -168,7 +169,9 @@ def unreadable_images(*datasets) -> str:
     from concurrent.futures import ThreadPoolExecutor
     from PIL import Image
     bases = {id(base): base for base in (d.dataset if isinstance(d, Subset) else d for d in datasets)}.values()
-    paths = [path for base in bases for path, _ in getattr(base, "samples", [])]  # torchvision's folders' files
+    vision = sys.modules.get("torchvision")  # an image folder exists only once torchvision was imported to read it
+    folders = vision.datasets.DatasetFolder if vision is not None else ()
+    paths = [path for base in bases if isinstance(base, folders) for path, _ in base.samples]
 
     def problem(path):
         try:

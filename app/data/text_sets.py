@@ -5,7 +5,7 @@ from pathlib import Path
 
 import numpy as np
 
-from app.data import DataInfo, TextModel, chat, preference, sources, stream, text
+from app.data import DataInfo, TextModel, chat, preference, prompts, sources, stream, text
 from app.data.forms import block_for, instruction_form, kind_of
 from app.data.tokenizers import run_tokenizer
 from app.distributed import dist
@@ -143,6 +143,8 @@ def _tell_sources(made: tuple, kind: str, names: list, train, train_at, held, he
 def build_text_sets(settings: Settings, model: TextModel, task: str, output_dir: Path):
     """(train, held-out, DataInfo, tokenizer, task) for a transformers model, tokenized on the main rank first.
     task: the one asked for; causal_lm becomes instruction when the rows hold chats or prompts and completions."""
+    if task == "grpo":  # prompts alone: the completions are sampled while training
+        return prompts.prompt_sets(settings, model, output_dir)
     if settings.streaming == "on":
         return stream.build(settings, model, task, output_dir)
     listed = sources.split_sources(settings.dataset)

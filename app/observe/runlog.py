@@ -39,7 +39,8 @@ class RunLog:
         task's own, after the others (preference tuning's rewards, and their eval_ ones)."""
         self.active = dist.is_main() and output_dir is not None
         self.fields = CSV_FIELDS + list(columns)
-        self.shown = SHOWN + tuple(c for c in columns if "accuracy" in c and "/" not in c)  # not each source's
+        self.shown = SHOWN + tuple(c for c in columns if ("accuracy" in c or c in ("reward", "eval_reward"))
+                                   and "/" not in c)  # not each source's; online RL's mean reward
         self.output_dir, self.resumed = output_dir, bool(resumed_step)
         self.throughput = throughput or Throughput()
         self.rows = []
@@ -159,7 +160,8 @@ def plot_losses(rows, path: Path):
         ax.plot(*zip(*evals), "o-", label="eval loss")
     ax.set_xlabel("step")
     ax.set_ylabel("loss")
-    ax.set_yscale("log")
+    if all(value > 0 for _, value in train + evals):  # an RL loss can be 0 or below
+        ax.set_yscale("log")
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()

@@ -2,11 +2,12 @@
 tokenizer, no chat template) and chats in the usual `{"messages": [...]}` form asking for the opposite of a word,
 in four phrasings, a system turn in half of them. A model this small learns it in a few hundred CPU steps.
 
-    python -m app.tools.instructions <folder> [--rows 2000] [--seed 0] [--pairs]
+    python -m app.tools.instructions <folder> [--rows 2000] [--seed 0] [--pairs | --prompts]
 
 Writes <folder>/chats.jsonl and <folder>/model; with --pairs, <folder>/pairs.jsonl instead of the chats: preference
 pairs in TRL's conversational form, the opposite chosen and another word of the list rejected
-(docs/preference-tuning.md). A model that has learnt the pairs answers every held-out row
+(docs/preference-tuning.md); with --prompts, <folder>/prompts.jsonl (the chats' prompts and each one's `answer`) and
+<folder>/rewards.py, an exact-match reward as TRL's documentation writes one, for --task grpo (docs/rl.md). A model that has learnt the pairs answers every held-out row
 right; one that guesses is right once in len(OPPOSITES) (docs/instruction-tuning.md, "A worked example").
 """
 import argparse
@@ -41,6 +42,28 @@ def pair(rng: random.Random) -> dict:
     wrong = rng.choice([w for both in OPPOSITES for w in both if w != right])
     return {"prompt": turns[:-1], "chosen": [{"role": "assistant", "content": right}],
             "rejected": [{"role": "assistant", "content": wrong}]}
+
+
+def prompt(rng: random.Random) -> dict:
+    """One prompt for online RL: a chat without its answer, the answer a column the reward reads."""
+    turns = chat(rng)["messages"]
+    return {"prompt": turns[:-1], "answer": turns[-1]["content"]}
+
+
+REWARDS = '''"""Rewards for --task grpo, written as TRL's documentation writes them."""
+
+
+def exact_answer(completions, answer, **kwargs):
+    """1.0 where the completion's text is the expected answer, else 0.0."""
+    return [float(c[0]["content"].strip() == a) for c, a in zip(completions, answer)]
+'''
+
+
+def write_prompts(folder: Path, rows: int, seed: int) -> Path:
+    """folder/prompts.jsonl with rows prompts, and folder/rewards.py."""
+    path = _rows(folder, "prompts.jsonl", prompt, rows, seed)
+    (folder / "rewards.py").write_text(REWARDS)
+    return path
 
 
 def _rows(folder: Path, name: str, make, rows: int, seed: int) -> Path:
@@ -82,8 +105,11 @@ def main(argv=None):
     parser.add_argument("--rows", type=int, default=2000)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--pairs", action="store_true", help="preference pairs (pairs.jsonl) instead of chats")
+    parser.add_argument("--prompts", action="store_true", help="prompts and a reward (prompts.jsonl, rewards.py) "
+                        "for --task grpo instead of chats")
     args = parser.parse_args(argv)
-    data = (write_pairs if args.pairs else write)(Path(args.folder), args.rows, args.seed)
+    data = (write_pairs if args.pairs else write_prompts if args.prompts else write)(Path(args.folder), args.rows,
+                                                                                     args.seed)
     print(f"wrote {data} and {write_model(Path(args.folder), args.seed)}")
 
 

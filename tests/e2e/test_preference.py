@@ -9,7 +9,7 @@ import sys
 import pytest
 import torch
 
-from conftest import FAULTS, REPO, assert_one_error_line, read_metrics, read_summary, run, train_jobs
+from conftest import FAULTS, REPO, assert_one_error_line, named_jobs, read_metrics, read_summary, run
 
 SPLITS = {"micro 4 x accumulation 1 x 2 ranks": (4, 1, 2), "micro 1 x accumulation 4 x 2 ranks": (1, 4, 2),
           "micro 8 x 1 rank": (8, 1, 1)}
@@ -92,18 +92,7 @@ def runs(tmp_path_factory):
                                "folder": "stopped on 2 ranks"}
     refused = {"pipeline", "classifier", "image", "compiled lora"}
 
-    def folder(name, job):
-        return tmp / (job.get("folder", name) if isinstance(job, dict) else name)
-
-    def argv(name, job):
-        given = job if isinstance(job, dict) else {"argv": job}
-        return {"argv": [*given["argv"], "--output_dir", folder(name, job)], "env": given.get("env", {})}
-    outputs = train_jobs("ranks", 2, [argv(n, j) for n, j in two.items()],
-                         codes=[2 if n in refused else 0 for n in two], wrapper=(FAULTS,))
-    outputs += train_jobs("python", 1, [argv(n, j) for n, j in one.items()],
-                          codes=[2 if n in refused else 0 for n in one])
-    return {name: (folder(name, job), output)
-            for (name, job), output in zip([*two.items(), *one.items()], outputs)} | {"data": (tmp / "few", "")}
+    return named_jobs(tmp, two, one, refused, wrapper=(FAULTS,)) | {"data": (tmp / "few", "")}
 
 
 @pytest.mark.parametrize("stage", [0, 3])

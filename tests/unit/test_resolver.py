@@ -34,7 +34,7 @@ def test_a_text_task_is_refused_for_image_models(task):
 
 def test_an_unknown_task_for_an_image_model_names_the_choices():
     with pytest.raises(UserError, match=r"--task 'translation' is not one of auto, causal_lm, instruction, preference, "
-                                        r"sequence_classification for image models \(leave --task auto\)"):
+                                        r"grpo, sequence_classification for image models \(leave --task auto\)"):
         resolver.build(Settings(model="cnn", task="translation"))
 
 
@@ -45,7 +45,7 @@ def test_packing_is_refused_for_image_models():
 
 def test_an_unknown_task_names_the_choices():
     with pytest.raises(UserError, match="--task 'translation' is not one of auto, causal_lm, instruction, "
-                                        "preference, sequence_classification"):
+                                        "preference, grpo, sequence_classification"):
         resolver.build(Settings(model="gpt2-tiny", task="translation"))
 
 

@@ -121,3 +121,16 @@ def test_the_command_writes_pairs_instead_of_chats_when_asked(tmp_path, capsys):
     instructions.main([str(tmp_path), "--rows", "7", "--pairs"])
     assert capsys.readouterr().out == f"wrote {tmp_path / 'pairs.jsonl'} and {tmp_path / 'model'}\n"
     assert len(_rows(tmp_path / "pairs.jsonl")) == 7 and not (tmp_path / "chats.jsonl").exists()
+
+
+def test_prompts_for_grpo_carry_their_answer_and_the_reward_scores_it_as_trl_calls_it(tmp_path, capsys):
+    from app.core import rewards
+    instructions.main([str(tmp_path), "--rows", "9", "--prompts"])
+    assert capsys.readouterr().out == f"wrote {tmp_path / 'prompts.jsonl'} and {tmp_path / 'model'}\n"
+    rows = _rows(tmp_path / "prompts.jsonl")
+    assert len(rows) == 9 and all(row["prompt"][-1]["role"] == "user" and row["answer"] for row in rows)
+    exact = rewards.load(f"{tmp_path / 'rewards.py'}:exact_answer", "")
+    said = [[{"role": "assistant", "content": f" {rows[0]['answer']} "}], [{"role": "assistant", "content": "no"}]]
+    scored = rewards.score(exact, [rows[0]["prompt"]] * 2, said, [[1], [2]], {"answer": [rows[0]["answer"]] * 2}, 0,
+                           ["row 0 (completion 0)", "row 0 (completion 1)"])
+    assert scored.tolist() == [[1.0], [0.0]]

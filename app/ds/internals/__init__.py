@@ -5,7 +5,7 @@ optimizers, the shape of its launcher's arguments, file names it picks, the line
 against WRITTEN_FOR; `version_note()` says in one line what to do when another version is installed.
 """
 from app.ds.internals.parser import Recorder, parse_config, scalar_defaults, section_fields
-from app.ds.internals.engine import (config_saved_as, count_every_stage_in_grad_norm, count_skipped_steps,
+from app.ds.internals.engine import (autocast_of, config_saved_as, count_every_stage_in_grad_norm, count_skipped_steps,
                                      bad_norms, drop_other_stages, engine_hooks_eager, forget_unfinished_forward,
                                      forget_parallel_groups, forward_within_the_step, gathered_state_dict,
                                      lighten_plain_step, note_clip_norms,
@@ -19,7 +19,7 @@ from app.ds.internals.state import (deepspeed_estimate, held_weights, module_sta
                                     weights_finite, zero_tensors)
 
 WRITTEN_FOR = "0.19.8"
-__all__ = ["Recorder", "parse_config", "scalar_defaults", "section_fields", "config_saved_as",
+__all__ = ["autocast_of", "Recorder", "parse_config", "scalar_defaults", "section_fields", "config_saved_as",
            "count_every_stage_in_grad_norm", "count_skipped_steps", "bad_norms", "drop_other_stages",
            "engine_hooks_eager", "forget_parallel_groups", "forget_unfinished_forward", "forward_within_the_step",
            "gathered_state_dict",

@@ -281,6 +281,13 @@ def replay_cpu_adam_steps(engine):
                                       group["weight_decay"], group["bias_correction"], empty, empty, empty, empty)
 
 
+def autocast_of(engine):
+    """The engine's torch_autocast as a context, as its forward runs the module: for the app's own forwards beside
+    it (generation)."""
+    from deepspeed.runtime.torch_autocast import autocast_if_enabled
+    return autocast_if_enabled(engine)
+
+
 def forward_within_the_step(engine, *inputs):
     """engine(*inputs) as DeepSpeed's forward runs the module (in its torch_autocast), but without the hooks of the
     engine's root module: under ZeRO-3 the root's pre-forward hook starts a new window of the parameter
@@ -288,6 +295,5 @@ def forward_within_the_step(engine, *inputs):
     LoRA adapters off) would make every window differ from the last: DeepSpeed would then drop its recorded order,
     compare module ids across ranks at each window (host reads) and never prefetch. The root module holds no
     parameters of its own (the app's HFLogits wraps the model); its children gather theirs as in any forward."""
-    from deepspeed.runtime.torch_autocast import autocast_if_enabled
-    with autocast_if_enabled(engine):
+    with autocast_of(engine):
         return engine.module.forward(*inputs)

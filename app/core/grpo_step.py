@@ -1,0 +1,177 @@
+"""The GRPO step: the optimizer step's prompts gathered micro batch by micro batch, then, at its last, their
+completions sampled (app/core/rollout.py), scored (app/core/rewards.py) and their window's totals summed over every
+rank once, before any backward; then each micro batch's forward, backward and engine step in DeepSpeed's order.
+
+dapo's loss divides by the completion tokens of the whole step on every rank, and --scale_rewards batch by the
+step's reward std: neither is known before the step's last completion is sampled, so the step samples them all
+first (TRL's generation batch is the step's window too)."""
+from dataclasses import dataclass
+
+import torch
+
+from app.core import grpo_loss, rewards, rollout
+from app.core.step import TrainStep
+from app.distributed import dist
+from app.observe.metrics import Meter
+
+
+@dataclass
+class Part:
+    """One micro batch of the window, its completions sampled: rows x group sequences."""
+    ids: torch.Tensor
+    """(n, prompt + completion) each sequence's prompt, then its completion, right-padded."""
+    starts: torch.Tensor
+    completions: torch.Tensor
+    mask: torch.Tensor
+    share: torch.Tensor
+    """Each completion's weight: its prompt's loader weight over the group size (0: padding)."""
+    rewards: torch.Tensor
+    truncated: torch.Tensor
+    length: torch.Tensor
+    """Each completion's tokens, up to and with its end (whether or not the loss masks it)."""
+    advantages: torch.Tensor = None
+
+
+def sequences(prompts: torch.Tensor, lengths: torch.Tensor, completions: torch.Tensor, pad: int) -> torch.Tensor:
+    """(n, P + L): each prompt's own tokens (left-padded in prompts), then its completion, right-padded."""
+    width = prompts.shape[1]
+    out = torch.full((len(prompts), width + completions.shape[1]), pad, dtype=torch.long)
+    for r, (prompt, n) in enumerate(zip(prompts, lengths.tolist())):
+        out[r, :n] = prompt[width - n:]
+        out[r, n:n + completions.shape[1]] = completions[r]
+    return out
+
+
+class GrpoStep(TrainStep):
+    """A micro step of online RL (the task: app/core/grpo.py)."""
+
+    def __init__(self, engine, task, compile_model: bool, board=None):
+        super().__init__(engine, task, False, board)  # completions are sampled inside the step: eager
+        self.metrics, self.window = task.metrics, []
+        self.reference = task.live_reference(engine)
+
+    def micro_step(self, batch, meter: Meter):
+        """Gather the window's micro batches; at its last, sample, then train on each in turn."""
+        self.window.append(batch)
+        if len(self.window) < self.engine.gradient_accumulation_steps():
+            return
+        window, self.window = self.window, []
+        parts, totals = self.rolled_out(window)
+        for part in parts:
+            loss, sums, weight = self.part_loss(part, totals)
+            self.engine.backward(loss)
+            self.engine.step()
+            meter.add((part.share > 0).sum() / self.task.group, weight, **sums)
+
+    def trial_parts(self, batch) -> list:
+        """The micro batch search's step: sampling and the forward, then the backward and the engine step."""
+        held = {}
+
+        def forward():
+            parts, totals = self.rolled_out([batch])
+            held["loss"] = self.part_loss(parts[0], totals)[0]
+        return [forward, lambda: (self.engine.backward(held.pop("loss")), self.engine.step())]
+
+    def sampled(self, batch, how: rollout.Sampling, held, group: int) -> Part:
+        """One micro batch's prompts (rows of the set held), each sampled group times, scored."""
+        task = self.task
+        x, y, w = batch
+        rows, lengths = y[:, 0].tolist(), y[:, 1].repeat_interleave(group)
+        u = rollout.draws(task.settings.seed, self.engine.global_steps, rows, group, how.max_new)
+        tokenizer = task.tokenizer
+        completions, mask, truncated = rollout.sample(
+            self.engine, x.repeat_interleave(group, 0), lengths, u, how, len(tokenizer), tokenizer.eos_token_id,
+            tokenizer.pad_token_id, task.synced(self.engine))
+        kept = [c[m].tolist() for c, m in zip(completions, mask)]
+        texts = tokenizer.batch_decode(kept, skip_special_tokens=True)
+        prompts = [p for p in held.prompts(rows) for _ in range(group)]
+        said = [[{"role": "assistant", "content": t}] for t in texts] if isinstance(prompts[0], list) else texts
+        columns = {k: [v for v in values for _ in range(group)] for k, values in held.columns(rows).items()}
+        names = [f"row {r} (completion {j})" for r in rows for j in range(group)]
+        scored = rewards.score(task.rewards, prompts, said, kept, columns, self.engine.global_steps, names)
+        length = mask.sum(1)
+        if task.mask_truncated:
+            mask = mask & ~truncated[:, None]
+        return Part(sequences(x.repeat_interleave(group, 0), lengths, completions, tokenizer.pad_token_id),
+                    lengths, completions, mask.float(), w.repeat_interleave(group) / group, scored, truncated, length)
+
+    def rolled_out(self, window: list) -> tuple:
+        """The window's Parts, their advantages set, and its totals over every rank."""
+        task = self.task
+        parts = [self.sampled(batch, task.how, task.data.train, task.group) for batch in window]
+        totals = window_totals(parts, task.group, task.rewards)
+        for part in parts:
+            reward = grpo_loss.combined(part.rewards, [r.weight for r in task.rewards])
+            part.advantages = grpo_loss.advantages(reward, task.group, task.settings.scale_rewards,
+                                                   totals["batch_std"])
+        return parts, totals
+
+    def part_loss(self, part: Part, totals: dict) -> tuple:
+        """(the micro batch's loss, its sums for the meter, its weight): app/core/grpo_loss.py's normalisation."""
+        task, device = self.task, self.engine.device
+        ids, starts, completions = part.ids.to(device), part.starts.to(device), part.completions.to(device)
+        mask, share = part.mask.to(device), part.share.to(device)
+        logp = grpo_loss.token_logps(self.engine(ids), completions, starts, task.how.temperature)
+        reference = None
+        if task.beta:
+            reference = grpo_loss.token_logps(self.reference.logits(ids), completions, starts, task.how.temperature)
+        losses, kl, below, above = grpo_loss.token_losses(logp, logp.detach(), part.advantages.to(device).float(),
+                                                          task.epsilon, task.epsilon_high, task.beta, reference)
+        scale = dist.world_size() * self.engine.gradient_accumulation_steps()
+        per_token = scale / max(totals["tokens"], 1.0)
+        loss = grpo_loss.normalised(task.loss_kind, losses, mask, share, per_token, task.how.max_new)
+        weight = share.sum()  # the prompts' loader weights: share is each one's over its group
+        real = (share > 0).float()[:, None]
+        token_mean = lambda x: (x * mask * real).sum() * per_token  # noqa: E731
+        sums = {"loss": loss.detach(), **{k: v * weight for k, v in totals["shown"].items()},
+                "completions/mean_length": (share * part.length.to(device)).sum(),
+                "completions/clipped_ratio": (share * part.truncated.to(device).float()).sum(),
+                "clip_ratio/low_mean": token_mean(below), "clip_ratio/high_mean": token_mean(above),
+                "clip_ratio/region_mean": token_mean(((below + above) > 0).float())}
+        if kl is not None:
+            sums["kl"] = token_mean(kl.detach())
+        return loss, {name: sums[name] for name in self.metrics}, weight
+
+    def evaluate(self, loader) -> dict:
+        """The held-out prompts' greedy completions (one each), their mean reward and length over every rank."""
+        task, engine = self.task, self.engine
+        greedy = rollout.Sampling(0.0, 0, 1.0, task.how.max_new)
+        names = ["reward", "completions/mean_length", *(f"rewards/{r.name}/mean" for r in task.rewards)]
+        meter = Meter(names, engine.device)
+        for batch in loader:
+            part = self.sampled(batch, greedy, task.data.held_out, 1)
+            w = part.share.double()
+            found = torch.nan_to_num(part.rewards, nan=0.0)  # evaluation: a None counts 0
+            reward = grpo_loss.combined(found, [r.weight for r in task.rewards])
+            sums = {"reward": (reward * w).sum(), "completions/mean_length": (part.length * w).sum(),
+                    **{f"rewards/{r.name}/mean": (found[:, i] * w).sum() for i, r in enumerate(task.rewards)}}
+            meter.add((w > 0).sum(), w.sum(), **{k: v.to(engine.device) for k, v in sums.items()})
+        result = meter.reduce()
+        return {f"eval_{name}": result[name] for name in names}
+
+
+def window_totals(parts: list, group: int, functions: list) -> dict:
+    """What the window's loss and metrics need from every rank, in one host sum: its completion tokens, the reward
+    sums for the step's std and the means shown (reward, reward_std, frac_reward_zero_std, rewards/<f>/mean)."""
+    real = [(p.share > 0) for p in parts]
+    reward = [grpo_loss.combined(p.rewards, [f.weight for f in functions]) for p in parts]
+    local = [sum(float((p.mask.sum(1) * r).sum()) for p, r in zip(parts, real))]
+    scored = [torch.where(r & ~x.isnan(), x, 0.0) for r, x in zip(real, reward)]
+    counted = sum(float((r & ~x.isnan()).sum()) for r, x in zip(real, reward))
+    local += [counted, sum(float(s.sum()) for s in scored), sum(float((s ** 2).sum()) for s in scored)]
+    stds = [grpo_loss.group_stats(x, group)[1] for x in reward]
+    groups = [r.view(-1, group)[:, 0] for r in real]
+    local += [sum(float(torch.nan_to_num(s)[g].sum()) for s, g in zip(stds, groups)),
+              sum(float((s[g] < 1e-8).sum()) for s, g in zip(stds, groups)),  # NaN: no std, not a zero one
+              sum(float(g.sum()) for g in groups)]
+    for f in range(len(functions)):
+        values = [(p.rewards[:, f], r) for p, r in zip(parts, real)]
+        local += [sum(float(torch.nansum(torch.where(r, v, 0.0))) for v, r in values),
+                  sum(float((r & ~v.isnan()).sum()) for v, r in values)]
+    tokens, n, total, square, std_sum, zero, count, *per_function = dist.host_sum(local)
+    shown = {"reward": total / max(n, 1), "reward_std": std_sum / max(count, 1),
+             "frac_reward_zero_std": zero / max(count, 1),
+             **{f"rewards/{f.name}/mean": per_function[2 * i] / max(per_function[2 * i + 1], 1)
+                for i, f in enumerate(functions)}}
+    return {"tokens": tokens, "shown": shown,
+            "batch_std": ((square - total ** 2 / n) / (n - 1)) ** 0.5 if n > 1 else float("nan")}

@@ -1,0 +1,199 @@
+"""Online RL (--task grpo) end to end: one SGD step does not depend on the split over micro batches, accumulation and
+ranks, under ZeRO 0 and 3, for each loss; ranks whose completions end at very different lengths finish the step
+under ZeRO-3; a resumed run samples and trains exactly as the unbroken one; the worked example's held-out reward
+rises under ZeRO-3 on 2 ranks, with and without LoRA; mistakes are one line."""
+import csv
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import REPO, named_jobs, read_metrics, read_summary, train_jobs
+
+SPLITS = {"micro 4 x accumulation 1 x 2 ranks": (4, 1, 2), "micro 1 x accumulation 4 x 2 ranks": (1, 4, 2),
+          "micro 8 x 1 rank": (8, 1, 1)}
+LOSSES = ("dapo", "grpo", "dr_grpo")
+REWARDS = '''
+def text(completion):
+    """A completion's text: as written for a plain prompt, the message's content for a conversational one."""
+    return completion if isinstance(completion, str) else completion[0]["content"]
+
+
+def length(completions, **kwargs):
+    """Longer answers score more: the groups' rewards differ, so the step has a gradient."""
+    return [len(text(c)) / 10 for c in completions]
+
+
+def has_e(completions, answer, **kwargs):
+    """None (not applicable) where the expected answer has no e."""
+    return [None if "e" not in a else float("e" in text(c)) for c, a in zip(completions, answer)]
+'''
+
+
+def sgd(tmp: Path, micro: int, accumulation: int, stage: int) -> Path:
+    """fp32, plain SGD, lr 1: the weights after one step are the weights before minus the step's gradient."""
+    path = tmp / f"sgd-{micro}-{accumulation}-{stage}.json"
+    path.write_text(json.dumps({"train_micro_batch_size_per_gpu": micro, "gradient_accumulation_steps": accumulation,
+                                "optimizer": {"type": "SGD", "params": {"lr": 1.0}}, "gradient_clipping": 0.0,
+                                "zero_optimization": {"stage": stage}, "zero_allow_untested_optimizer": True,
+                                "steps_per_print": 10 ** 6}))
+    return path
+
+
+def evaluations(run_folder: Path) -> list:
+    """The evaluation rows of metrics.csv, numbers parsed: a GRPO run's have eval_reward, no eval_loss."""
+    with open(run_folder / "metrics.csv") as f:
+        rows = [{k: (float(v) if v != "" else None) for k, v in row.items()} for row in csv.DictReader(f)]
+    return [row for row in rows if row["eval_reward"] is not None]
+
+
+def weights(run_folder: Path) -> dict:
+    from app.tools.export import fp32_state_dict
+    return fp32_state_dict(run_folder / "checkpoints" / "step00000001")
+
+
+def ending_model(folder: Path) -> Path:
+    """The example's tiny Llama, its end-of-text row twice the direction of '!': after a '!' the end comes with
+    probability 0.98, after other tokens with 0.02 on average (measured on this model), so a prompt ending in '!'
+    ends at once and another mostly runs on."""
+    from transformers import AutoModelForCausalLM
+    from app.data.tokenizers import byte_tokenizer
+    from app.tools.instructions import write_model
+    model_folder = write_model(folder, seed=0)
+    model = AutoModelForCausalLM.from_pretrained(model_folder)
+    tokenizer = byte_tokenizer()
+    bang = model.model.embed_tokens.weight[tokenizer("!", add_special_tokens=False)["input_ids"][0]]
+    with torch.no_grad():
+        model.lm_head.weight[tokenizer.eos_token_id] = 2 * bang / bang.norm()
+    model.save_pretrained(model_folder)
+    return model_folder
+
+
+def lr_copy(tmp: Path, lr: float) -> Path:
+    """zero3.json at another learning rate, 16 prompts a micro batch: RL after SFT wants a smaller step."""
+    ds = json.loads((REPO / "ds_configs" / "zero3.json").read_text())
+    ds["optimizer"]["params"]["lr"], ds["train_micro_batch_size_per_gpu"] = lr, 16
+    path = tmp / f"zero3-lr{lr:g}.json"
+    path.write_text(json.dumps(ds))
+    return path
+
+
+def worked_start(tmp: Path) -> Path:
+    """The worked example's first half: the instruction example's model tuned on its chats for 60 steps under
+    ZeRO-3 on 2 ranks, exported (docs/rl.md, "A worked example")."""
+    from app.tools import export
+    from app.tools.instructions import write, write_model
+    chats, model = write(tmp / "sft-data", 2000, seed=0), write_model(tmp / "sft-data", seed=0)
+    train_jobs("ranks", 2, [["--model", model, "--dataset", chats, "--deepspeed_config", REPO / "ds_configs" /
+                             "zero3.json", "--max_steps", 60, "--eval_interval", 60, "--block_size", 128,
+                             "--eval_answers", 0, "--output_dir", tmp / "sft"]])
+    assert export.main([str(tmp / "sft"), str(tmp / "sft-model")]) == 0
+    return tmp / "sft-model"
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """Every job of this file: the 2-rank ones in one launch, then the one-process ones; {name: (folder, output)}."""
+    from app.tools.instructions import write_prompts
+    tmp = tmp_path_factory.mktemp("grpo")
+    prompts = write_prompts(tmp / "data", 600, seed=1)
+    few = write_prompts(tmp / "few", 12, seed=3)
+    (tmp / "rewards.py").write_text(REWARDS)
+    tiny = ["--model", "llama-tiny", "--tokenizer", "bytes", "--task", "grpo", "--eval_answers", 0,
+            "--reward", f"{tmp / 'rewards.py'}:length,{tmp / 'rewards.py'}:has_e", "--num_generations", 2,
+            "--max_completion_length", 6, "--eval_fraction", 0.25]
+    two, one = {}, {}
+    for name, (micro, accumulation, ranks) in SPLITS.items():
+        for stage in (0, 3):
+            for loss in LOSSES:
+                jobs = two if ranks == 2 else one
+                jobs[f"{stage} {loss} {name}"] = [*tiny, "--dataset", few, "--max_steps", 1, "--grpo_loss", loss,
+                                                  "--deepspeed_config", sgd(tmp, micro, accumulation, stage)]
+    for name in ("ends.jsonl", "ends-held.jsonl"):  # the same two rows to train on and to hold out
+        (tmp / name).write_text('{"prompt": "Stop here!", "answer": "e"}\n{"prompt": "Go on?", "answer": "e"}\n')
+    two["uneven"] = [*tiny, "--model", ending_model(tmp / "ends"), "--dataset", tmp / "ends.jsonl", "--eval_file",
+                     tmp / "ends-held.jsonl", "--max_completion_length", 48, "--max_steps", 2, "--log_interval", 1,
+                     "--dist_timeout", 60, "--deepspeed_config", sgd(tmp, 1, 1, 3)]
+    zero3 = ["--deepspeed_config", REPO / "ds_configs" / "zero3.json"]
+    short = [*tiny, "--dataset", few, *zero3, "--log_interval", 1, "--beta", "0.05"]
+    sft = worked_start(tmp)
+    example = ["--task", "grpo", "--model", sft, "--dataset", prompts, "--reward", f"{prompts.parent / 'rewards.py'}"
+               ":exact_answer", "--num_generations", 8, "--max_completion_length", 8, "--max_steps", 60,
+               "--eval_interval", 20, "--log_interval", 10, "--eval_answers", 0]
+    two["before"] = [*example, "--deepspeed_config", lr_copy(tmp, 0.0), "--max_steps", 1]
+    two["learnt"] = [*example, "--deepspeed_config", lr_copy(tmp, 5e-4)]
+    two["learnt lora"] = [*example, *zero3, "--lora", "--lora_rank", 16]
+    two["straight"] = [*short, "--max_steps", 4]
+    two["stopped"] = [*short, "--max_steps", 2]
+    two["resumed"] = {"argv": [*short, "--max_steps", 4, "--resume", "auto"], "folder": "stopped"}
+    two["pipeline"] = [*tiny, "--dataset", few, "--deepspeed_config", REPO / "ds_configs" / "pipeline.json"]
+    one["classifier"] = ["--model", "bert-tiny", "--tokenizer", "bytes", "--dataset", few, "--task", "grpo",
+                         "--reward", f"{tmp / 'rewards.py'}:length"]
+    one["no reward"] = ["--model", "llama-tiny", "--tokenizer", "bytes", "--dataset", few, "--task", "grpo"]
+    refused = {"pipeline", "classifier", "no reward"}
+
+    return named_jobs(tmp, two, one, refused) | {"data": (tmp / "data", "")}
+
+
+@pytest.mark.parametrize("loss", LOSSES)
+@pytest.mark.parametrize("stage", [0, 3])
+def test_one_steps_gradient_does_not_depend_on_the_split(stage, loss, runs):
+    """The completions belong to the seed, the step, the row and their number in the group, so every split samples
+    the same ones; the loss's normalisation over the whole step then gives the same gradient."""
+    after = {name: weights(runs[f"{stage} {loss} {name}"][0]) for name in SPLITS}
+    reference = after["micro 8 x 1 rank"]
+    for name, found in after.items():
+        worst = max((found[k] - reference[k]).abs().max().item() for k in reference)
+        assert worst < 1e-6, (name, worst)
+    rows = read_metrics(runs[f"{stage} {loss} micro 8 x 1 rank"][0])[0]
+    assert rows[0]["reward_std"] > 0 and rows[0]["completions/mean_length"] > 0, "a step with a gradient"
+    assert 0 <= rows[0]["rewards/has_e/mean"] <= 1
+
+
+def test_ranks_whose_completions_end_far_apart_finish_the_step_under_zero3(runs):
+    """One rank's prompt ends at once, the other's runs to 48 tokens: the first keeps stepping with the second
+    until both have ended (every forward under ZeRO-3 gathers from both), and the run ends."""
+    folder, output = runs["uneven"]
+    assert "ZeRO stage 3" in output and "2 rank(s)" in output
+    rows = read_metrics(folder)[0]
+    assert len(rows) == 2, "both steps ran"
+    first = rows[0]  # (SGD at lr 1 then changes the model: the second step's completions are another matter)
+    assert 5 < first["completions/mean_length"] < 40 and first["completions/clipped_ratio"] > 0, \
+        "one rank's two completions ended at once, the other's ran on, one of them to the end"
+
+
+def test_a_resumed_run_samples_and_trains_exactly_as_the_unbroken_one(runs):
+    straight, resumed = read_metrics(runs["straight"][0])[0], read_metrics(runs["stopped"][0])[0]
+    assert [r["step"] for r in resumed] == [1, 2, 3, 4]
+    for a, b in zip(straight, resumed):
+        for column in ("loss", "reward", "completions/mean_length", "kl"):
+            assert abs(a[column] - b[column]) < 1e-6, (column, a, b)
+
+
+@pytest.mark.parametrize("name", ["learnt", "learnt lora"])
+def test_the_worked_example_learns_its_answers_under_zero3_on_two_ranks(name, runs):
+    """After 60 steps of instruction tuning, 60 of GRPO with an exact-match reward raise the held-out reward, the
+    greedy answers' share that are exactly right, above where the tuned model started."""
+    folder, output = runs[name]
+    assert "ZeRO stage 3" in output and "2 rank(s)" in output
+    train, _ = read_metrics(folder)
+    rewards = [row["eval_reward"] for row in evaluations(folder)]
+    start = read_summary(runs["before"][0])["eval_reward"]
+    assert len(rewards) == 3 and rewards[-1] > rewards[0], rewards
+    assert rewards[-1] >= start + (0.05 if "lora" in name else 0.1) and rewards[-1] >= 0.6, (start, rewards)
+    assert train[-1]["reward"] > train[0]["reward"], [row["reward"] for row in train]
+
+
+def test_grpo_mistakes_are_one_line(runs):
+    assert "--task grpo trains under data parallel and ZeRO 0-3" in runs["pipeline"][1]
+    assert "--task grpo trains a causal language model on completions it samples" in runs["classifier"][1]
+    assert "--task grpo needs --reward FILE.py:NAME" in runs["no reward"][1]
+
+
+def test_a_grpo_run_says_what_it_trains_and_summarises_its_reward(runs):
+    folder, output = runs["straight"]
+    summary = read_summary(folder)
+    assert summary["task"] == "grpo" and "eval_reward" in summary
+    assert "grpo: dapo loss, 2 completions of at most 6 tokens a prompt (temperature 1); rewards length x 1, " \
+        "has_e x 1; beta 0.05, reference: frozen copy" in output

@@ -1,0 +1,56 @@
+"""The GRPO task (app/core/grpo.py): what it refuses in one line, what a checkpoint records of it, its columns."""
+import pytest
+
+from app.core import grpo, resolver
+from app.errors import UserError
+from app.parallel import layout
+from app.settings import Settings
+
+REWARD = "def exact(completions, answer, **kwargs):\n    return [float(c == a) for c, a in zip(completions, answer)]\n"
+
+
+@pytest.fixture
+def reward(tmp_path):
+    path = tmp_path / "r.py"
+    path.write_text(REWARD)
+    return f"{path}:exact"
+
+
+def _task(reward, **given):
+    return resolver.build(Settings(model="llama-tiny", task="grpo", reward=reward, **given))
+
+
+def test_the_task_takes_trls_defaults_and_records_what_a_resume_must_match(reward):
+    task = _task(reward, beta="0.04", reward_weights="2")
+    assert isinstance(task, grpo.Grpo) and (task.group, task.sequences) == (8, 8)
+    assert (task.loss_kind, task.beta, task.epsilon, task.epsilon_high) == ("dapo", 0.04, 0.2, 0.2)
+    assert task.reference_kind == "frozen copy" and _task(reward, beta="0.04", lora=True).reference_kind == \
+        "adapters off" and _task(reward).reference_kind == "", "beta 0 (auto): no KL term, no reference"
+    record = task.record()
+    assert record["task"] == "grpo" and record["reward"][0][:2] == ["exact", 2.0] and len(record["reward"][0][2]) == 64
+    assert {"grpo_loss", "beta", "num_generations", "max_completion_length", "temperature", "scale_rewards",
+            "base"} <= set(record)
+    assert "rewards/exact/mean" in task.log_columns and "eval_reward" in task.log_columns
+    assert "kl" in task.metrics and "kl" not in _task(reward).metrics
+    assert task.summary_metrics == ("eval_reward",)
+
+
+@pytest.mark.parametrize("given, message", [
+    ({"beta": "-1"}, "--beta must be 0 or more"),
+    ({"temperature": 0.0}, "--temperature must be above 0"),
+    ({"num_iterations": 2}, "--num_iterations 2: the app takes one optimizer step"),
+    ({"packing": "on"}, "--packing on packs instruction rows"),
+    ({"reward": ""}, "--task grpo needs --reward FILE.py:NAME"),
+])
+def test_settings_grpo_cannot_train_with_are_one_line(reward, given, message):
+    with pytest.raises(UserError, match=message):
+        _task(**{"reward": reward, **given})
+
+
+def test_grpo_needs_a_causal_lm_and_a_layout_of_whole_models(reward):
+    with pytest.raises(UserError, match="--task grpo trains a causal language model on completions it samples"):
+        resolver.build(Settings(model="bert-tiny", task="grpo", reward=reward))
+    with pytest.raises(UserError, match="--task grpo trains under data parallel and ZeRO 0-3"):
+        _task(reward).check_layout(layout.rank_layout({"pipeline": {"stages": 2}}, 2, 0, "p.json"))
+    with pytest.raises(UserError, match="--num_generations must be at least 2"):
+        Settings(task="grpo", num_generations=1)
