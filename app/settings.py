@@ -154,6 +154,11 @@ class Settings:
     """Seconds a SIGTERM/SIGINT'd run may take to finish its step and save before it is ended."""
     dist_timeout: int = 600
     """Seconds a collective may wait before the run fails instead of hanging."""
+    profile: str = ""
+    """FIRST:LAST records a torch.profiler trace of those optimizer steps (e.g. 5:8) into output_dir/profile, for
+    Perfetto or TensorBoard (docs/gpu.md, "Profiling a run")."""
+    profile_ranks: str = "main"
+    """--profile on the main rank alone (main) or on every rank, one file each (all)."""
     compile: str = "auto"
     """torch.compile the model and its loss through engine.compile: on, off, or auto (on with a CUDA device,
     off on CPU, where the compile time is not won back; docs/gpu.md, "Compile")."""
@@ -187,7 +192,7 @@ class Settings:
                               ("pin_memory", ("auto", "on", "off")), ("reference", ("live", "precompute")),
                               ("preference_loss", ("sigmoid", "ipo", "hinge", "simpo")),
                               ("grpo_loss", ("dapo", "grpo", "dr_grpo")),
-                              ("scale_rewards", ("group", "batch", "none"))):
+                              ("scale_rewards", ("group", "batch", "none")), ("profile_ranks", ("main", "all"))):
             if getattr(self, name) not in allowed:
                 raise UserError(f"--{name} must be one of {', '.join(allowed)}, got {getattr(self, name)!r}")
         if self.streaming == "on" and not self.max_steps:
@@ -200,12 +205,28 @@ class Settings:
             raise UserError(f"--lora_alpha must be above 0 and --lora_dropout at least 0 and below 1, got "
                             f"{self.lora_alpha} and {self.lora_dropout}")
         self.beta_or(0.0)  # a number or "auto"; each task checks its own range
+        steps_of(self.profile)
         if self.num_generations < 2 or self.max_completion_length < 1:
             raise UserError(f"--num_generations must be at least 2 (a group's rewards are compared with each other) "
                             f"and --max_completion_length at least 1, got {self.num_generations} and "
                             f"{self.max_completion_length}")
         if not 0 < self.eval_fraction < 1:
             raise UserError(f"--eval_fraction must be between 0 and 1, got {self.eval_fraction}")
+
+
+def steps_of(text: str) -> tuple:
+    """(first, last) of --profile's FIRST:LAST, or () for ''; a mistake is one line."""
+    if not text:
+        return ()
+    first, _, last = text.partition(":")
+    try:
+        found = int(first), int(last or first)
+    except ValueError:
+        found = (0, 0)
+    if not 1 <= found[0] <= found[1]:
+        raise UserError(f"--profile {text!r}: give the optimizer steps to record as FIRST:LAST, 1 <= FIRST <= LAST "
+                        f"(for example 5:8)")
+    return found
 
 
 def _field_help():

@@ -26,6 +26,7 @@ from app.errors import Ended, UserError, report
 from app.memory import autobatch
 from app.memory.planner import weighed_for_run
 from app.observe import metrics, runlog, startup
+from app.observe import profiler as profiling
 from app.observe.summary import summarise
 from app.parallel import layout
 from app.settings import Settings, parse, settings_dict
@@ -170,6 +171,7 @@ def train(job: Job) -> int:
     """Say how the run is laid out, resume, train by the schedule, save; the summary and the exit code."""
     settings, world, settled, built = job.settings, job.world, job.settled, job.built
     ranks, task, output_dir, engine = settled.ranks, settled.task, settled.output_dir, built.engine
+    profiler = profiling.for_run(settings.profile, settings.profile_ranks, built.steps, output_dir, engine.device)
     tf32 = precision.set_tf32(world.device, precision.compute_dtype(engine), settings.tf32)
     startup.say_mode(world.description, engine, built.steps, output_dir, ranks.replicas,
                      [ranks.describe(engine), lora.describe(engine.module) if settings.lora else ""], settled.note,
@@ -197,7 +199,7 @@ def train(job: Job) -> int:
     with preemption.StopRequest(job.board, settings.grace_period, world.launcher != "none") as stop, \
             log.discarded_on_error(lambda: complete_checkpoints(checkpoint_root(output_dir))):
         answers = sample_answers.for_run(engine, task, output_dir, settings.eval_answers, settings.answer_tokens)
-        result = loop.Loop(step, *built.loaders, schedule, log, save, stop, answers).run(start)
+        result = loop.Loop(step, *built.loaders, schedule, log, save, stop, answers, profiler).run(start)
     return summarise(result, settings, world, engine, task, log, stop, job.started)
 
 

@@ -103,13 +103,14 @@ class Loop:
     evaluation and checkpoint it calls for; stops at the last step or when every rank agrees to stop."""
 
     def __init__(self, step, train_loader, eval_loader, schedule: Schedule, log: RunLog, save=None, stop=None,
-                 answers=None):
+                 answers=None, profiler=None):
         """step: the training step, a step.TrainStep or, on a pipeline, a pipeline.PipeStep (both give micro_step
         and evaluate); save(step, epoch, batch) writes a checkpoint; stop.agreed(step) says when every rank
-        stops; answers(step), after each evaluation, shows the model's answers (app/core/answers.py)."""
+        stops; answers(step), after each evaluation, shows the model's answers (app/core/answers.py);
+        profiler.at(steps done), before the first step and after each (app/observe/profiler.py)."""
         self.step, self.engine = step, step.engine
         self.train_loader, self.eval_loader, self.schedule, self.log = train_loader, eval_loader, schedule, log
-        self.save, self.stop, self.answers = save, stop, answers
+        self.save, self.stop, self.answers, self.profiler = save, stop, answers, profiler
         self.meter, self.clock = Meter(step.metrics, self.engine.device), Stopwatch()
         self.divergence = Divergence(self.engine, schedule.max_nonfinite_steps)
         self.samples, self.seconds, self.last_eval, self.stopped = 0.0, 0.0, {}, False
@@ -118,6 +119,8 @@ class Loop:
     def run(self, start=(0, 0)) -> dict:
         """Train from (epoch, micro batch) start; the run's totals and its last evaluation."""
         epoch, skip = start
+        if self.profiler is not None:
+            self.profiler.at(self.engine.global_steps)
         self.clock.lap()
         self.engine.train()
         while not self._done():
@@ -145,6 +148,8 @@ class Loop:
     def _after_step(self, epoch: int, batch_index: int):
         """What the schedule asks for after an optimizer step: a log row, an evaluation, a checkpoint."""
         step, schedule = self.engine.global_steps, self.schedule
+        if self.profiler is not None:
+            self.profiler.at(step)
         self.log.advance(1)
         self.divergence.stepped(self.meter.take_not_finite())
         self.stopped = self.stop is not None and self.stop.agreed(step)

@@ -20,7 +20,8 @@ def workload(task, seq_len: int = 0, image_size: int = 0, frozen: bool = False):
     """(build() of the model, inputs(micro) -> (inputs, labels), the task's loss) from the model's shape alone: a
     transformers model from its config (no weights, no adapters), an image model at image_size. frozen (LoRA): the
     model's weights take no gradient, and the backward runs through it to the input as it does to the adapters.
-    A preference sample is a pair: its chosen and rejected sequences go through the model together."""
+    A sample's sequences go through the model together: a preference pair's two, a GRPO prompt's group (the
+    sampling's cache is not counted)."""
     if task.name == "image_classification":
         builtin = task.settings.model in models.BUILTIN
         side, channels, classes = image_size or (8 if builtin else 224), 1 if builtin else 3, 10 if builtin else 1000
@@ -30,7 +31,7 @@ def workload(task, seq_len: int = 0, image_size: int = 0, frozen: bool = False):
     from app.data.tokenizers import byte_tokenizer
     spec, tokenizer = dataclasses.replace(task.spec, pretrained=""), byte_tokenizer()  # a config.json is enough
     vocab, seq = models.vocab_size(spec.config), seq_len or min(spec.max_positions or 1024, 1024)
-    classify, sequences = task.name == "sequence_classification", 2 if task.name == "preference" else 1
+    classify, sequences = task.name == "sequence_classification", task.sequences
     info = DataInfo(2 if classify else 0, task="causal_lm" if not classify else task.name, vocab_size=vocab,
                     seq_len=seq)
 

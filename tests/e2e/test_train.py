@@ -5,7 +5,8 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO, config_variant, read_metrics, read_summary, train, train_jobs, two_rank_steps
+from conftest import (REPO, assert_one_error_line, config_variant, read_metrics, read_summary, run, train,
+                      train_command, train_jobs, two_rank_steps)
 from unit.test_train import CONFIGS, STAGE
 
 
@@ -116,6 +117,20 @@ def test_gradient_accumulation_counts_optimizer_steps(tmp_path):
     rows = read_metrics(out)[0]
     assert [r["step"] for r in rows] == [1, 2, 3, 4]
     assert json.loads((out / "summary.json").read_text())["samples"] == 4 * 32
+
+
+def test_a_profile_of_two_steps_is_written_and_reads_as_a_chrome_trace(tmp_path):
+    """--profile 2:3 on a CPU run: rank 0's trace of those steps, which Perfetto and TensorBoard read, and the run
+    says where it is."""
+    out = tmp_path / "run"
+    result = train("python", 1, "--max_steps", 4, "--log_interval", 1, "--profile", "2:3", "--output_dir", out)
+    trace = out / "profile" / "rank0.steps2-3.pt.trace.json"
+    assert f"profile: steps 2-3 written to {trace}" in result.stdout
+    events = json.loads(trace.read_text())["traceEvents"]
+    assert any(e.get("name") == "aten::convolution" for e in events), "the CNN's forward is in it"
+    refused = run(train_command("python", 1, "--max_steps", 4, "--profile", "3:9", "--output_dir", tmp_path / "x"))
+    assert refused.returncode == 2
+    assert_one_error_line(refused.stdout + refused.stderr, "--profile 3:9: the run takes 4 optimizer steps")
 
 
 def autocast_jobs(tmp) -> dict:

@@ -86,3 +86,15 @@ def test_a_preference_run_is_weighed_with_its_pairs_and_its_frozen_copy():
     weighed, said = planner.weigh(ds, note, task, pairs, 1, memory)
     assert weighed["bf16"] == {"enabled": True}, said
     assert f"{beside['autocast'].peak(32) / 1e9:.1f} GB a rank with autocast's fp32 weights" in said
+
+
+def test_a_grpo_prompt_is_planned_as_its_group_of_sequences(tmp_path):
+    """A GRPO sample is a prompt and its --num_generations completions, trained together: 4 of them hold about four
+    times one sequence's activations."""
+    reward = tmp_path / "r.py"
+    reward.write_text("def one(completions, **kwargs):\n    return [1.0] * len(completions)\n")
+    grpo = resolver.build(Settings(model="gpt2-tiny", task="grpo", reward=f"{reward}:one", num_generations=4))
+    plain = resolver.build(Settings(model="gpt2-tiny"))
+    ds, _ = on_a_gpu(8)
+    found = [planner.plans(planner.workload(task, 128), {"autocast": ds}, 1)["autocast"] for task in (grpo, plain)]
+    assert 3 < found[0].per_sample / found[1].per_sample < 5
