@@ -1,5 +1,5 @@
 # `make train` and `make test` set everything up on first use (a .venv from requirements.txt and
-# DeepSpeed's JIT ops), then run.
+# requirements-trackers.txt, and DeepSpeed's JIT ops), then run.
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
@@ -8,10 +8,12 @@ OPS := $(VENV)/.ops-built
 
 .PHONY: setup train test test-fast cluster-packages wheelhouse clean
 
-$(STAMP): requirements.txt
+# The trackers (W&B, MLflow) install with the pins of requirements.txt held, which the wheelhouse packs alone.
+$(STAMP): requirements.txt requirements-trackers.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet -r requirements.txt
+	$(PY) -m pip install --quiet -r requirements-trackers.txt -c requirements.txt
 	touch $(STAMP)
 
 # DeepSpeed compiles its ops on first use (about a minute each); do it once here, not in a run.

@@ -79,6 +79,9 @@ class Settings:
     scale_rewards: str = "group"
     """grpo: advantages are rewards less their group's mean, divided by the group's std (group), by the whole
     step's std (batch), or not (none)."""
+    gather_for_generation: str = "auto"
+    """grpo, ZeRO-3: gather the whole model once for sampling (on), or per layer per token (off); auto: on where
+    it fits beside the partitions and the sampling's cache."""
     mask_truncated_completions: bool = False
     """grpo: leave completions cut at --max_completion_length out of the loss (they count in the metrics)."""
     num_iterations: int = 1
@@ -156,9 +159,22 @@ class Settings:
     """Seconds a collective may wait before the run fails instead of hanging."""
     profile: str = ""
     """FIRST:LAST records a torch.profiler trace of those optimizer steps (e.g. 5:8) into output_dir/profile, for
-    Perfetto or TensorBoard (docs/gpu.md, "Profiling a run")."""
+    Perfetto or TensorBoard (docs/watching.md)."""
     profile_ranks: str = "main"
     """--profile on the main rank alone (main) or on every rank, one file each (all)."""
+    memory_snapshot: str = "on"
+    """CUDA: record allocations so that an out-of-memory writes a snapshot of who held the memory to
+    output_dir/memory/ (for pytorch.org/memory_viz), named by the error line; on or off (docs/watching.md)."""
+    report_to: str = ""
+    """Trackers besides TensorBoard, comma-separated: wandb, comet, mlflow (docs/watching.md); a ds_config's own
+    wandb, comet and csv_monitor sections report too."""
+    early_stopping_patience: int = 0
+    """Stop the run, saved and exit 0, after N evaluations in a row without improvement (0: never)."""
+    early_stopping_metric: str = "eval_loss"
+    """The evaluation that early stopping and --keep_best watch, NAME or NAME:min / NAME:max (default: min for a
+    loss or perplexity, max for anything else, e.g. eval_reward_accuracy)."""
+    keep_best: bool = False
+    """Keep the checkpoint of the best evaluation (--early_stopping_metric) besides the newest --keep_last."""
     compile: str = "auto"
     """torch.compile the model and its loss through engine.compile: on, off, or auto (on with a CUDA device,
     off on CPU, where the compile time is not won back; docs/gpu.md, "Compile")."""
@@ -181,7 +197,8 @@ class Settings:
             if getattr(self, name) < 1:
                 raise UserError(f"--{name} must be at least 1, got {getattr(self, name)}")
         for name in ("max_steps", "eval_interval", "save_interval", "keep_last", "block_size", "peak_flops",
-                     "eval_answers", "answer_tokens", "max_nonfinite_steps", "shuffle_buffer"):
+                     "eval_answers", "answer_tokens", "max_nonfinite_steps", "shuffle_buffer",
+                     "early_stopping_patience"):
             if getattr(self, name) < 0:
                 raise UserError(f"--{name} must be 0 or more, got {getattr(self, name)}")
         if self.num_workers < -1:
@@ -192,7 +209,8 @@ class Settings:
                               ("pin_memory", ("auto", "on", "off")), ("reference", ("live", "precompute")),
                               ("preference_loss", ("sigmoid", "ipo", "hinge", "simpo")),
                               ("grpo_loss", ("dapo", "grpo", "dr_grpo")),
-                              ("scale_rewards", ("group", "batch", "none")), ("profile_ranks", ("main", "all"))):
+                              ("scale_rewards", ("group", "batch", "none")), ("profile_ranks", ("main", "all")),
+                              ("memory_snapshot", ("on", "off")), ("gather_for_generation", ("auto", "on", "off"))):
             if getattr(self, name) not in allowed:
                 raise UserError(f"--{name} must be one of {', '.join(allowed)}, got {getattr(self, name)!r}")
         if self.streaming == "on" and not self.max_steps:

@@ -16,7 +16,7 @@ import torch
 
 from app.checkpoint import outdir, resume
 from app.checkpoint.save import TrainerState, checkpoint_root, complete_checkpoints, save_checkpoint
-from app.core import answers as sample_answers, compiling, loop, lora, resolver
+from app.core import answers as sample_answers, compiling, early_stop, loop, lora, resolver
 from app.core.task import Task
 from app.data.loader import run_loaders
 from app.distributed import dist, endings, launch, node_shell, preemption
@@ -25,7 +25,7 @@ from app.ds import auto as ds_auto, config as ds_config, internals as ds_interna
 from app.errors import Ended, UserError, report
 from app.memory import autobatch
 from app.memory.planner import weighed_for_run
-from app.observe import metrics, runlog, startup
+from app.observe import memory_snapshot, metrics, runlog, startup, trackers
 from app.observe import profiler as profiling
 from app.observe.summary import summarise
 from app.parallel import layout
@@ -110,12 +110,18 @@ def run(settings: Settings, ds: dict, world: World, started: float) -> int:
     """One training job inside an existing process group: settle, build, train, summarise; an error that ends it
     is one line (app/distributed/endings.py)."""
     job = Job(settings, world, endings.Board(), started)
-    with endings.one_line(job.board, job.engine):
+    with memory_snapshot.Recorder(settings.memory_snapshot, world.device) as memory, \
+            endings.one_line(job.board, job.engine, memory.written):  # the snapshot written before recording stops
         try:
             job.settled = settle(settings, world, ds, job.board)
+            memory.start(job.settled.output_dir)  # after the micro batch search's trials, before the model is built
             job.built = build(settings, world, job.settled)
             return train(job)
+        except BaseException:
+            trackers.finish_open(failed=True)
+            raise
         finally:
+            trackers.finish_open(failed=False)  # a tracker's run that training's log never took over
             outdir.unlock()
             ds_internals.forget_parallel_groups()  # a later engine of this process (the benchmark's) picks its own
 
@@ -124,10 +130,12 @@ def settle(settings: Settings, world: World, ds: dict, board: endings.Board) -> 
     """Before any engine, in this order: the rank layout, the planned DeepSpeed dict, the output folder, the task
     and its data, the precision weighed against the GPU, the task's own engines, the micro batch."""
     ranks = layout.rank_layout(ds, world.world_size, world.rank, settings.deepspeed_config)
+    early_stop.watched(settings.early_stopping_metric)  # a mistake there is one line before anything is built
     spec = resolver.spec_of(settings)
     lora.check_layout(settings.lora, ranks)
     ds, filled, note = run_dict.planned(ds, settings.deepspeed_config, world.device, ranks.replicas,
                                         resolver.auto_facts(spec))
+    ds = trackers.enabled(ds, settings.report_to)  # --report_to's DeepSpeed monitors; one that cannot start: a line
     output_dir = resume.output_dir_for(settings)
     seed_everything(settings.seed)
     task = resolver.resolve(settings, spec, output_dir)
@@ -184,23 +192,33 @@ def train(job: Job) -> int:
         task.before_load(engine, built.state.deepspeed_config, output_dir)
     compiled = compiling.wanted(settings.compile, engine.device, task.eager_because(engine))
     start = resume.load(engine, built.resume_from, built.saved, ranks.replicas) if built.resume_from else (0, 0)
-    if loop.nothing_to_do(engine, built.steps):
+    early = early_stop.for_run(settings, built.saved)
+    if loop.nothing_to_do(engine, built.steps) or early is not None and early.ended_before():
         return 0
     outdir.clear(output_dir, built.resume_from, settings.overwrite)  # only now: a mistake found before leaves it all
     log = runlog.RunLog(output_dir, built.steps, engine.global_steps, throughput=rates,
-                        columns=runlog.columns(task, task.data.train, task.data.held_out))
+                        columns=runlog.columns(task, task.data.train, task.data.held_out),
+                        trackers=trackers.for_run(engine, settings, output_dir.name))
     metrics.reset_peak_memory(world.device)  # the summary's peak is the training's, not the start-up probe's
     step = ranks.train_step(engine, task, compiled, job.board)
     schedule = loop.Schedule(built.steps, settings.log_interval, settings.eval_interval, settings.save_interval,
                              settings.max_nonfinite_steps)
-
-    def save(at: int, epoch: int, batch: int):  # every rank's shards, rank 0's files
-        save_checkpoint(engine, output_dir, built.state.at(at, epoch, batch), settings.keep_last, *built.saves)
     with preemption.StopRequest(job.board, settings.grace_period, world.launcher != "none") as stop, \
             log.discarded_on_error(lambda: complete_checkpoints(checkpoint_root(output_dir))):
         answers = sample_answers.for_run(engine, task, output_dir, settings.eval_answers, settings.answer_tokens)
-        result = loop.Loop(step, *built.loaders, schedule, log, save, stop, answers, profiler).run(start)
+        save = saver(engine, output_dir, built, settings.keep_last, early)
+        result = loop.Loop(step, *built.loaders, schedule, log, save, stop, answers, profiler, early).run(start)
     return summarise(result, settings, world, engine, task, log, stop, job.started)
+
+
+def saver(engine, output_dir: Path, built: Built, keep_last: int, early):
+    """save(step, epoch, batch): every rank's shards and rank 0's files of a checkpoint, with early stopping's
+    count, keeping the newest keep_last and --keep_best's."""
+    def save(at: int, epoch: int, batch: int):
+        record = {"early_stopping": early.record()} if early is not None else {}
+        save_checkpoint(engine, output_dir, built.state.at(at, epoch, batch, **record), keep_last, *built.saves,
+                        kept=early.kept_step() if early is not None else 0)
+    return save
 
 
 def exit_now(code: int):

@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 
 from app.distributed import dist
-from app.checkpoint.save import (LATEST, UNIVERSAL, atomic_write, checkpoint_root, complete_checkpoints,
+from app.checkpoint.save import (BEST, LATEST, UNIVERSAL, atomic_write, checkpoint_root, complete_checkpoints,
                                  remove_checkpoint, unfinished_saves)
 
 LOCK = ".app-lock"
@@ -136,6 +136,8 @@ def clear(output_dir: Path, folder, overwrite: bool):
         atomic_write(root / LATEST, kept[-1].name)
     elif (root / LATEST).is_file():
         (root / LATEST).unlink()
+    if (root / BEST).is_file() and (root / BEST).read_text().strip() not in [p.name for p in kept]:
+        (root / BEST).unlink()  # --keep_best's pointer at a checkpoint just deleted
     if not in_place and (root / UNIVERSAL).is_dir() and not any((root / UNIVERSAL).iterdir()):
         (root / UNIVERSAL).rmdir()
     names = [p.name for p in files[:4]] + [p.name for p in checkpoints]

@@ -22,6 +22,7 @@ from app.redact import redacted
 MANIFEST = "manifest.json"
 STATE = "trainer_state.json"
 LATEST = "latest"
+BEST = "best"  # names the checkpoint --keep_best keeps
 UNIVERSAL = "universal"  # world-size-independent copies made when a run resumes on another world size
 SAVING = ".app-saving"  # in a checkpoint folder while the app writes it: the only folders a later save may clear
 NAME = re.compile(r"step\d{8}")  # the app's checkpoint folders; anything else under checkpoints/ is the user's
@@ -59,6 +60,9 @@ class TrainerState:
     """What the task records of its settings, which a resume must match (app/core/task.py: record). Preference runs:
     the loss, beta, gamma, the reference and `base`, what identifies the model the reference is ({}: a task that
     records nothing; older checkpoints wrote it as `preference`)."""
+    early_stopping: dict = field(default_factory=dict)
+    """The evaluation early stopping and --keep_best watch, its best value and step, and the evaluations since
+    that did not beat it (app/core/early_stop.py; {}: neither is on)."""
 
     def to_json(self) -> str:
         """The state as written: a secret in the DeepSpeed dict (a monitor's api_key) is kept out of the file."""
@@ -78,9 +82,9 @@ class TrainerState:
             raise UserError(f"{where} lacks {', '.join(missing)}: it was not written by this app; start a new run")
         return cls(**{f.name: saved[f.name] for f in fields(cls) if f.name in saved})
 
-    def at(self, step: int, epoch: int, batch: int) -> "TrainerState":
-        """This run's record at a position of the loop."""
-        return replace(self, step=step, epoch=epoch, batch=batch)
+    def at(self, step: int, epoch: int, batch: int, **changed) -> "TrainerState":
+        """This run's record at a position of the loop, with what changed since it was made (early_stopping)."""
+        return replace(self, step=step, epoch=epoch, batch=batch, **changed)
 
     def samples_into_epoch(self) -> int:
         """Samples of the epoch that every rank together had trained on when this was saved."""
@@ -132,9 +136,11 @@ def _rng_state() -> dict:
             "cuda": [torch.cuda.get_rng_state().tolist()] if torch.cuda.is_available() else []}
 
 
-def save_checkpoint(engine, output_dir: Path, state: TrainerState, keep_last: int, extra=None, every_rank=None):
+def save_checkpoint(engine, output_dir: Path, state: TrainerState, keep_last: int, extra=None, every_rank=None,
+                    kept: int = 0):
     """Every rank saves its shards and RNG state (and runs every_rank(engine, folder), which may be a
-    collective); rank 0 writes the state and extra(folder) files, then seals the folder with a manifest.
+    collective); rank 0 writes the state and extra(folder) files, then seals the folder with a manifest, and
+    prunes all but the newest keep_last checkpoints and step `kept`'s (--keep_best's, named in `best`).
     A save the disk has no room for is refused before it starts, and one that cannot be written ends the run
     in one line; either way the last complete checkpoint stays whole."""
     root = checkpoint_root(output_dir)
@@ -165,7 +171,10 @@ def save_checkpoint(engine, output_dir: Path, state: TrainerState, keep_last: in
         raise UserError(_cannot_write(root, e, estimate)) from None
     if dist.is_main():
         for old in complete_checkpoints(root)[:-keep_last] if keep_last else []:
-            remove_checkpoint(old)
+            if old.name != f"step{kept:08d}":
+                remove_checkpoint(old)
+        if (root / f"step{kept:08d}" / MANIFEST).is_file():
+            atomic_write(root / BEST, f"step{kept:08d}")
     dist.barrier()
 
 

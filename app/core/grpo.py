@@ -3,6 +3,7 @@ scored by the user's reward functions, and the model moved towards the completio
 (GRPO, and its DAPO and Dr. GRPO normalisations), as TRL's GRPOTrainer does; docs/rl.md."""
 import contextlib
 
+import torch
 from torch import nn
 
 from app.core import lora, models, rewards, rollout
@@ -11,7 +12,9 @@ from app.core.reference import AgainstReference
 from app.core.step import TrainStep
 from app.core.tasks import next_token_loss, without_dropout
 from app.distributed import dist
+from app.ds import internals as ds_internals, precision
 from app.errors import UserError
+from app.observe import metrics
 from app.settings import Settings
 
 
@@ -22,7 +25,7 @@ class Grpo(AgainstReference):
     summary_metrics = ("eval_reward",)
 
     def __init__(self, settings: Settings, spec, data=None, tokenizer=None):
-        self.sequences = self.group = settings.num_generations
+        self.sequences = self.group = self.sampled = settings.num_generations
         super().__init__(settings, spec, data, tokenizer)
         self.check(settings)
         self.rewards = rewards.load(settings.reward, settings.reward_weights)
@@ -66,6 +69,22 @@ class Grpo(AgainstReference):
         """Whether sampling must keep every rank stepping until all have ended: ZeRO-3 on several ranks."""
         return engine.zero_optimization_stage() == 3 and engine.dp_world_size > 1
 
+    def gathering(self, engine) -> bool:
+        """Whether sampling gathers the whole model once under ZeRO-3 (--gather_for_generation; auto: where, on
+        every rank, the whole weights and the key-value cache of a micro batch's completions fit in the memory
+        free now, beside the partitions). A collective under auto."""
+        if not hasattr(engine, "app_gathers_for_sampling"):  # decided once an engine
+            setting = self.settings.gather_for_generation
+            gathers = engine.zero_optimization_stage() == 3 and setting != "off"
+            if gathers and setting == "auto":
+                element = torch.empty((), dtype=precision.compute_dtype(engine)).element_size()
+                rows = engine.train_micro_batch_size_per_gpu() * self.group
+                need = ds_internals.whole_bytes(engine) + rollout.cache_bytes(self.spec.config, rows,
+                                                                              self.data.info.seq_len, element)
+                gathers = dist.host_max([int(need > metrics.free_memory_bytes(engine.device))])[0] == 0
+            engine.app_gathers_for_sampling = gathers
+        return engine.app_gathers_for_sampling
+
     def build_model(self, info, ds_config: dict) -> nn.Module:
         """As for any text task, its dropout off (the completions' log-probabilities are the model's own); a
         preset's weights drawn from --seed alone, so a frozen copy is the same model."""
@@ -86,6 +105,10 @@ class Grpo(AgainstReference):
         dist.print0(f"grpo: {self.loss_kind} loss, {self.group} completions of at most {self.how.max_new} tokens a "
                     f"prompt (temperature {self.how.temperature:g}); rewards {weights}; beta {self.beta:g}, "
                     f"reference: {self.reference_kind or 'none'}")
+        if engine.zero_optimization_stage() == 3:
+            dist.print0("grpo: sampling gathers the whole model once a micro batch" if self.gathering(engine) else
+                        "grpo: sampling gathers the model layer by layer for each token, every rank in step "
+                        "(--gather_for_generation)")
 
     def eager_because(self, engine) -> str:
         return "completions are sampled inside the step (eager)"

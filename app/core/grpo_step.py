@@ -49,6 +49,7 @@ class GrpoStep(TrainStep):
         super().__init__(engine, task, False, board)  # completions are sampled inside the step: eager
         self.metrics, self.window = task.metrics, []
         self.reference = task.live_reference(engine)
+        self.gather = task.gathering(engine)
 
     def micro_step(self, batch, meter: Meter):
         """Gather the window's micro batches; at its last, sample, then train on each in turn."""
@@ -81,7 +82,7 @@ class GrpoStep(TrainStep):
         tokenizer = task.tokenizer
         completions, mask, truncated = rollout.sample(
             self.engine, x.repeat_interleave(group, 0), lengths, u, how, len(tokenizer), tokenizer.eos_token_id,
-            tokenizer.pad_token_id, task.synced(self.engine))
+            tokenizer.pad_token_id, task.synced(self.engine), self.gather)
         kept = [c[m].tolist() for c, m in zip(completions, mask)]
         texts = tokenizer.batch_decode(kept, skip_special_tokens=True)
         prompts = [p for p in held.prompts(rows) for _ in range(group)]

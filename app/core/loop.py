@@ -103,14 +103,17 @@ class Loop:
     evaluation and checkpoint it calls for; stops at the last step or when every rank agrees to stop."""
 
     def __init__(self, step, train_loader, eval_loader, schedule: Schedule, log: RunLog, save=None, stop=None,
-                 answers=None, profiler=None):
+                 answers=None, profiler=None, early=None):
         """step: the training step, a step.TrainStep or, on a pipeline, a pipeline.PipeStep (both give micro_step
         and evaluate); save(step, epoch, batch) writes a checkpoint; stop.agreed(step) says when every rank
         stops; answers(step), after each evaluation, shows the model's answers (app/core/answers.py);
-        profiler.at(steps done), before the first step and after each (app/observe/profiler.py)."""
+        profiler.at(steps done), before the first step and after each (app/observe/profiler.py); early, an
+        early_stop.EarlyStopping, judges each evaluation: it may stop the run, and with keep_best a new best
+        is saved at once."""
         self.step, self.engine = step, step.engine
         self.train_loader, self.eval_loader, self.schedule, self.log = train_loader, eval_loader, schedule, log
-        self.save, self.stop, self.answers, self.profiler = save, stop, answers, profiler
+        self.save, self.stop, self.answers, self.profiler, self.early = save, stop, answers, profiler, early
+        self.early_stopped = False
         self.meter, self.clock = Meter(step.metrics, self.engine.device), Stopwatch()
         self.divergence = Divergence(self.engine, schedule.max_nonfinite_steps)
         self.samples, self.seconds, self.last_eval, self.stopped = 0.0, 0.0, {}, False
@@ -134,12 +137,14 @@ class Loop:
                 if self._done():
                     break
             else:  # the epoch ran to its end
-                if self.schedule.eval_after_epoch(self.engine.global_steps):
-                    self._evaluate(epoch)
+                if self.schedule.eval_after_epoch(self.engine.global_steps) and self._evaluate(epoch):
+                    self._save(epoch + 1, 0)
             epoch, skip = epoch + 1, 0
         return {"steps": self.engine.global_steps, "epochs": epoch, "samples": self.samples,
                 "train_s": self.seconds, **self.log.rates(self.samples, self.seconds),
-                "skipped_steps": self.engine.skipped_steps, "stopped_early": self.stopped, **self.last_eval,
+                "skipped_steps": self.engine.skipped_steps, "stopped_early": self.stopped and not self.early_stopped,
+                **({"early_stopping": {**self.early.record(), "stopped": self.early_stopped}} if self.early else {}),
+                **self.last_eval,
                 **(self.train_loader.drawn(*self.position) if self.position else {})}
 
     def _done(self) -> bool:
@@ -162,17 +167,31 @@ class Loop:
             extra.update(self.train_loader.drawn(epoch, batch_index))  # several sources: each one's
             self.log.train_row(step, epoch, result["loss"], self.engine.get_lr()[0], result["count"], elapsed,
                                skipped, extra)
-        if schedule.eval_now(step):
-            self._evaluate(epoch)
-        if self.save is not None and schedule.save_now(step, self.stopped):
+        save_best = schedule.eval_now(step) and self._evaluate(epoch)
+        if save_best or schedule.save_now(step, self.stopped):
+            done = batch_index == len(self.train_loader)
+            self._save(epoch + done, 0 if done else batch_index)
+
+    def _save(self, epoch: int, batch: int):
+        """A checkpoint of this step, to continue at (epoch, batch)."""
+        if self.save is not None:
             with self.clock.paused():  # saving does not count against training throughput
                 self.divergence.before_save()
-                done = batch_index == len(self.train_loader)
-                self.save(step, epoch + done, 0 if done else batch_index)
+                self.save(self.engine.global_steps, epoch, batch)
 
-    def _evaluate(self, epoch: int):
+    def _evaluate(self, epoch: int) -> bool:
+        """Evaluate, log, show answers, and judge the evaluation (early stopping); True when it is a new best that
+        --keep_best saves, or the one that stops the run."""
+        step = self.engine.global_steps
         with self.clock.paused():  # nor does evaluation
             self.last_eval = evaluate(self.step, self.eval_loader)
-            self.log.write_row({"step": self.engine.global_steps, "epoch": epoch, **self.last_eval})
+            self.log.write_row({"step": step, "epoch": epoch, **self.last_eval})
             if self.answers is not None:
-                self.answers(self.engine.global_steps)
+                self.answers(step)
+        if self.early is None:
+            return False
+        best = self.early.update(step, self.last_eval)
+        if self.early.stop() and not self.stopped:
+            self.stopped = self.early_stopped = True
+            self.log.message(f"early stopping at step {step}: {self.early.why()}")
+        return (best and self.early.keep_best) or self.early_stopped

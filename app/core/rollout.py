@@ -70,10 +70,21 @@ class Sampler:
         return picked.scatter(-1, token[:, None], 0.0)
 
 
+def cache_bytes(config, rows: int, tokens: int, element: int) -> int:
+    """Bytes of the key-value cache HF generate keeps for rows sequences of tokens (prompt and completion), in a
+    dtype of element bytes: a key and a value per layer, per key-value head (grouped-query attention shares them)."""
+    heads = config.num_attention_heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    return 2 * config.num_hidden_layers * kv_heads * head_dim * tokens * rows * element
+
+
 def sample(engine, prompts: torch.Tensor, lengths: torch.Tensor, u: torch.Tensor, how: Sampling, vocab: int,
-           eos: int, pad: int, synced: bool) -> tuple:
+           eos: int, pad: int, synced: bool, gather: bool = False) -> tuple:
     """(completions (rows, max_new) padded after their end, mask: their tokens up to and with the first eos,
-    truncated: rows that reached max_new without an eos); prompts left-padded (rows, P), lengths their tokens."""
+    truncated: rows that reached max_new without an eos); prompts left-padded (rows, P), lengths their tokens.
+    gather: under ZeRO-3, the whole model gathered once for the call (every rank calls together), so no decoding
+    step gathers and the ranks need not step in lock-step; else synced keeps them so."""
     from transformers import GenerationConfig, LogitsProcessorList
     width = prompts.shape[1]
     attention = (torch.arange(width)[None] >= width - lengths[:, None]).long()
@@ -82,9 +93,9 @@ def sample(engine, prompts: torch.Tensor, lengths: torch.Tensor, u: torch.Tensor
     hf, device, training = engine.module.hf, engine.device, engine.module.training
     engine.eval()
     try:
-        with torch.no_grad(), ds_internals.autocast_of(engine):
+        with torch.no_grad(), ds_internals.whole_weights(engine, gather), ds_internals.autocast_of(engine):
             out = hf.generate(input_ids=prompts.to(device), attention_mask=attention.to(device),
-                              generation_config=config, synced_gpus=synced,
+                              generation_config=config, synced_gpus=synced and not gather,
                               logits_processor=LogitsProcessorList([Sampler(u, width, vocab, how)]))
     finally:
         engine.train(training)

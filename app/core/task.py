@@ -31,6 +31,9 @@ class Task:
     reference_kind = ""
     """The model the loss compares the trained one with: '' (none), or how it is held ('frozen copy' is a second
     model in memory, which the plan counts)."""
+    sampled = 0
+    """Completions the run samples for each sample it trains on (online RL's group; 0: none), which the memory plan
+    counts."""
     spec = None
     """The transformers model's HFSpec (app/core/models.py); None for other models."""
     tokenizer = None

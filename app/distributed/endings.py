@@ -36,16 +36,33 @@ the others do the same work: a trial step, a first compiled step)."""
 
 
 def out_of_memory(error: BaseException) -> str:
-    """What ran out, when error (or what it was raised from) is an out-of-memory error of the device or of the
-    CPU allocator (which says it in a RuntimeError); else ''."""
-    while error is not None:
+    """What ran out, when error (or what it was raised from, or what a torch.compile backend failure wraps) is an
+    out-of-memory error of the device or of the CPU allocator (which says it in a RuntimeError); else ''."""
+    seen = set()
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
         if isinstance(error, torch.OutOfMemoryError):
             return (str(error).strip().splitlines() or ["out of memory"])[0][:200]
         if isinstance(error, RuntimeError) and "can't allocate memory" in str(error):
             said = (str(error).strip().splitlines() or [""])[0].split("DefaultCPUAllocator: ")[-1][:160]
             return said if "out of memory" in said.lower() else f"out of memory ({said})"
-        error = error.__cause__ or error.__context__
+        error = error.__cause__ or error.__context__ or getattr(error, "inner_exception", None)
     return ""
+
+
+def snapshot_words(shots: list) -> str:
+    """The line's words on the memory snapshots written by the ranks that ran out of memory (app/observe/
+    memory_snapshot.py), each [path, why it could not be written ('' when it was)]: '' when there are none."""
+    shots = [s for s in shots if isinstance(s, list) and len(s) == 2 and all(isinstance(x, str) for x in s)]
+    written, failed = [path for path, why in shots if not why], [(path, why) for path, why in shots if why]
+    words = []
+    if written:
+        more = f" and {len(written) - 1} more beside it" if len(written) > 1 else ""
+        words.append(f"memory snapshot: {written[0]}{more} (open it in https://pytorch.org/memory_viz)")
+    if failed:
+        more = f", nor {len(failed) - 1} more" if len(failed) > 1 else ""
+        words.append(f"the memory snapshot could not be written to {failed[0][0]} ({failed[0][1]}){more}")
+    return "; ".join(words)
 
 
 class Board:
@@ -183,14 +200,20 @@ def _outcome(raw: bytes, key: str) -> tuple:
 
 
 @contextlib.contextmanager
-def one_line(board: Board, engine=None):
+def one_line(board: Board, engine=None, snapshot=None):
     """Around a run: an error that ends it on some ranks (a user's mistake, out of memory, a damaged file a loader
     found, a feature of the JSON DeepSpeed fails on) becomes one line, agreed by the ranks it ended together (rank
     0 says it), or said at once by a rank it ended alone while the others went on into a collective, where they
-    wait for it; they end without a line. A failed collective whose cause no rank said stays itself (a crash)."""
+    wait for it; they end without a line. A failed collective whose cause no rank said stays itself (a crash).
+    snapshot(): this rank's memory snapshot, written if its device ran out of memory (app/observe/
+    memory_snapshot.py's Recorder.written), which the line names."""
+    snapshot = snapshot or (lambda: None)
     try:
         yield
-    except Ended:
+    except Ended as e:
+        shot = snapshot() if e.alone else None  # this rank says its line: a snapshot it wrote belongs in it
+        if shot:
+            raise board.alone(f"{e}; {snapshot_words([shot])}") from None
         raise
     except Exception as e:  # noqa: BLE001 (sorted: the run's end in one line, or not the app's to say)
         said = out_of_memory(e)
@@ -198,21 +221,25 @@ def one_line(board: Board, engine=None):
         step = f"in training step {engine.global_steps + 1}" if engine is not None else "while starting"
         e = e if said else deepspeed_failure(e, step) or e
         if said or isinstance(e, UserError):
-            raise _ended(board, engine, "memory" if said else "error", said or str(e)) from None
+            raise _ended(board, engine, "memory" if said else "error", said or str(e), snapshot()) from None
         board.ended_by_another()
         raise
 
 
-def _ended(board: Board, engine, kind: str, why: str) -> Exception:
+def _ended(board: Board, engine, kind: str, why: str, shot=None) -> Exception:
     """The error that ends the run from this rank: agreed with the ranks that failed too, which fail within a step
-    of each other (only they post an outcome), or this rank's alone."""
-    outcomes = board.outcomes((kind, why), 0.0)
+    of each other (only they post an outcome), or this rank's alone. shot: this rank's memory snapshot, if it
+    wrote one; the line names every failed rank's."""
+    outcomes = board.outcomes((kind, why, shot), 0.0)
     alone = outcomes is None
-    kind, why = (kind, why) if alone else outcomes[0]
+    kind, why = (kind, why) if alone else outcomes[0][:2]
+    shots = snapshot_words([shot] if alone else [outcome[2] for outcome in outcomes if len(outcome) > 2])
     if kind == "error":
-        return board.alone(why) if alone else UserError(why)
+        said = f"{why}; {shots}" if shots else why
+        return board.alone(said) if alone else UserError(said)
     steps = engine.global_steps if engine is not None else 0
     who = f"rank {board.rank}" if alone else "every rank" if len(outcomes) > 1 else "the run"
     where = " while the other ranks went on into that step's collectives" if alone else ""
-    said = f"{who} ran out of memory after {steps} step(s) ({why}){where}; {MEMORY_ADVICE}"
+    shots = f"; {shots}" if shots else ""
+    said = f"{who} ran out of memory after {steps} step(s) ({why}){where}{shots}; {MEMORY_ADVICE}"
     return board.alone(said) if alone else UserError(said)

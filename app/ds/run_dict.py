@@ -8,6 +8,9 @@ from app.ds import precision
 TIMERS_OFF = {"throughput": {"enabled": False}}
 """The app times its own steps. DeepSpeed's throughput timer would synchronise the GPU in every forward and, read by
 its forward hook, recompile a compiled model at each of the first steps: off unless the JSON sets "timers"."""
+MONITORS = ("tensorboard", "wandb", "comet", "csv_monitor")
+"""DeepSpeed's monitor sections. Only the run's engine reports: a trial's or a reference's would start a tracker run
+of its own and write its steps among the run's."""
 
 
 def planned(ds: dict, where: str, device, replicas: int, facts: ds_auto.Facts) -> tuple:
@@ -33,9 +36,10 @@ def for_trial(ds: dict, micro: int, replicas: int) -> dict:
     """The dict of a micro batch search's trial engine (for_engine makes it whole once its model is built): the
     planned dict at `micro` samples, one step of no accumulation. A length past the warm-up keeps DeepSpeed from
     warning that it is shorter; "auto" lengths wait for the run's step count, which the micro batch decides: one
-    step stands in."""
-    trial = ds_config.resolve_batch_sizes({**ds, ds_config.MICRO: micro, "gradient_accumulation_steps": 1,
-                                           "train_batch_size": micro * replicas}, replicas, "a trial")
+    step stands in. No monitor reports it."""
+    trial = ds_config.resolve_batch_sizes({**_unmonitored(ds), ds_config.MICRO: micro,
+                                           "gradient_accumulation_steps": 1, "train_batch_size": micro * replicas},
+                                          replicas, "a trial")
     trial = ds_auto.fill_lengths(trial, 1, {})
     return ds_config.fill_scheduler_length(trial, max(1, (trial.get("scheduler") or {}).get("params", {}).get(
         "warmup_num_steps", 1)))
@@ -65,11 +69,15 @@ def for_engine(ds: dict, trainable: int, tensor: int) -> dict:
 
 def for_reference(ds: dict, replicas: int) -> dict:
     """The dict of a frozen reference's engine: the run's precision and, under ZeRO-3, its partitioning (and
-    parameter offload); no optimizer, scheduler nor optimizer state to shard; batch sizes of one (it never steps,
-    and is built before the run's micro batch is settled)."""
-    ref = {k: v for k, v in ds.items() if k not in ("optimizer", "scheduler")}
+    parameter offload); no optimizer, scheduler nor optimizer state to shard, no monitor; batch sizes of one (it
+    never steps, and is built before the run's micro batch is settled)."""
+    ref = {k: v for k, v in _unmonitored(ds).items() if k not in ("optimizer", "scheduler")}
     ref.update(train_micro_batch_size_per_gpu=1, gradient_accumulation_steps=1, train_batch_size=replicas)
     zero = ds.get("zero_optimization") or {}
     ref["zero_optimization"] = {k: v for k, v in zero.items() if k != "offload_optimizer"} \
         if zero.get("stage", 0) == 3 else {"stage": 0}
     return ref
+
+
+def _unmonitored(ds: dict) -> dict:
+    return {k: v for k, v in ds.items() if k not in MONITORS}

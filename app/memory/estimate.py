@@ -40,20 +40,26 @@ class MemoryPlan:
     cast) can outgrow one sample's activations, so a small micro batch peaks at no less than this."""
     trained: int = 0
     """Parameters that train (fewer than all with LoRA)."""
+    sampling: tuple = (0, 0)
+    """Online RL's sampling, before the training forward and freed by then: (bytes whatever the micro batch (the
+    whole weights gathered under ZeRO-3, less the rank's partition), bytes per sample (its group's key-value cache
+    and a decoding step's scores))."""
 
     def states(self) -> int:
         return sum(self.device.values())
 
     def peak(self, micro: int) -> int:
         """Predicted peak of the GPU's allocated bytes of one rank at this micro batch."""
-        return self.states() + max(self.least, self.fixed + micro * self.per_sample)
+        fixed, each = self.sampling
+        return self.states() + max(self.least, self.fixed + micro * self.per_sample, fixed + micro * each)
 
     def largest_micro(self, memory: int) -> int:
         """The largest micro batch whose peak fits in memory bytes of GPU (0: not even one sample)."""
         room = USABLE * memory - self.states()
-        if not self.per_sample or room < self.least:
+        if not self.per_sample or room < max(self.least, self.sampling[0] + self.sampling[1]):
             return 0
-        return max(0, int((room - self.fixed) // self.per_sample))
+        fits = int((room - self.fixed) // self.per_sample)
+        return max(0, min(fits, int((room - self.sampling[0]) // self.sampling[1])) if self.sampling[1] else fits)
 
 
 def _partition(total: int, ranks: int) -> int:

@@ -5,10 +5,11 @@ import dataclasses
 
 import torch
 
-from app.core import lora, models
+from app.core import lora, models, rollout
 from app.data import DataInfo
 from app.distributed import dist
 from app.ds import run_dict
+from app.ds.config import zero_stage
 from app.ds.internals import torch_private
 from app.memory import estimate
 from app.parallel import activations
@@ -21,7 +22,7 @@ def workload(task, seq_len: int = 0, image_size: int = 0, frozen: bool = False):
     transformers model from its config (no weights, no adapters), an image model at image_size. frozen (LoRA): the
     model's weights take no gradient, and the backward runs through it to the input as it does to the adapters.
     A sample's sequences go through the model together: a preference pair's two, a GRPO prompt's group (the
-    sampling's cache is not counted)."""
+    sampling before them: sampling_of)."""
     if task.name == "image_classification":
         builtin = task.settings.model in models.BUILTIN
         side, channels, classes = image_size or (8 if builtin else 224), 1 if builtin else 3, 10 if builtin else 1000
@@ -47,12 +48,34 @@ def workload(task, seq_len: int = 0, image_size: int = 0, frozen: bool = False):
     return build, inputs, task.loss
 
 
-def plans(work, named: dict, ranks: int, adapters=None, reference: bool = False) -> dict:
+def sampling_of(task, seq_len: int = 0):
+    """For a task that samples (online RL), sampling(ds, parameters, ranks) -> MemoryPlan.sampling of a rank under
+    the DeepSpeed dict ds: the whole weights gathered under ZeRO-3 (unless --gather_for_generation off), less the
+    rank's partition, and per sample its group's key-value cache over the whole sequence (seq_len, else the data's
+    prompt and completion) with a decoding step's scores (fp32 logits and the sampler's fp64 copies); else None."""
+    if not task.sampled:
+        return None
+    seq = seq_len or (task.data.info.seq_len if task.data is not None else 0) or min(task.spec.max_positions or 1024,
+                                                                                     1024)
+    config, rows = task.spec.config, task.sampled
+
+    def sampling(ds: dict, parameters: int, ranks: int) -> tuple:
+        sixteen = any((ds.get(s) or {}).get("enabled") is True for s in ("bf16", "fp16"))
+        compute = 2 if sixteen or (ds.get("torch_autocast") or {}).get("enabled") is True else 4
+        each = rollout.cache_bytes(config, rows, seq, compute) + rows * models.vocab_size(config) * 28
+        gathered = zero_stage(ds) == 3 and task.settings.gather_for_generation != "off"
+        whole = parameters * (2 if sixteen else 4)
+        return (whole - whole // ranks if gathered else 0), each
+    return sampling
+
+
+def plans(work, named: dict, ranks: int, adapters=None, reference: bool = False, sampling=None) -> dict:
     """{name: MemoryPlan} of each DeepSpeed dict in named: the model built once on fake tensors for its sizes, one
     fake forward and backward per precision and checkpointing asked; adapters: (rank, targets) of LoRA, or None;
     reference: a frozen copy of the model rides along (preference tuning), its weights alone, as its own engine
     lays them out (run_dict.for_reference: the config's precision, partitioned and offloaded under ZeRO-3 only);
-    its no_grad forward's transients, freed before the policy's forward, stay below the policy's own peak."""
+    its no_grad forward's transients, freed before the policy's forward, stay below the policy's own peak;
+    sampling: sampling_of(task), online RL's sampling, or None."""
     build, inputs, loss = work
     with torch_private.fake_tensor_mode():
         model = build()
@@ -73,6 +96,8 @@ def plans(work, named: dict, ranks: int, adapters=None, reference: bool = False)
             cache[key] = ((four - two) // 2, two - (four - two), one)
         found[name] = estimate.memory_plan(name, ds, ranks, sizes, largest, cache[key], kinds, trainable)
         found[name].largest_layer = largest
+        if sampling is not None:
+            found[name].sampling = sampling(ds, sum(sizes), ranks)
         if reference:
             device, host = estimate.model_states(sizes, run_dict.for_reference(ds, ranks), ranks,
                                                  [False] * len(sizes))
@@ -105,10 +130,11 @@ def _weighed(ds: dict, note: str, task, settings, replicas: int, memory: int, mi
     work = workload(task, settings.block_size, frozen=bool(adapters))
     frozen_copy = task.reference_kind == "frozen copy"  # preference tuning's reference
     usable, bf16 = estimate.USABLE * memory, with_bf16_weights(ds)
-    autocast_peak = plans(work, {"autocast": ds}, replicas, adapters, frozen_copy)["autocast"].peak(micro)
+    sampling = sampling_of(task, settings.block_size)
+    autocast_peak = plans(work, {"autocast": ds}, replicas, adapters, frozen_copy, sampling)["autocast"].peak(micro)
     if autocast_peak <= usable:  # the usual case, measured once: autocast stays
         return ds, note
-    bf16_peak = plans(work, {"bf16": bf16}, replicas, adapters, frozen_copy)["bf16"].peak(micro)
+    bf16_peak = plans(work, {"bf16": bf16}, replicas, adapters, frozen_copy, sampling)["bf16"].peak(micro)
     if bf16_peak > usable:
         return ds, note
     return bf16, (f"bf16 (torch_autocast \"auto\" gave way to bf16 weights: the memory plan puts a micro batch of "

@@ -1,6 +1,7 @@
 """Meters reduced across ranks, throughput and model FLOP utilisation, peak memory, the training clock.
 The rank-0 sinks (progress bar, CSV, TensorBoard, summary, plot) live in app/observe/runlog.py."""
 import contextlib
+import os
 import resource
 import time
 from dataclasses import dataclass
@@ -141,6 +142,17 @@ def peak_memory_bytes(device: torch.device) -> int:
             return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:"))
     except (OSError, StopIteration):
         return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def free_memory_bytes(device: torch.device) -> int:
+    """Memory a rank could still take now: on a GPU, what CUDA has free plus what torch's allocator holds unused;
+    on a CPU, the host's available memory (shared by the ranks of a node)."""
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+    import psutil
+    ranks_here = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("LOCAL_SIZE", "1")))
+    return psutil.virtual_memory().available // max(ranks_here, 1)
 
 
 def reset_peak_memory(device: torch.device):

@@ -1,5 +1,6 @@
-"""Everything the main rank writes for a run: the progress bar or log lines, metrics.csv, TensorBoard, summary.json
-and the loss plot. Whether an output folder may take a run: app/checkpoint/outdir.py."""
+"""Everything the main rank writes for a run: the progress bar or log lines, metrics.csv, TensorBoard, the trackers
+(app/observe/trackers.py), summary.json and the loss plot. Whether an output folder may take a run:
+app/checkpoint/outdir.py."""
 import contextlib
 import csv
 import io
@@ -11,6 +12,7 @@ from app.distributed import dist
 from app.checkpoint.save import atomic_write
 from app.data.samples import declared
 from app.observe.metrics import Throughput
+from app.observe.trackers import Trackers
 
 CSV_FIELDS = ["step", "epoch", "loss", "lr", "skipped_steps", "samples_per_s", "tokens_per_s", "mfu", "eval_loss",
               "eval_accuracy", "eval_perplexity"]
@@ -33,16 +35,18 @@ class RunLog:
     """Everything the main rank writes; on other ranks (and with no output_dir) it writes nothing."""
 
     def __init__(self, output_dir, total_steps: int, resumed_step: int = 0, show_progress=None,
-                 throughput: "Throughput" = None, columns: tuple = ()):
+                 throughput: "Throughput" = None, columns: tuple = (), trackers: Trackers = None):
         """Start metrics afresh, or (resumed_step > 0) keep the rows up to that step and append. show_progress:
         True draws the bar, False prints plain lines, None (default) draws it only on a terminal. columns: the
-        task's own, after the others (preference tuning's rewards, and their eval_ ones)."""
+        task's own, after the others (preference tuning's rewards, and their eval_ ones). trackers: where each row
+        goes besides (trackers.for_run), closed by finish, or as failed by an error in discarded_on_error."""
         self.active = dist.is_main() and output_dir is not None
         self.fields = CSV_FIELDS + list(columns)
         self.shown = SHOWN + tuple(c for c in columns if ("accuracy" in c or c in ("reward", "eval_reward"))
                                    and "/" not in c)  # not each source's; online RL's mean reward
         self.output_dir, self.resumed = output_dir, bool(resumed_step)
         self.throughput = throughput or Throughput()
+        self.trackers = trackers or Trackers()
         self.rows = []
         if not self.active:
             return
@@ -68,7 +72,7 @@ class RunLog:
         self.plain = self.bar.disable
 
     def write_row(self, row: dict):
-        """One metrics.csv row; also TensorBoard scalars and the progress bar or a log line."""
+        """One metrics.csv row; also TensorBoard scalars, the trackers, and the progress bar or a log line."""
         if not self.active:
             return
         self.rows.append(row)
@@ -77,6 +81,7 @@ class RunLog:
         for key, value in row.items():
             if key not in ("step", "epoch") and value is not None:
                 self.tb.add_scalar(key, value, row["step"])
+        self.trackers.write(row)
         shown = {k: f"{row[k]:.4g}" for k in self.shown if row.get(k) is not None and (k != "skipped_steps" or row[k])}
         if self.plain:
             print(f"step {row['step']} epoch {row['epoch']} " + " ".join(f"{k} {v}" for k, v in shown.items()),
@@ -108,10 +113,14 @@ class RunLog:
     @contextlib.contextmanager
     def discarded_on_error(self, has_checkpoint):
         """Around the training of a fresh run: if it ends on an error (damaged data, a full disk, out of memory)
-        before any checkpoint exists, its files go, so the same command can run again once the cause is fixed."""
+        before any checkpoint exists, its files go, so the same command can run again once the cause is fixed. The
+        trackers' runs end as failed on any error."""
         try:
             yield
         except Exception:
+            if self.active:
+                with contextlib.suppress(Exception):  # the run's own error is the one to say
+                    self.trackers.close(failed=True)
             if self.active and not self.resumed and not has_checkpoint():
                 self.bar.close()
                 self.tb.close()
@@ -121,7 +130,7 @@ class RunLog:
             raise
 
     def finish(self, summary: dict):
-        """Write summary.json and loss.png, close every file."""
+        """Write summary.json and loss.png, close every file and end the trackers' runs."""
         if not self.active:
             return
         self.bar.close()
@@ -129,6 +138,7 @@ class RunLog:
         self.csv_file.close()
         (self.output_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
         plot_losses(self.rows, self.output_dir / "loss.png")
+        self.trackers.close()
 
 
 def read_rows(path: Path) -> list:

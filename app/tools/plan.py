@@ -128,7 +128,8 @@ def measure(args, named: dict, task) -> dict:
     facts = resolver.auto_facts(task.spec)
     zero = {name: {**ds, "zero_optimization": ds_auto.fill(ds, facts, args.world_size)[0]["zero_optimization"]}
             if "zero_optimization" in ds else ds for name, ds in named.items()}
-    return planner.plans(work, zero, args.world_size, adapters, task.reference_kind == "frozen copy")
+    return planner.plans(work, zero, args.world_size, adapters, task.reference_kind == "frozen copy",
+                         planner.sampling_of(task, args.seq_len))
 
 
 # What each reference of preference tuning (the task's reference_kind) holds while training.

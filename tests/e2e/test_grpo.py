@@ -110,11 +110,17 @@ def runs(tmp_path_factory):
                 jobs = two if ranks == 2 else one
                 jobs[f"{stage} {loss} {name}"] = [*tiny, "--dataset", few, "--max_steps", 1, "--grpo_loss", loss,
                                                   "--deepspeed_config", sgd(tmp, micro, accumulation, stage)]
+    for name, (micro, accumulation, ranks) in list(SPLITS.items())[:2]:  # sampled layer by layer, every rank in step
+        two[f"3 dapo {name} unGathered"] = [*tiny, "--dataset", few, "--max_steps", 1, "--grpo_loss", "dapo",
+                                             "--gather_for_generation", "off",
+                                             "--deepspeed_config", sgd(tmp, micro, accumulation, 3)]
     for name in ("ends.jsonl", "ends-held.jsonl"):  # the same two rows to train on and to hold out
         (tmp / name).write_text('{"prompt": "Stop here!", "answer": "e"}\n{"prompt": "Go on?", "answer": "e"}\n')
-    two["uneven"] = [*tiny, "--model", ending_model(tmp / "ends"), "--dataset", tmp / "ends.jsonl", "--eval_file",
-                     tmp / "ends-held.jsonl", "--max_completion_length", 48, "--max_steps", 2, "--log_interval", 1,
-                     "--dist_timeout", 60, "--deepspeed_config", sgd(tmp, 1, 1, 3)]
+    for gather in ("on", "off"):
+        two[f"uneven {gather}"] = [*tiny, "--model", ending_model(tmp / "ends"), "--dataset", tmp / "ends.jsonl",
+                                   "--eval_file", tmp / "ends-held.jsonl", "--max_completion_length", 48,
+                                   "--max_steps", 2, "--log_interval", 1, "--dist_timeout", 60,
+                                   "--gather_for_generation", gather, "--deepspeed_config", sgd(tmp, 1, 1, 3)]
     zero3 = ["--deepspeed_config", REPO / "ds_configs" / "zero3.json"]
     short = [*tiny, "--dataset", few, *zero3, "--log_interval", 1, "--beta", "0.05"]
     sft = worked_start(tmp)
@@ -151,10 +157,22 @@ def test_one_steps_gradient_does_not_depend_on_the_split(stage, loss, runs):
     assert 0 <= rows[0]["rewards/has_e/mean"] <= 1
 
 
-def test_ranks_whose_completions_end_far_apart_finish_the_step_under_zero3(runs):
-    """One rank's prompt ends at once, the other's runs to 48 tokens: the first keeps stepping with the second
-    until both have ended (every forward under ZeRO-3 gathers from both), and the run ends."""
-    folder, output = runs["uneven"]
+def test_sampling_gathered_once_or_layer_by_layer_takes_the_same_step_under_zero3(runs):
+    """The whole model gathered once for sampling (auto, on a CPU where it fits) and gathered layer by layer for
+    each token (off) sample the same completions: the weights after the step agree."""
+    for name in list(SPLITS)[:2]:
+        gathered, layered = (weights(runs[f"3 dapo {name}{kind}"][0]) for kind in ("", " unGathered"))
+        assert max((gathered[k] - layered[k]).abs().max().item() for k in gathered) < 1e-6, name
+    assert "grpo: sampling gathers the whole model once a micro batch" in runs[f"3 dapo {name}"][1]
+    assert "grpo: sampling gathers the model layer by layer for each token" in runs[f"3 dapo {name} unGathered"][1]
+
+
+@pytest.mark.parametrize("gather", ["on", "off"])
+def test_ranks_whose_completions_end_far_apart_finish_the_step_under_zero3(gather, runs):
+    """One rank's prompt ends at once, the other's runs to 48 tokens. Gathered layer by layer, the first keeps
+    stepping with the second until both have ended (every forward gathers from both); gathered whole, no decoding
+    step gathers. Either way the run ends."""
+    folder, output = runs[f"uneven {gather}"]
     assert "ZeRO stage 3" in output and "2 rank(s)" in output
     rows = read_metrics(folder)[0]
     assert len(rows) == 2, "both steps ran"

@@ -95,6 +95,93 @@ def test_running_out_of_memory_alone_says_after_how_many_steps_and_what_to_chang
     assert caught.value.__suppress_context__, "no traceback of the allocator"
 
 
+def test_an_out_of_memory_that_torch_compile_wrapped_is_found():
+    """torch.compile's backend failure holds the error it wraps, raised from None."""
+    from torch._dynamo.exc import BackendCompilerFailed
+    wrapped = BackendCompilerFailed(lambda: None, torch.OutOfMemoryError("CUDA out of memory. Tried to allocate "
+                                                                         "1.00 GiB\nmore"), None)
+    assert wrapped.__cause__ is None and wrapped.__context__ is None
+    assert endings.out_of_memory(wrapped) == "CUDA out of memory. Tried to allocate 1.00 GiB"
+
+
+WRITTEN = ["runs/x/memory/rank0.oom.pickle", ""]
+VIEWER = "(open it in https://pytorch.org/memory_viz)"
+
+
+def test_running_out_of_memory_names_the_snapshot_this_rank_wrote_before_the_advice(tmp_path):
+    from app.observe import memory_snapshot
+    path = memory_snapshot.snapshot_path(tmp_path, 0)
+    with pytest.raises(UserError) as caught, endings.one_line(endings.Board(), SimpleNamespace(global_steps=3),
+                                                              lambda: memory_snapshot.write(path)):
+        _cpu_oom()
+    line = _line(caught)
+    assert line.startswith(f"the run ran out of memory after 3 step(s) ({CPU_OOM}"), line
+    assert line.endswith(f"); memory snapshot: {path} {VIEWER}; {endings.MEMORY_ADVICE}"), line
+    assert path.is_file()
+
+
+def test_a_snapshot_that_could_not_be_written_still_says_out_of_memory_and_why_not_and_none_says_nothing():
+    with pytest.raises(UserError) as caught, endings.one_line(endings.Board(), None,
+                                                              lambda: ["/dev/full", "No space left on device"]):
+        _cpu_oom()
+    line = _line(caught)
+    assert line.startswith(f"the run ran out of memory after 0 step(s) ({CPU_OOM}"), line
+    assert "); the memory snapshot could not be written to /dev/full (No space left on device); lower " in line
+    assert "memory_viz" not in line
+    with pytest.raises(UserError) as caught, endings.one_line(endings.Board(), None, lambda: None):
+        _cpu_oom()
+    assert "snapshot" not in _line(caught)
+
+
+def test_an_out_of_memory_another_error_carries_gets_its_snapshot_named_after_the_line():
+    """The first compiled step's out-of-memory is agreed by the ranks and ends as a user error naming it."""
+    said = "the first training step failed on rank 0: out of memory (OutOfMemoryError: CUDA out of memory.)"
+    with pytest.raises(UserError) as caught, endings.one_line(endings.Board(), None, lambda: WRITTEN):
+        _raise(UserError(said))
+    assert _line(caught) == f"{said}; memory snapshot: {WRITTEN[0]} {VIEWER}"
+    with pytest.raises(Ended) as caught, endings.one_line(endings.Board(), None, lambda: WRITTEN):
+        _raise(Ended(said + "; the other ranks went on into that step's collectives", alone=True))
+    assert caught.value.alone and _line(caught).endswith(f"collectives; memory snapshot: {WRITTEN[0]} {VIEWER}")
+
+
+def test_no_snapshot_is_asked_for_where_another_rank_says_the_line_or_a_bug_stays_a_crash():
+    asked = []
+    for error in (Ended("rank 1 said it"), KeyError("input_ids")):
+        with pytest.raises(type(error)), endings.one_line(endings.Board(), None, lambda: asked.append(1)):
+            _raise(error)
+    assert asked == []
+
+
+def test_ranks_that_ran_out_together_name_every_snapshot_written_and_those_that_could_not_be():
+    store = torch_dist.HashStore()
+    store.set("app/run0/round1/0", wire.encode(["memory", "CUDA out of memory.", WRITTEN]))
+    store.set("app/run0/round1/2", wire.encode(["memory", "CUDA out of memory.", None]))
+    for rank in (3, 4):
+        shot = [f"r/memory/rank{rank}.oom.pickle", "Read-only file system"]
+        store.set(f"app/run0/round1/{rank}", wire.encode(["memory", "CUDA out of memory.", shot]))
+    with pytest.raises(UserError) as caught, endings.one_line(_board(store, rank=1, world=5),
+                                                              SimpleNamespace(global_steps=5),
+                                                              lambda: ["runs/x/memory/rank1.oom.pickle", ""]):
+        _cpu_oom()
+    assert _line(caught) == (f"every rank ran out of memory after 5 step(s) (CUDA out of memory.); memory snapshot: "
+                             f"{WRITTEN[0]} and 1 more beside it {VIEWER}; the memory snapshot could not be written "
+                             f"to r/memory/rank3.oom.pickle (Read-only file system), nor 1 more; "
+                             f"{endings.MEMORY_ADVICE}")
+
+
+def test_a_rank_that_ran_out_alone_names_its_own_snapshot_in_its_line():
+    store = torch_dist.HashStore()
+    board = _board(store, rank=1)
+    board.asked = True  # its launcher is ending every rank: it waits for nobody
+    mine = ["runs/x/memory/rank1.oom.pickle", ""]
+    with pytest.raises(Ended) as caught, endings.one_line(board, SimpleNamespace(global_steps=2), lambda: mine):
+        _cpu_oom()
+    line = _line(caught)
+    assert f"while the other ranks went on into that step's collectives; memory snapshot: {mine[0]} {VIEWER}; " \
+           f"{endings.MEMORY_ADVICE}" in line, line
+    assert wire.decode(store.get("app/run0/alone"), "x") == line
+
+
 def test_a_users_mistake_passes_as_itself_and_a_bug_stays_a_crash():
     with pytest.raises(UserError, match="^--lr must be positive$"), endings.one_line(endings.Board()):
         _raise(UserError("--lr must be positive"))

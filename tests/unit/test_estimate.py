@@ -127,3 +127,15 @@ def test_checkpointing_holds_fewer_activations():
     plain, checkpointed = (estimate.activation_bytes(_tiny_gpt, inputs, next_token_loss, 4, torch.bfloat16, on)
                            for on in (False, True))
     assert checkpointed < 0.8 * plain
+
+
+def test_sampling_before_the_training_forward_peaks_on_its_own_and_bounds_the_micro_batch():
+    """Online RL samples first, its cache freed before the forward: the peak is the larger of the two, and the
+    largest micro batch the one both fit."""
+    p = estimate.MemoryPlan("z3", 10, {"weights": 40 * 2**30}, {}, per_sample=2**30, fixed=2**30,
+                            sampling=(4 * 2**30, 2 * 2**30))
+    assert p.peak(1) == 46 * 2**30, "4 GiB gathered and 2 GiB of cache above the 2 GiB a sample's forward takes"
+    assert p.peak(8) == (40 + 4 + 16) * 2**30
+    assert p.largest_micro(80 * 2**30) == int((0.92 * 80 - 44) // 2)  # the cache at 2 GiB a sample bounds it
+    assert estimate.MemoryPlan("z3", 10, {"weights": 40 * 2**30}, per_sample=2**30, fixed=2**30,
+                               sampling=(40 * 2**30, 1)).largest_micro(80 * 2**30) == 0, "the gather does not fit"

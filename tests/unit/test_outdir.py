@@ -108,3 +108,16 @@ def test_overwrite_deletes_the_earlier_timeline_and_nothing_of_the_users(tmp_pat
     assert not (root / "latest").exists() and complete_checkpoints(root) == []
     assert all(p.read_text() == "mine" for p in users)
     assert "metrics.csv, summary.json, loss.png, step00000002" in capsys.readouterr().out
+
+
+def test_overwrite_drops_keep_best_s_pointer_only_when_its_checkpoint_goes(tmp_path):
+    run = tmp_path / "run"
+    root = run / "checkpoints"
+    two, _ = _checkpoint(root, 2), _checkpoint(root, 4)
+    save.atomic_write(root / "best", "step00000002")
+    outdir.clear(run, two, overwrite=True)  # resumed in place from step 2, the best: it stays named
+    assert (root / "best").read_text() == "step00000002"
+    _checkpoint(root, 4)
+    save.atomic_write(root / "best", "step00000004")
+    outdir.clear(run, two, overwrite=True)  # the best was a later one: its name goes with it
+    assert not (root / "best").exists()

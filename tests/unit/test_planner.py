@@ -98,3 +98,25 @@ def test_a_grpo_prompt_is_planned_as_its_group_of_sequences(tmp_path):
     ds, _ = on_a_gpu(8)
     found = [planner.plans(planner.workload(task, 128), {"autocast": ds}, 1)["autocast"] for task in (grpo, plain)]
     assert 3 < found[0].per_sample / found[1].per_sample < 5
+
+
+def test_a_grpo_plan_counts_the_sampling_cache_and_under_zero3_the_gathered_weights(tmp_path):
+    """Before the group's training forward, sampling holds each completion's key-value cache, and under ZeRO-3 the
+    whole weights gathered once; a task that samples nothing plans none."""
+    reward = tmp_path / "r.py"
+    reward.write_text("def one(completions, **kwargs):\n    return [1.0] * len(completions)\n")
+    settings = Settings(model="gpt2-tiny", task="grpo", reward=f"{reward}:one", num_generations=4)
+    grpo = resolver.build(settings)
+    assert planner.sampling_of(resolver.build(Settings(model="gpt2-tiny")), 128) is None
+    sampling, config = planner.sampling_of(grpo, 128), grpo.spec.config
+    cache = 2 * config.n_layer * config.n_embd * 128 * 4 * 2  # key and value, every layer, 128 tokens, 4 rows, bf16
+    scores = 4 * config.vocab_size * 28
+    autocast = {"torch_autocast": {"enabled": True}, "zero_optimization": {"stage": 0}}
+    assert sampling(autocast, 1000, 2) == (0, cache + scores), "ZeRO 0-2 hold the whole weights already"
+    zero3 = {"bf16": {"enabled": True}, "zero_optimization": {"stage": 3}}
+    assert sampling(zero3, 1000, 4) == (2000 - 500, cache + scores), "bf16 weights, a quarter of them held already"
+    grpo.settings.gather_for_generation = "off"
+    assert sampling(zero3, 1000, 4)[0] == 0, "sampled layer by layer: nothing gathered whole"
+    ds, _ = on_a_gpu(8)
+    plan = planner.plans(planner.workload(grpo, 128), {"autocast": ds}, 1, sampling=planner.sampling_of(grpo, 128))
+    assert plan["autocast"].sampling[1] == cache + scores

@@ -61,3 +61,12 @@ def test_a_completion_is_kept_up_to_and_with_its_first_end_and_one_without_is_tr
     mask, truncated = rollout.ends(completions, 9)
     assert mask.tolist() == [[True, True, False, False], [True] * 4, [True, False, False, False]]
     assert truncated.tolist() == [False, True, False]
+
+
+def test_the_cache_counts_a_key_and_a_value_per_layer_and_key_value_head():
+    from transformers import GPT2Config, LlamaConfig
+    gpt2 = GPT2Config(n_layer=2, n_head=4, n_embd=64)
+    assert rollout.cache_bytes(gpt2, rows=3, tokens=10, element=4) == 2 * 2 * 4 * 16 * 10 * 3 * 4
+    llama = LlamaConfig(num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8, hidden_size=2048,
+                        head_dim=64)  # Llama 3.2 1B: grouped-query attention, 8 key-value heads of 64
+    assert rollout.cache_bytes(llama, rows=1, tokens=1, element=2) == 2 * 16 * 8 * 64 * 2 == 32768

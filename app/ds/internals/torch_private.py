@@ -7,8 +7,8 @@ from torch.utils._pytree import tree_flatten
 TORCH_WRITTEN_FOR = "2.14"
 DYNAMO_LOGGER = "torch._dynamo"
 __all__ = ["TorchDispatchMode", "tree_flatten", "default_store", "fake_tensor_mode", "dynamo_reset",
-           "is_dynamo_error", "compile_backward_with_forward", "dynamo_graphs", "DYNAMO_LOGGER",
-           "TORCH_WRITTEN_FOR"]
+           "is_dynamo_error", "compile_backward_with_forward", "dynamo_graphs", "record_memory_history",
+           "stop_memory_history", "dump_memory_snapshot", "DYNAMO_LOGGER", "TORCH_WRITTEN_FOR"]
 
 
 def default_store():
@@ -46,3 +46,20 @@ def compile_backward_with_forward():
     import torch._functorch.config  # not imported by torch itself until something compiles
     return torch._functorch.config.patch(force_non_lazy_backward_lowering=True)
 
+
+def record_memory_history(max_entries: int):
+    """Record this process's CUDA allocations and frees, the last max_entries of them, each allocation with the
+    Python frames that made it (not C++'s, which cost far more to unwind), for dump_memory_snapshot."""
+    torch.cuda.memory._record_memory_history(enabled="all", context="alloc", stacks="python",
+                                             max_entries=max_entries)
+
+
+def stop_memory_history():
+    """Stop recording CUDA allocations; what was recorded is forgotten."""
+    torch.cuda.memory._record_memory_history(enabled=None)
+
+
+def dump_memory_snapshot(path):
+    """Write the CUDA allocator's segments and what was recorded to path, a pickle that pytorch.org/memory_viz
+    reads (empty where nothing was recorded)."""
+    torch.cuda.memory._dump_snapshot(str(path))
