@@ -79,9 +79,12 @@ class Settings:
     scale_rewards: str = "group"
     """grpo: advantages are rewards less their group's mean, divided by the group's std (group), by the whole
     step's std (batch), or not (none)."""
+    log_completions: bool = False
+    """grpo: write each step's completions, rewards and advantages to output_dir/completions/step<N>.jsonl."""
+    eval_sampling: str = "greedy"
+    """grpo: each held-out prompt's completion at an evaluation, greedy or sampled as in training (seeded)."""
     gather_for_generation: str = "auto"
-    """grpo, ZeRO-3: gather the whole model once for sampling (on), or per layer per token (off); auto: on where
-    it fits beside the partitions and the sampling's cache."""
+    """grpo, ZeRO-3: gather the whole model once to sample (on) or per layer per token (off); auto: where it fits."""
     mask_truncated_completions: bool = False
     """grpo: leave completions cut at --max_completion_length out of the loss (they count in the metrics)."""
     num_iterations: int = 1
@@ -163,8 +166,7 @@ class Settings:
     profile_ranks: str = "main"
     """--profile on the main rank alone (main) or on every rank, one file each (all)."""
     memory_snapshot: str = "on"
-    """CUDA: record allocations so that an out-of-memory writes a snapshot of who held the memory to
-    output_dir/memory/ (for pytorch.org/memory_viz), named by the error line; on or off (docs/watching.md)."""
+    """CUDA: an out-of-memory writes who held the memory to output_dir/memory/ (docs/watching.md); on or off."""
     report_to: str = ""
     """Trackers besides TensorBoard, comma-separated: wandb, comet, mlflow (docs/watching.md); a ds_config's own
     wandb, comet and csv_monitor sections report too."""
@@ -210,7 +212,8 @@ class Settings:
                               ("preference_loss", ("sigmoid", "ipo", "hinge", "simpo")),
                               ("grpo_loss", ("dapo", "grpo", "dr_grpo")),
                               ("scale_rewards", ("group", "batch", "none")), ("profile_ranks", ("main", "all")),
-                              ("memory_snapshot", ("on", "off")), ("gather_for_generation", ("auto", "on", "off"))):
+                              ("memory_snapshot", ("on", "off")), ("gather_for_generation", ("auto", "on", "off")),
+                              ("eval_sampling", ("greedy", "sampled"))):
             if getattr(self, name) not in allowed:
                 raise UserError(f"--{name} must be one of {', '.join(allowed)}, got {getattr(self, name)!r}")
         if self.streaming == "on" and not self.max_steps:

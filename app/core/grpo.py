@@ -100,7 +100,8 @@ class Grpo(AgainstReference):
         return self.group * (sequence + sampled + (forward * info.seq_len if self.beta else 0.0))
 
     def before_load(self, engine, ds: dict, output_dir):
-        """Says how the run samples and what it trains against."""
+        """Says how the run samples and what it trains against; --log_completions writes in output_dir."""
+        self.output_dir = output_dir
         weights = ", ".join(f"{r.name} x {r.weight:g}" for r in self.rewards)
         dist.print0(f"grpo: {self.loss_kind} loss, {self.group} completions of at most {self.how.max_new} tokens a "
                     f"prompt (temperature {self.how.temperature:g}); rewards {weights}; beta {self.beta:g}, "

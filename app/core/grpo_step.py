@@ -5,10 +5,14 @@ rank once, before any backward; then each micro batch's forward, backward and en
 dapo's loss divides by the completion tokens of the whole step on every rank, and --scale_rewards batch by the
 step's reward std: neither is known before the step's last completion is sampled, so the step samples them all
 first (TRL's generation batch is the step's window too)."""
+import json
+import math
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
+from app.checkpoint.save import atomic_write
 from app.core import grpo_loss, rewards, rollout
 from app.core.step import TrainStep
 from app.distributed import dist
@@ -30,6 +34,9 @@ class Part:
     length: torch.Tensor
     """Each completion's tokens, up to and with its end (whether or not the loss masks it)."""
     advantages: torch.Tensor = None
+    rows: list = None
+    """Each completion's prompt: its row in the set, and its text (for --log_completions)."""
+    texts: list = None
 
 
 def sequences(prompts: torch.Tensor, lengths: torch.Tensor, completions: torch.Tensor, pad: int) -> torch.Tensor:
@@ -58,6 +65,8 @@ class GrpoStep(TrainStep):
             return
         window, self.window = self.window, []
         parts, totals = self.rolled_out(window)
+        if self.task.settings.log_completions:
+            write_completions(self.task.output_dir, self.engine.global_steps + 1, parts, self.task)
         for part in parts:
             loss, sums, weight = self.part_loss(part, totals)
             self.engine.backward(loss)
@@ -94,7 +103,8 @@ class GrpoStep(TrainStep):
         if task.mask_truncated:
             mask = mask & ~truncated[:, None]
         return Part(sequences(x.repeat_interleave(group, 0), lengths, completions, tokenizer.pad_token_id),
-                    lengths, completions, mask.float(), w.repeat_interleave(group) / group, scored, truncated, length)
+                    lengths, completions, mask.float(), w.repeat_interleave(group) / group, scored, truncated, length,
+                    rows=[r for r in rows for _ in range(group)], texts=texts)
 
     def rolled_out(self, window: list) -> tuple:
         """The window's Parts, their advantages set, and its totals over every rank."""
@@ -134,13 +144,14 @@ class GrpoStep(TrainStep):
         return loss, {name: sums[name] for name in self.metrics}, weight
 
     def evaluate(self, loader) -> dict:
-        """The held-out prompts' greedy completions (one each), their mean reward and length over every rank."""
+        """The held-out prompts' completions (one each, greedy or sampled: --eval_sampling), their mean reward and
+        length over every rank."""
         task, engine = self.task, self.engine
-        greedy = rollout.Sampling(0.0, 0, 1.0, task.how.max_new)
+        how = task.how if task.settings.eval_sampling == "sampled" else rollout.Sampling(0.0, 0, 1.0, task.how.max_new)
         names = ["reward", "completions/mean_length", *(f"rewards/{r.name}/mean" for r in task.rewards)]
         meter = Meter(names, engine.device)
         for batch in loader:
-            part = self.sampled(batch, greedy, task.data.held_out, 1)
+            part = self.sampled(batch, how, task.data.held_out, 1)
             w = part.share.double()
             found = torch.nan_to_num(part.rewards, nan=0.0)  # evaluation: a None counts 0
             reward = grpo_loss.combined(found, [r.weight for r in task.rewards])
@@ -176,3 +187,26 @@ def window_totals(parts: list, group: int, functions: list) -> dict:
                 for i, f in enumerate(functions)}}
     return {"tokens": tokens, "shown": shown,
             "batch_std": ((square - total ** 2 / n) / (n - 1)) ** 0.5 if n > 1 else float("nan")}
+
+
+def write_completions(output_dir: Path, step: int, parts: list, task):
+    """Every rank's completions of optimizer step `step`, gathered into output_dir/completions/step<N>.jsonl by the
+    main rank, a line each (by row, then number in the group): its prompt's token ids, its own up to and with its
+    end, its text, each function's reward (null: not applicable), the advantage and whether it was cut at
+    --max_completion_length."""
+    names, mine = [r.name for r in task.rewards], []
+    for part in parts:
+        for k, (row, text) in enumerate(zip(part.rows, part.texts)):
+            if part.share[k] > 0:  # not a rank's padding
+                prompt = part.ids[k, :int(part.starts[k])].tolist()
+                mine.append({"step": step, "row": row, "completion": k % task.group, "prompt_ids": prompt,
+                             "text": text, "ids": part.completions[k, :int(part.length[k])].tolist(),
+                             "rewards": {n: None if math.isnan(v) else v
+                                         for n, v in zip(names, part.rewards[k].tolist())},
+                             "advantage": float(part.advantages[k]), "truncated": bool(part.truncated[k])})
+    every = sorted((line for lines in dist.gather_objects(mine) for line in lines),
+                   key=lambda line: (line["row"], line["completion"]))
+    if dist.is_main():
+        folder = output_dir / "completions"
+        folder.mkdir(parents=True, exist_ok=True)
+        atomic_write(folder / f"step{step:08d}.jsonl", "".join(json.dumps(line) + "\n" for line in every))

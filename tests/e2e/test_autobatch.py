@@ -28,7 +28,8 @@ RUN = ["--max_steps", 6, "--log_interval", 1, "--save_interval", 3]
 def runs(tmp_path_factory):
     """name -> output of 2-rank jobs in one launch, each with its own out-of-memory fault point."""
     tmp = tmp_path_factory.mktemp("auto")
-    corpus = write_text_rows(tmp / "corpus.txt", 400)
+    from app.tools.instructions import write_prompts
+    corpus, prompts = write_text_rows(tmp / "corpus.txt", 400), write_prompts(tmp / "prompts", 200, seed=1)
     text = ["--dataset", corpus, "--block_size", 32]
     jobs = {
         "dp": (["--deepspeed_config", _auto(tmp, "dp", 64), *RUN], "17:1"),
@@ -43,6 +44,11 @@ def runs(tmp_path_factory):
         "pipeline": (["--deepspeed_config", _auto(tmp, "pipeline", 32), *RUN], "9"),
         "tensor_parallel": (["--deepspeed_config", _auto(tmp, "tensor_parallel", 16), "--model", "llama-tiny", *text,
                              *RUN], "5"),
+        # online RL: each trial samples its prompts' groups first (2 completions a prompt: 9 sequences are 5 prompts)
+        "grpo": (["--deepspeed_config", _auto(tmp, "zero3", 16), "--task", "grpo", "--model", "llama-tiny",
+                  "--tokenizer", "bytes", "--dataset", prompts, "--reward", f"{prompts.parent / 'rewards.py'}:"
+                  "exact_answer", "--num_generations", 2, "--max_completion_length", 4, "--eval_answers", 0,
+                  *RUN], "9"),
         "nothing fits": (["--deepspeed_config", _auto(tmp, "dp", 64), *RUN], "1:1"),
         "out of memory in training": (RUN, "1"),
     }
@@ -72,6 +78,18 @@ def test_auto_picks_the_largest_micro_batch_every_rank_runs(name, micro, accumul
             state["deepspeed_config"]["gradient_accumulation_steps"]) == (micro, accumulation)
     losses = [row["loss"] for row in read_metrics(folder)[0]]
     assert len(losses) >= 6 and losses[-1] < losses[0], "it trains on from there"
+
+
+def test_auto_finds_a_grpo_runs_micro_batch_with_its_sampling_in_each_trial(runs):
+    """A GRPO trial samples its prompts' completions, then trains on them: a micro batch of 8 prompts (16 sequences)
+    runs out of memory, 4 (8) runs, and the run trains at 4 x 2."""
+    output, folder = runs["grpo"]
+    line = next(line for line in output.splitlines() if line.startswith("micro batch: "))
+    assert "\"auto\" picked 4, the largest of" in line and "2 accumulation step(s)" in line, line
+    assert "8: out of memory: APP_OOM_AT=9 refuses a micro batch of 16" in line, line
+    state = json.loads((folder / "checkpoints" / "step00000006" / "trainer_state.json").read_text())
+    assert state["deepspeed_config"]["train_micro_batch_size_per_gpu"] == 4
+    assert [row["step"] for row in read_metrics(folder)[0]] == [1, 2, 3, 4, 5, 6]
 
 
 def test_auto_gives_the_losses_of_the_same_micro_batch_written_by_hand(runs):

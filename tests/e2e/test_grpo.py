@@ -14,6 +14,7 @@ from conftest import REPO, named_jobs, read_metrics, read_summary, train_jobs
 SPLITS = {"micro 4 x accumulation 1 x 2 ranks": (4, 1, 2), "micro 1 x accumulation 4 x 2 ranks": (1, 4, 2),
           "micro 8 x 1 rank": (8, 1, 1)}
 LOSSES = ("dapo", "grpo", "dr_grpo")
+LOGGED = "micro 1 x accumulation 4 x 2 ranks"  # the split whose completions --log_completions writes
 REWARDS = '''
 def text(completion):
     """A completion's text: as written for a plain prompt, the message's content for a conversational one."""
@@ -31,11 +32,11 @@ def has_e(completions, answer, **kwargs):
 '''
 
 
-def sgd(tmp: Path, micro: int, accumulation: int, stage: int) -> Path:
+def sgd(tmp: Path, micro: int, accumulation: int, stage: int, lr: float = 1.0) -> Path:
     """fp32, plain SGD, lr 1: the weights after one step are the weights before minus the step's gradient."""
-    path = tmp / f"sgd-{micro}-{accumulation}-{stage}.json"
+    path = tmp / f"sgd-{micro}-{accumulation}-{stage}-{lr}.json"
     path.write_text(json.dumps({"train_micro_batch_size_per_gpu": micro, "gradient_accumulation_steps": accumulation,
-                                "optimizer": {"type": "SGD", "params": {"lr": 1.0}}, "gradient_clipping": 0.0,
+                                "optimizer": {"type": "SGD", "params": {"lr": lr}}, "gradient_clipping": 0.0,
                                 "zero_optimization": {"stage": stage}, "zero_allow_untested_optimizer": True,
                                 "steps_per_print": 10 ** 6}))
     return path
@@ -79,17 +80,24 @@ def lr_copy(tmp: Path, lr: float) -> Path:
     return path
 
 
-def worked_start(tmp: Path) -> Path:
+def worked_start(tmp: Path, base_env=None) -> Path:
     """The worked example's first half: the instruction example's model tuned on its chats for 60 steps under
-    ZeRO-3 on 2 ranks, exported (docs/rl.md, "A worked example")."""
+    ZeRO-3 on 2 ranks, exported (docs/rl.md, "A worked example"); base_env: the ranks' environment (a GPU's)."""
     from app.tools import export
     from app.tools.instructions import write, write_model
     chats, model = write(tmp / "sft-data", 2000, seed=0), write_model(tmp / "sft-data", seed=0)
     train_jobs("ranks", 2, [["--model", model, "--dataset", chats, "--deepspeed_config", REPO / "ds_configs" /
                              "zero3.json", "--max_steps", 60, "--eval_interval", 60, "--block_size", 128,
-                             "--eval_answers", 0, "--output_dir", tmp / "sft"]])
+                             "--eval_answers", 0, "--output_dir", tmp / "sft"]], base_env=base_env)
     assert export.main([str(tmp / "sft"), str(tmp / "sft-model")]) == 0
     return tmp / "sft-model"
+
+
+def worked_example(sft: Path, prompts: Path) -> list:
+    """The worked example's GRPO flags: the tuned model, the prompts and their exact-match reward, 60 steps."""
+    return ["--task", "grpo", "--model", sft, "--dataset", prompts, "--reward", f"{prompts.parent / 'rewards.py'}"
+            ":exact_answer", "--num_generations", 8, "--max_completion_length", 8, "--max_steps", 60,
+            "--eval_interval", 20, "--log_interval", 10, "--eval_answers", 0]
 
 
 @pytest.fixture(scope="module")
@@ -110,6 +118,9 @@ def runs(tmp_path_factory):
                 jobs = two if ranks == 2 else one
                 jobs[f"{stage} {loss} {name}"] = [*tiny, "--dataset", few, "--max_steps", 1, "--grpo_loss", loss,
                                                   "--deepspeed_config", sgd(tmp, micro, accumulation, stage)]
+    two[f"3 dapo {LOGGED}"].append("--log_completions")
+    # the model before the step, as ZeRO-3 builds it (under zero.Init): one step at learning rate 0
+    one["initial"] = [*tiny, "--dataset", few, "--max_steps", 1, "--deepspeed_config", sgd(tmp, 8, 1, 3, lr=0.0)]
     for name, (micro, accumulation, ranks) in list(SPLITS.items())[:2]:  # sampled layer by layer, every rank in step
         two[f"3 dapo {name} unGathered"] = [*tiny, "--dataset", few, "--max_steps", 1, "--grpo_loss", "dapo",
                                              "--gather_for_generation", "off",
@@ -122,11 +133,9 @@ def runs(tmp_path_factory):
                                    "--max_steps", 2, "--log_interval", 1, "--dist_timeout", 60,
                                    "--gather_for_generation", gather, "--deepspeed_config", sgd(tmp, 1, 1, 3)]
     zero3 = ["--deepspeed_config", REPO / "ds_configs" / "zero3.json"]
-    short = [*tiny, "--dataset", few, *zero3, "--log_interval", 1, "--beta", "0.05"]
-    sft = worked_start(tmp)
-    example = ["--task", "grpo", "--model", sft, "--dataset", prompts, "--reward", f"{prompts.parent / 'rewards.py'}"
-               ":exact_answer", "--num_generations", 8, "--max_completion_length", 8, "--max_steps", 60,
-               "--eval_interval", 20, "--log_interval", 10, "--eval_answers", 0]
+    short = [*tiny, "--dataset", few, *zero3, "--log_interval", 1, "--beta", "0.05", "--eval_interval", 2,
+             "--eval_sampling", "sampled"]
+    example = worked_example(worked_start(tmp), prompts)
     two["before"] = [*example, "--deepspeed_config", lr_copy(tmp, 0.0), "--max_steps", 1]
     two["learnt"] = [*example, "--deepspeed_config", lr_copy(tmp, 5e-4)]
     two["learnt lora"] = [*example, *zero3, "--lora", "--lora_rank", 16]
@@ -157,6 +166,50 @@ def test_one_steps_gradient_does_not_depend_on_the_split(stage, loss, runs):
     assert 0 <= rows[0]["rewards/has_e/mean"] <= 1
 
 
+def loss_of(kind: str, model, lines: list, max_new: int) -> torch.Tensor:
+    """The step's loss written here from TRL's formulas, on the logged completions: with one iteration the ratio is
+    1, so each token's loss is -advantage x its log-probability (its value detached), weighed as the loss says."""
+    ratios, advantages = [], []
+    for line in lines:
+        ids = torch.tensor(line["prompt_ids"] + line["ids"])[None]
+        start = len(line["prompt_ids"])
+        logp = torch.log_softmax(model(ids).logits[0, start - 1:-1].float(), -1)
+        taken = logp.gather(-1, ids[0, start:, None])[:, 0]
+        ratios.append(torch.exp(taken - taken.detach()))  # 1, its gradient that of the log-probability
+        advantages.append(line["advantage"])
+    per_token = [-a * ratio for a, ratio in zip(advantages, ratios)]
+    if kind == "dapo":
+        return sum(t.sum() for t in per_token) / sum(len(t) for t in per_token)
+    if kind == "grpo":
+        return sum(t.mean() for t in per_token) / len(per_token)
+    return sum(t.sum() for t in per_token) / (len(per_token) * max_new)
+
+
+@pytest.mark.parametrize("loss", LOSSES)
+def test_the_steps_gradient_is_that_of_the_loss_computed_here_from_its_completions(loss, runs, tmp_path):
+    """The logged completions of one step (ZeRO-3, micro 1 x accumulation 4 x 2 ranks; each loss samples the same),
+    the model before it (a run at learning rate 0, exported): the gradient of the loss computed in this test from
+    them is what one SGD step at lr 1 took off the weights."""
+    from transformers import AutoModelForCausalLM
+    from app.tools.export import export
+    folder = runs[f"3 dapo {LOGGED}"][0]
+    lines = [json.loads(line) for line in (folder / "completions" / "step00000001.jsonl").read_text().splitlines()]
+    assert len(lines) == 8 * 2 and {line["completion"] for line in lines} == {0, 1}, "a step of 8 prompts x 2"
+    assert any(line["advantage"] != 0 for line in lines) and all(len(line["ids"]) <= 6 for line in lines)
+    export(runs["initial"][0] / "checkpoints" / "step00000001", tmp_path / "initial")
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "initial", torch_dtype=torch.float32)
+    loss_of(loss, model, lines, max_new=6).backward()
+    before, after = weights(runs["initial"][0]), weights(runs[f"3 {loss} {LOGGED}"][0])
+    compared = 0
+    for name, param in model.named_parameters():
+        key = f"hf.{name}"
+        if key in before and param.grad is not None:
+            worst = (before[key] - after[key] - param.grad).abs().max().item()
+            assert worst < 1e-6, (name, worst)
+            compared += 1
+    assert compared >= len(list(model.parameters())) - 1, "every weight (the output layer may be tied)"
+
+
 def test_sampling_gathered_once_or_layer_by_layer_takes_the_same_step_under_zero3(runs):
     """The whole model gathered once for sampling (auto, on a CPU where it fits) and gathered layer by layer for
     each token (off) sample the same completions: the weights after the step agree."""
@@ -182,11 +235,17 @@ def test_ranks_whose_completions_end_far_apart_finish_the_step_under_zero3(gathe
 
 
 def test_a_resumed_run_samples_and_trains_exactly_as_the_unbroken_one(runs):
+    """The same completions, losses and (sampled) evaluations."""
     straight, resumed = read_metrics(runs["straight"][0])[0], read_metrics(runs["stopped"][0])[0]
     assert [r["step"] for r in resumed] == [1, 2, 3, 4]
     for a, b in zip(straight, resumed):
         for column in ("loss", "reward", "completions/mean_length", "kl"):
             assert abs(a[column] - b[column]) < 1e-6, (column, a, b)
+    evaluated = [evaluations(runs[name][0]) for name in ("straight", "stopped")]
+    assert [r["step"] for r in evaluated[0]] == [r["step"] for r in evaluated[1]] == [2, 4]
+    for a, b in zip(*evaluated):
+        assert abs(a["eval_reward"] - b["eval_reward"]) < 1e-9 and \
+            a["eval_completions/mean_length"] == b["eval_completions/mean_length"], (a, b)
 
 
 @pytest.mark.parametrize("name", ["learnt", "learnt lora"])

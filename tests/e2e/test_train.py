@@ -119,13 +119,13 @@ def test_gradient_accumulation_counts_optimizer_steps(tmp_path):
     assert json.loads((out / "summary.json").read_text())["samples"] == 4 * 32
 
 
-def test_a_profile_of_two_steps_is_written_and_reads_as_a_chrome_trace(tmp_path):
-    """--profile 2:3 on a CPU run: rank 0's trace of those steps, which Perfetto and TensorBoard read, and the run
+def test_a_profile_of_three_steps_is_written_and_reads_as_a_chrome_trace(tmp_path):
+    """--profile 2:4 on a CPU run: rank 0's trace of those steps, which Perfetto and TensorBoard read, and the run
     says where it is."""
     out = tmp_path / "run"
-    result = train("python", 1, "--max_steps", 4, "--log_interval", 1, "--profile", "2:3", "--output_dir", out)
-    trace = out / "profile" / "rank0.steps2-3.pt.trace.json"
-    assert f"profile: steps 2-3 written to {trace}" in result.stdout
+    result = train("python", 1, "--max_steps", 5, "--log_interval", 1, "--profile", "2:4", "--output_dir", out)
+    trace = out / "profile" / "rank0.steps2-4.pt.trace.json"
+    assert f"profile: steps 2-4 written to {trace}" in result.stdout
     events = json.loads(trace.read_text())["traceEvents"]
     assert any(e.get("name") == "aten::convolution" for e in events), "the CNN's forward is in it"
     refused = run(train_command("python", 1, "--max_steps", 4, "--profile", "3:9", "--output_dir", tmp_path / "x"))
