@@ -88,9 +88,14 @@ def parts(out: Path) -> list:
         Part("plan_peak", 60, cuda_test("plan_predicts"), "the memory plan's peak against max_memory_allocated"),
         Part("preference", 150, cuda_test("preference"),
              "DPO in bf16 under ZeRO-3 on 2 ranks sharing the GPU, each reference; its host syncs counted"),
-        Part("grpo", 180, cuda_test("grpo"),
+        Part("grpo_bench", 150, [sys.executable, "-m", "app.tools.bench_grpo", "--model", "gpt2-124m", "--prompts",
+                                 "8", "--prompt_len", "128", "--num_generations", "8", "--max_completion_length",
+                                 "128", "--steps", "3", "--output_dir", str(out / "grpo_bench")],
+             "GRPO on gpt2-124m under ZeRO-3, 8 prompts x 8 completions of 128 tokens: sampled gathered whole and "
+             "layer by layer against HF generate on the plain model; the step and its share spent sampling"),
+        Part("grpo", 150, cuda_test("grpo"),
              "docs/rl.md's worked example in bf16 under ZeRO-3 on 2 ranks sharing the GPU: held-out reward before and "
-             "after 60 steps; gpt2-124m sampled gathered whole against layer by layer"),
+             "after 60 steps"),
         Part("oom_snapshot", 120, [sys.executable, "scripts/oom_snapshot_check.py", str(out)],
              "gpt2-124m at a micro batch far too large: the one line names the memory snapshot, which loads; the "
              "step time with --memory_snapshot on against off"),

@@ -37,7 +37,7 @@ class Grpo(AgainstReference):
         self.reference_kind = "" if not self.beta else "adapters off" if settings.lora else "frozen copy"
         shown = ["reward", "reward_std", "frac_reward_zero_std", *(f"rewards/{r.name}/mean" for r in self.rewards),
                  "completions/mean_length", "completions/clipped_ratio", "clip_ratio/low_mean",
-                 "clip_ratio/high_mean", "clip_ratio/region_mean", *(["kl"] if self.beta else [])]
+                 "clip_ratio/high_mean", "clip_ratio/region_mean", *(["kl"] if self.beta else []), "sampling_s"]
         self.metrics = ["loss", *shown]
         evaluated = ["reward", "completions/mean_length", *(f"rewards/{r.name}/mean" for r in self.rewards)]
         self.log_columns = (*shown, *(f"eval_{name}" for name in evaluated))

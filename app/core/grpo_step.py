@@ -7,6 +7,7 @@ step's reward std: neither is known before the step's last completion is sampled
 first (TRL's generation batch is the step's window too)."""
 import json
 import math
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -64,7 +65,9 @@ class GrpoStep(TrainStep):
         if len(self.window) < self.engine.gradient_accumulation_steps():
             return
         window, self.window = self.window, []
-        parts, totals = self.rolled_out(window)
+        started = time.perf_counter()
+        parts, totals = self.rolled_out(window)  # its last act reads the host sum: the device has finished
+        totals["sampling_s"] = time.perf_counter() - started
         if self.task.settings.log_completions:
             write_completions(self.task.output_dir, self.engine.global_steps + 1, parts, self.task)
         for part in parts:
@@ -141,6 +144,7 @@ class GrpoStep(TrainStep):
                 "clip_ratio/region_mean": token_mean(((below + above) > 0).float())}
         if kl is not None:
             sums["kl"] = token_mean(kl.detach())
+        sums["sampling_s"] = weight * totals.get("sampling_s", 0.0)  # the window's: a rank's mean over its steps
         return loss, {name: sums[name] for name in self.metrics}, weight
 
     def evaluate(self, loader) -> dict:

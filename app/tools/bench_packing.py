@@ -21,12 +21,17 @@ REPO = Path(__file__).resolve().parents[2]
 MODES = {"padded": "off", "packed": "on"}
 
 
-def command(launcher: str, mode: str, args, extra: list) -> list:
-    """The training command of one mode."""
+def command_start(launcher: str) -> list:
+    """A training command up to its flags: the launcher (default: this python) and app/train.py."""
     start = shlex.split(launcher) if launcher else [sys.executable]
     beside = Path(sys.executable).parent / start[0]  # a launcher of this environment's, not on PATH
     start[0] = start[0] if shutil.which(start[0]) or not beside.is_file() else str(beside)
-    return start + [str(REPO / "app" / "train.py"), "--model", args.model, "--dataset", args.dataset,
+    return start + [str(REPO / "app" / "train.py")]
+
+
+def command(launcher: str, mode: str, args, extra: list) -> list:
+    """The training command of one mode."""
+    return command_start(launcher) + ["--model", args.model, "--dataset", args.dataset,
                     "--max_steps", str(args.steps), "--log_interval", str(args.steps), "--eval_answers", "0",
                     "--packing", MODES[mode], "--overwrite", "--output_dir", str(Path(args.output_dir) / mode), *extra]
 
