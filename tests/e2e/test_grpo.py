@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from conftest import REPO, named_jobs, read_metrics, read_summary, train_jobs
+from e2e.test_preference import sgd  # fp32 SGD: the weights after a step are those before less lr x its gradient
 
 SPLITS = {"micro 4 x accumulation 1 x 2 ranks": (4, 1, 2), "micro 1 x accumulation 4 x 2 ranks": (1, 4, 2),
           "micro 8 x 1 rank": (8, 1, 1)}
@@ -30,16 +31,6 @@ def has_e(completions, answer, **kwargs):
     """None (not applicable) where the expected answer has no e."""
     return [None if "e" not in a else float("e" in text(c)) for c, a in zip(completions, answer)]
 '''
-
-
-def sgd(tmp: Path, micro: int, accumulation: int, stage: int, lr: float = 1.0) -> Path:
-    """fp32, plain SGD, lr 1: the weights after one step are the weights before minus the step's gradient."""
-    path = tmp / f"sgd-{micro}-{accumulation}-{stage}-{lr}.json"
-    path.write_text(json.dumps({"train_micro_batch_size_per_gpu": micro, "gradient_accumulation_steps": accumulation,
-                                "optimizer": {"type": "SGD", "params": {"lr": lr}}, "gradient_clipping": 0.0,
-                                "zero_optimization": {"stage": stage}, "zero_allow_untested_optimizer": True,
-                                "steps_per_print": 10 ** 6}))
-    return path
 
 
 def evaluations(run_folder: Path) -> list:
