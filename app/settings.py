@@ -36,16 +36,16 @@ class Settings:
     """Instruction data: pack rows into blocks of --block_size tokens, position ids restarting at each row and
     attention kept within it (checked at start); on, off, or auto (on for instruction data)."""
     attention: str = ""
-    """Transformers models: the attention implementation (eager, sdpa, flex_attention, flash_attention_2, ...);
-    '' keeps the model's default."""
+    """Transformers models: the attention (eager, sdpa, flex_attention, flash_attention_2, ...); '' their default."""
+    tiled: str = "auto"
+    """Transformers models: each block's MLP over tiles of the sequence (DeepSpeed's TiledMLP); auto: under SP."""
     eval_answers: int = 3
     """Instruction data: held-out prompts the model answers (greedy) at each evaluation, shown and written to
     output_dir/answers/step<N>.jsonl (0: none)."""
     answer_tokens: int = 64
     """Instruction data: the most tokens of each of those answers."""
     preference_loss: str = "sigmoid"
-    """Preference pairs: sigmoid (DPO), ipo, hinge, or simpo (no reference; length-normalised, margin
-    --simpo_gamma)."""
+    """Preference pairs: sigmoid (DPO), ipo, hinge, or simpo (no reference; length-normalised, margin --simpo_gamma)."""
     beta: str = "auto"
     """How far from the reference the loss lets the model go (smaller: further): preference pairs 0.1 (auto; SimPO's
     paper uses 2 to 2.5), grpo the KL term's weight, 0 (auto: no KL term and no reference, as TRL)."""
@@ -207,7 +207,7 @@ class Settings:
             raise UserError(f"--num_workers must be -1 (auto) or more, got {self.num_workers}")
         for name, allowed in (("compile", ("auto", "on", "off")), ("tf32", ("on", "off")),
                               ("packing", ("auto", "on", "off")), ("mix_by", ("rows", "tokens")),
-                              ("streaming", ("off", "on")),
+                              ("streaming", ("off", "on")), ("tiled", ("auto", "on", "off")),
                               ("pin_memory", ("auto", "on", "off")), ("reference", ("live", "precompute")),
                               ("preference_loss", ("sigmoid", "ipo", "hinge", "simpo")),
                               ("grpo_loss", ("dapo", "grpo", "dr_grpo")),

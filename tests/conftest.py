@@ -210,7 +210,8 @@ def config_variant(tmp_path: Path, name: str, **changes) -> Path:
 # The standard 2-rank run of a ds_config: 2 epochs of 23 steps (1,437 digits / (32 x 2 ranks)), a
 # metrics row every step and a checkpoint every 5. The end-to-end and the resume tests share it.
 TWO_RANK_ARGS = ["--epochs", 2, "--log_interval", 1, "--save_interval", 5, "--keep_last", 3]
-NOT_FOR_THE_CNN = {"tensor_parallel": "tests/e2e/test_tensor_parallel.py trains llama-tiny with it"}
+NOT_FOR_THE_CNN = {"tensor_parallel": "tests/e2e/test_tensor_parallel.py trains llama-tiny with it",
+                   "sequence_parallel": "tests/e2e/test_sequence_parallel.py trains llama-tiny with it"}
 TWO_RANK_STEPS = 46  # 2 epochs of 1437 digits / (32 x 2 data-parallel ranks)
 
 

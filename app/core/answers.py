@@ -74,4 +74,7 @@ def for_run(engine, task, output_dir: Path, count: int, max_new_tokens: int):
     if engine.pipeline_parallelism:
         dist.print0("answers: not generated under pipeline parallelism (no stage holds the whole model)")
         return None
+    if engine.sequence_parallel_size > 1:
+        dist.print0("answers: not generated under sequence parallelism (each rank holds a part of every sequence)")
+        return None
     return Answers(engine, task.tokenizer, prompts, output_dir, max_new_tokens, task.spec.max_positions)

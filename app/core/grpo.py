@@ -61,6 +61,7 @@ class Grpo(AgainstReference):
                             "--packing auto")
 
     def check_layout(self, ranks):
+        super().check_layout(ranks)
         if ranks.split or ranks.tensor > 1:
             raise UserError("--task grpo trains under data parallel and ZeRO 0-3, not pipeline stages or tensor "
                             "parallelism: pick a ds_config without a pipeline or tensor_parallel section")

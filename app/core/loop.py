@@ -16,7 +16,8 @@ def build_engine(model, ds_config: dict):
     import deepspeed
     try:
         trained = [p for p in model.parameters() if p.requires_grad]  # LoRA: the adapters alone
-        engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=trained, config=ds_config)
+        engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=trained, config=ds_config,
+                                               mpu=ds_internals.sequence_groups(ds_config))
     except (TypeError, ValueError, AssertionError, KeyError) as e:
         text = str(e).splitlines()[0] if str(e) else type(e).__name__
         raise UserError(f"DeepSpeed could not build the engine from this config: {text}") from None

@@ -58,6 +58,10 @@ PRESETS = {
     "llama-tiny": ("llama", dict(num_hidden_layers=4, hidden_size=256, intermediate_size=512, num_attention_heads=4,
                                  num_key_value_heads=2, max_position_embeddings=128, vocab_size=8192,
                                  tie_word_embeddings=False)),
+    # llama-tiny at 32,768 positions: long sequences (sequence parallelism, tiled MLPs) on a CPU
+    "llama-tiny-long": ("llama", dict(num_hidden_layers=4, hidden_size=256, intermediate_size=512, num_attention_heads=4,
+                                      num_key_value_heads=2, max_position_embeddings=32768, vocab_size=8192,
+                                      tie_word_embeddings=False)),
     "bert-tiny": ("bert", dict(num_hidden_layers=2, hidden_size=128, num_attention_heads=2, intermediate_size=512,
                                max_position_embeddings=512, vocab_size=8192)),
     # the ZeRO paper's 7.5B GPT-2 shape (7.46B parameters), for the memory plan at scale

@@ -50,7 +50,17 @@ class TrainStep:
         loss, sums, w = self.batch_loss(batch)
         self.engine.backward(loss)
         self.engine.step()
+        w = self.meter_weights(w)
         meter.add((w > 0).sum(), w.sum(), **sums)
+
+    def correct(self, logits, labels: torch.Tensor) -> torch.Tensor:
+        """Each sample's accuracy in an evaluation, 0.0 to 1.0 (the task's)."""
+        return self.task.correct(logits, labels)
+
+    def meter_weights(self, weights: torch.Tensor) -> torch.Tensor:
+        """The weights of a micro batch's samples in the meters, which count each sample once over all ranks: all
+        of them here."""
+        return weights
 
     def trial_parts(self, batch) -> list:
         """The micro batch search's step in parts the ranks agree on one at a time: the forward (a rank out of
@@ -69,7 +79,9 @@ class TrainStep:
             for batch in loader:
                 x, y, w = to_device(batch, engine.device, self.dtype)
                 logits, losses = self.logits_and_losses(x, y)
-                meter.add((w > 0).sum(), w.sum(), loss=(losses * w).sum(), accuracy=(task.correct(logits, y) * w).sum())
+                counted = self.meter_weights(w)
+                meter.add((counted > 0).sum(), counted.sum(), loss=(losses * w).sum(),
+                          accuracy=(self.correct(logits, y) * w).sum())
         engine.train()
         result = meter.reduce()
         return {"eval_loss": result["loss"], "eval_accuracy": result["accuracy"],

@@ -34,6 +34,9 @@ class Task:
     sampled = 0
     """Completions the run samples for each sample it trains on (online RL's group; 0: none), which the memory plan
     counts."""
+    splits_sequences = False
+    """Whether the loss is a sum over next tokens, which ranks that each hold a part of a sequence can share
+    (DeepSpeed's Ulysses: app/parallel/sequence_parallel.py)."""
     spec = None
     """The transformers model's HFSpec (app/core/models.py); None for other models."""
     tokenizer = None
@@ -66,6 +69,13 @@ class Task:
         if self.data is not None and self.data.info.packed and ranks.split:
             raise UserError("packing and pipeline stages: a stage takes input ids alone, not the position ids that "
                             "keep packed rows apart; pass --packing off")
+        if ranks.sequence > 1 and not self.splits_sequences:
+            raise UserError(f"sequence parallelism (sequence_parallel_size {ranks.sequence}) splits next-token losses "
+                            f"(--task causal_lm or instruction), not {self.name}'s; pick a ds_config without "
+                            f"sequence_parallel_size")
+        if self.data is not None and self.data.info.packed and ranks.sequence > 1:
+            raise UserError("packing and sequence parallelism: DeepSpeed's Ulysses drops the attention mask, and sdpa "
+                            "then lets packed rows see each other; pass --packing off")
 
     def flops_per_sample(self, model: nn.Module, info: DataInfo) -> float:
         """Training FLOPs of one sample (0: unknown, no MFU)."""

@@ -153,6 +153,7 @@ def answer_prompts(held, count: int) -> list:
 class CausalLM(TextTask):
     """Next-token prediction on blocks of text."""
     name = "causal_lm"
+    splits_sequences = True
     loss = staticmethod(next_token_loss)
     correct = staticmethod(next_token_correct)
     summary_metrics = ("eval_loss", "eval_accuracy", "eval_perplexity")

@@ -79,6 +79,10 @@ def _no_duplicate_keys(pairs):
     return seen
 
 
+READ_WHEN_DISTRIBUTED = {"sequence_parallel_size"}
+"""Keys DeepSpeed's config reads only inside a process group, where the parse above has none."""
+
+
 def check_ds_keys(ds: dict, where: str, say=print) -> list:
     """Fail on a key DeepSpeed does not know that looks like one it does (a typo); the paths of the others, which
     DeepSpeed ignores, at the top level and inside sections."""
@@ -104,7 +108,7 @@ def check_ds_keys(ds: dict, where: str, say=print) -> list:
             from None
     except Exception as e:  # DeepSpeed's own config errors are plain exceptions with a sentence
         raise UserError(f"{where}: DeepSpeed rejected the config: {str(e).splitlines()[0]}") from None
-    known_top = recorder.read | set(BATCH_KEYS)
+    known_top = recorder.read | set(BATCH_KEYS) | READ_WHEN_DISTRIBUTED
     ignored = [(key,) for key in ds if key not in known_top and _unknown(where, key, known_top, say)]
     for key, sub in user_keys.items():
         section = dict.__getitem__(recorder, key)

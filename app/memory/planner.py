@@ -11,19 +11,29 @@ from app.distributed import dist
 from app.ds import run_dict
 from app.ds.config import zero_stage
 from app.ds.internals import torch_private
+from app.errors import UserError
 from app.memory import estimate
 from app.parallel import activations
 
 AUTOCAST_BY_AUTO = "bf16 autocast ("  # how precision's note starts when "auto" picked bf16 autocast
 
 
-def workload(task, seq_len: int = 0, image_size: int = 0, frozen: bool = False):
+def tokens_per_sample(spec, seq_len: int = 0) -> int:
+    """seq_len, else the model's positions up to 1024 (a run's --block_size default)."""
+    return seq_len or min(spec.max_positions or 1024, 1024)
+
+
+def workload(task, seq_len: int = 0, image_size: int = 0, frozen: bool = False, sequence: int = 1):
     """(build() of the model, inputs(micro) -> (inputs, labels), the task's loss) from the model's shape alone: a
     transformers model from its config (no weights, no adapters), an image model at image_size. frozen (LoRA): the
     model's weights take no gradient, and the backward runs through it to the input as it does to the adapters.
     A sample's sequences go through the model together: a preference pair's two, a GRPO prompt's group (the
-    sampling before them: sampling_of)."""
+    sampling before them: sampling_of). sequence: the sequence-parallel degree; a rank's inputs are its part of
+    each sequence, seq_len / sequence tokens (Ulysses' all-to-all trades the rest of the tokens for a part of the
+    heads, and memory-efficient attention's activations grow with the tokens, not their square)."""
     if task.name == "image_classification":
+        if sequence > 1:
+            raise UserError(f"sequence parallelism shards text sequences; {task.settings.model} is an image model")
         builtin = task.settings.model in models.BUILTIN
         side, channels, classes = image_size or (8 if builtin else 224), 1 if builtin else 3, 10 if builtin else 1000
         info = DataInfo(classes, channels, side)
@@ -31,7 +41,11 @@ def workload(task, seq_len: int = 0, image_size: int = 0, frozen: bool = False):
                 lambda b: ([torch.randn(b, channels, side, side)], torch.randint(classes, (b,))), task.loss)
     from app.data.tokenizers import byte_tokenizer
     spec, tokenizer = dataclasses.replace(task.spec, pretrained=""), byte_tokenizer()  # a config.json is enough
-    vocab, seq = models.vocab_size(spec.config), seq_len or min(spec.max_positions or 1024, 1024)
+    vocab, seq = models.vocab_size(spec.config), tokens_per_sample(spec, seq_len)
+    if seq % sequence:
+        raise UserError(f"sequence parallel {sequence} does not divide a sample's {seq} tokens: take a sequence "
+                        f"length that {sequence} divides")
+    seq //= sequence
     classify, sequences = task.name == "sequence_classification", task.sequences
     info = DataInfo(2 if classify else 0, task="causal_lm" if not classify else task.name, vocab_size=vocab,
                     seq_len=seq)
@@ -112,29 +126,32 @@ def with_bf16_weights(ds: dict) -> dict:
     return {**{k: v for k, v in ds.items() if k != "torch_autocast"}, "bf16": {"enabled": True}}
 
 
-def weigh(ds: dict, note: str, task, settings, replicas: int, memory: int) -> tuple:
+def weigh(ds: dict, note: str, task, settings, replicas: int, memory: int, sequence: int = 1) -> tuple:
     """(ds, note): where "auto" picked bf16 autocast on a GPU of memory bytes and its plan does not fit the micro
     batch while bf16 weights do, the dict with bf16 weights and a note saying why; else both as they were. Only
-    transformers models, data parallel, a micro batch set in the JSON (an "auto" one is found at start)."""
+    transformers models, data parallel, a micro batch set in the JSON (an "auto" one is found at start). sequence:
+    the sequence-parallel degree (ZeRO partitions over replicas x sequence ranks; a rank holds 1/sequence of each
+    sequence's activations)."""
     micro = ds.get("train_micro_batch_size_per_gpu")
     if not (memory and note.startswith(AUTOCAST_BY_AUTO) and isinstance(micro, int) and task.spec):
         return ds, note
     try:
-        return _weighed(ds, note, task, settings, replicas, memory, micro)
+        return _weighed(ds, note, task, settings, replicas * sequence, memory, micro, sequence)
     except Exception as e:  # the plan advises; a model it cannot build on fake tensors keeps what "auto" picked
         return ds, f"{note}; the memory plan could not weigh bf16 weights here ({type(e).__name__}: {e})"
 
 
-def _weighed(ds: dict, note: str, task, settings, replicas: int, memory: int, micro: int) -> tuple:
+def _weighed(ds: dict, note: str, task, settings, ranks: int, memory: int, micro: int, sequence: int) -> tuple:
+    """weigh's answer; ranks: those ZeRO partitions over (all of them, sequence-parallel ones included)."""
     adapters = (settings.lora_rank, lora.targets_of(settings)) if settings.lora else None
-    work = workload(task, settings.block_size, frozen=bool(adapters))
+    work = workload(task, settings.block_size, frozen=bool(adapters), sequence=sequence)
     frozen_copy = task.reference_kind == "frozen copy"  # preference tuning's reference
     usable, bf16 = estimate.USABLE * memory, with_bf16_weights(ds)
     sampling = sampling_of(task, settings.block_size)
-    autocast_peak = plans(work, {"autocast": ds}, replicas, adapters, frozen_copy, sampling)["autocast"].peak(micro)
+    autocast_peak = plans(work, {"autocast": ds}, ranks, adapters, frozen_copy, sampling)["autocast"].peak(micro)
     if autocast_peak <= usable:  # the usual case, measured once: autocast stays
         return ds, note
-    bf16_peak = plans(work, {"bf16": bf16}, replicas, adapters, frozen_copy, sampling)["bf16"].peak(micro)
+    bf16_peak = plans(work, {"bf16": bf16}, ranks, adapters, frozen_copy, sampling)["bf16"].peak(micro)
     if bf16_peak > usable:
         return ds, note
     return bf16, (f"bf16 (torch_autocast \"auto\" gave way to bf16 weights: the memory plan puts a micro batch of "
@@ -144,8 +161,10 @@ def _weighed(ds: dict, note: str, task, settings, replicas: int, memory: int, mi
 
 def weighed_for_run(ds: dict, note: str, task, settings, ranks, device) -> tuple:
     """(ds, note) of a run once its data has settled the task: on a GPU, with data parallel, weighed by rank 0 (one
-    decision, however the GPUs differ); else as they were (a split model's bytes are its stages')."""
+    decision, however the GPUs differ); else as they were (a split model's bytes are its stages'). Under sequence
+    parallelism ZeRO partitions over every rank and a rank holds its part of each sequence."""
     if device.type != "cuda" or ranks.split or ranks.tensor > 1:
         return ds, note
     gpu = torch.cuda.get_device_properties(device).total_memory
-    return dist.broadcast_object(weigh(ds, note, task, settings, ranks.replicas, gpu) if dist.is_main() else None)
+    return dist.broadcast_object(weigh(ds, note, task, settings, ranks.replicas, gpu, ranks.sequence)
+                                 if dist.is_main() else None)

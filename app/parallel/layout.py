@@ -2,8 +2,9 @@
 (app/parallel/tensor_parallel.py), each with data-parallel replicas. train.py asks this module, not the two."""
 from dataclasses import dataclass
 
+from app.errors import UserError
 from app.parallel import activations, pipeline
-from app.parallel import tensor_parallel
+from app.parallel import sequence_parallel, tensor_parallel, tiled
 
 
 @dataclass
@@ -15,12 +16,20 @@ class RankLayout:
     replica: int
     """This rank's data-parallel replica: which shard of the data it loads."""
     replicas: int
-    """Data-parallel replicas: the world size over stages or tensor-parallel degree."""
+    """Data-parallel replicas: the world size over stages, tensor-parallel or sequence-parallel degree."""
+    sequence: int = 1
+    """Sequence-parallel degree: ranks that each hold a part of every sequence (1: none)."""
 
     def prepare(self, model, task, model_name: str, ds: dict) -> tuple:
         """(the module the engine trains, extra(folder) files rank 0 saves, every_rank(engine, folder) or None):
         the model (its blocks checkpointed where the JSON asks), this rank's pipeline stage of it, or the model
         AutoTP will shard."""
+        if self.sequence > 1:
+            sequence_parallel.attach(model, self.sequence, model_name)
+        if task.settings.tiled == "on" and (self.split or self.tensor > 1):
+            raise UserError("--tiled on runs under data parallel, ZeRO 0-3 and sequence parallelism, not pipeline "
+                            "stages or tensor parallelism; pass --tiled off")
+        tiled.for_run(model, task.settings.tiled, self.sequence, model_name)
         model = activations.apply(model, ds)
         if self.split:
             module, names = pipeline.split(model, model_name, self.split, task)
@@ -35,15 +44,23 @@ class RankLayout:
         endings.Board, for the first compiled step)."""
         if self.split:
             return pipeline.PipeStep(engine, task, compile_model, board)
+        if self.sequence > 1:
+            return sequence_parallel.SequenceStep(engine, task, compile_model, board)
         return task.make_step(engine, compile_model, board)
 
     def describe(self, engine) -> str:
-        """The start-up line of a model-parallel run ('' for data parallel alone)."""
+        """The start-up line of a model-parallel run, and of its tiled MLPs ('' for data parallel alone)."""
+        return "; ".join(line for line in (self._parallel(engine), tiled.describe(engine.module)) if line)
+
+    def _parallel(self, engine) -> str:
+        """The model-parallel part of the start-up line."""
         if self.split:
             return pipeline.describe(engine)
         if self.tensor > 1:
             return (f"tensor parallel: DeepSpeed AutoTP shards each layer across {self.tensor} ranks x "
                     f"{self.replicas} data-parallel replica(s)")
+        if self.sequence > 1:
+            return sequence_parallel.describe(self.sequence, self.replicas)
         return ""
 
 
@@ -51,6 +68,7 @@ def rank_layout(ds: dict, world_size: int, rank: int, where: str) -> RankLayout:
     """The layout the JSON asks for on this world, checked before anything is built."""
     split = pipeline.stage_plan(ds, world_size, where)
     tensor = tensor_parallel.size(ds, world_size, where)
+    sequence = sequence_parallel.size(ds, world_size, where)
     replica, replicas = (pipeline.data_parallel(split, world_size, rank) if split else
-                         tensor_parallel.data_parallel(tensor, world_size, rank))
-    return RankLayout(split, tensor, replica, replicas)
+                         tensor_parallel.data_parallel(max(tensor, sequence), world_size, rank))
+    return RankLayout(split, tensor, replica, replicas, sequence)

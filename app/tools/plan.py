@@ -1,9 +1,12 @@
 """Will it fit? The memory plan of a model under each ds_config before the run: per rank, the weights, gradients,
 optimizer state and fp32 masters on the GPU and on the host, the activations a sample adds, the predicted peak,
 the largest micro batch that fits, and the fastest config that fits. No GPU and no download needed. With
---preference, of preference tuning: a sample is a pair (two sequences) and the reference model is counted.
+--preference, of preference tuning: a sample is a pair (two sequences) and the reference model is counted. With
+--sequence_parallel N (DeepSpeed's Ulysses), each rank holds seq_len / N tokens of every sample and ZeRO
+partitions over all --world_size ranks.
 
     python -m app.tools.plan --model gpt2-124m --world_size 8 --micro_batch 16 --gpu_memory 80GB
+    python -m app.tools.plan --model llama-1b --seq_len 32768 --sequence_parallel 4 --world_size 4 --gpu_memory 80GB
 """
 import argparse
 import re
@@ -31,7 +34,8 @@ ORDER = {"dp": "nothing is partitioned: the least communication",
          "zero3_offload": "moves the weights and optimizer state to the CPU (the slowest)"}
 NOT_PLANNED = {"bf16": "dp.json with bf16 autocast always: on a GPU, the same as dp",
                "pipeline": "splits the layers over the ranks: its stages' bytes are the bench's parameter bytes",
-               "tensor_parallel": "shards each layer over the ranks: its shards' bytes are the bench's parameter bytes"}
+               "tensor_parallel": "shards each layer over the ranks: its shards' bytes are the bench's parameter bytes",
+               "sequence_parallel": "dp.json with each sequence split: plan it with --sequence_parallel 2"}
 UNITS = {"": 1e9, "b": 1, "kb": 1e3, "mb": 1e6, "gb": 1e9, "tb": 1e12, "kib": 2**10, "mib": 2**20, "gib": 2**30,
          "tib": 2**40, "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40}
 
@@ -44,18 +48,20 @@ def memory_size(text: str) -> int:
     return int(float(match.group(1)) * UNITS[match.group(2).lower()])
 
 
-def parse(argv=None):
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m app.tools.plan", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="cnn", help="as train.py takes it: a preset, a torchvision classifier, "
                         "a save_pretrained folder (its config.json is enough) or a hub name")
     parser.add_argument("--deepspeed_config", default="", help="one ds_config (default: every shipped one)")
-    parser.add_argument("--world_size", type=int, default=0, help="data-parallel ranks (default: the GPUs here, "
-                        "at least 1)")
+    parser.add_argument("--world_size", type=int, default=0, help="ranks in all, sequence-parallel ones included "
+                        "(default: the GPUs here, at least 1)")
     parser.add_argument("--micro_batch", type=int, default=0, help="samples per rank and micro step (default: "
                         "the config's train_micro_batch_size_per_gpu)")
     parser.add_argument("--seq_len", type=int, default=0, help="text: tokens per sample (default: the model's "
-                        "positions, at most 1024)")
+                        "positions, at most 1024; any length given is planned)")
+    parser.add_argument("--sequence_parallel", type=int, default=1, help="text: ranks that share each sequence "
+                        "(the JSON's sequence_parallel_size, DeepSpeed's Ulysses): each holds seq_len / N tokens")
     parser.add_argument("--image_size", type=int, default=0,
                         help="images: side in pixels (default: 224 for torchvision models, 8 for cnn and mlp)")
     parser.add_argument("--lora", action="store_true", help="transformers models: plan LoRA fine-tuning (train.py's "
@@ -70,7 +76,12 @@ def parse(argv=None):
     parser.add_argument("--preference_loss", choices=preference.LOSSES, default=Settings.preference_loss,
                         help="preference: train.py's (simpo: no reference model)")
     parser.add_argument("--gpu_memory", default="", help="memory of one GPU, e.g. 80GB (default: this GPU's)")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def parse(argv=None):
+    """The command's flags, checked: a mistake is a UserError."""
+    args = _parser().parse_args(argv)
     if not args.preference and (args.reference, args.preference_loss) != (Settings.reference,
                                                                            Settings.preference_loss):
         raise UserError("--reference and --preference_loss plan preference tuning: add --preference")
@@ -83,7 +94,21 @@ def parse(argv=None):
     else:
         raise UserError("no GPU here to read the memory of: pass --gpu_memory, e.g. --gpu_memory 80GB")
     args.world_size = args.world_size or max(1, torch.cuda.device_count())
+    _check_sequence_parallel(args)
     return args
+
+
+def _check_sequence_parallel(args):
+    """A UserError where --sequence_parallel cannot split the ranks or the sequence evenly."""
+    degree = args.sequence_parallel
+    if degree < 1:
+        raise UserError(f"--sequence_parallel {degree}: it counts ranks, 1 or more (1: no sequence parallelism)")
+    if args.world_size % degree:
+        raise UserError(f"--sequence_parallel {degree} does not divide --world_size {args.world_size}: each "
+                        f"data-parallel replica is {degree} ranks")
+    if args.seq_len % degree:
+        raise UserError(f"--sequence_parallel {degree} does not divide --seq_len {args.seq_len}: each rank holds an "
+                        f"equal part of every sequence")
 
 
 BF16 = "+bf16"  # a config's row with DeepSpeed's bf16 section (16-bit weights) in place of its autocast
@@ -124,7 +149,7 @@ def measure(args, named: dict, task) -> dict:
     """{name: MemoryPlan} of each config, from the model's shape alone; ZeRO's "auto" values (bucket sizes, ZeRO-3's
     leaf blocks) as a run fills them for this model."""
     adapters = (args.lora_rank, lora.targets_of(args)) if args.lora else None
-    work = planner.workload(task, args.seq_len, args.image_size, frozen=args.lora)
+    work = planner.workload(task, args.seq_len, args.image_size, frozen=args.lora, sequence=args.sequence_parallel)
     facts = resolver.auto_facts(task.spec)
     zero = {name: {**ds, "zero_optimization": ds_auto.fill(ds, facts, args.world_size)[0]["zero_optimization"]}
             if "zero_optimization" in ds else ds for name, ds in named.items()}
@@ -144,18 +169,37 @@ def _gb(count) -> str:
     return "-" if count is None else f"{count / 1e9:,.2f}"
 
 
-def _heading(args, first, budget: float, reference: str) -> list:
-    """The plan's lines above its rows: the model and GPU, a preference run's reference, the columns."""
+def _heading(args, first, budget: float, reference: str, notes: list) -> list:
+    """The plan's lines above its rows: the model and GPU, notes on the sequence, a preference run's reference, the
+    columns."""
     trained = f" ({first.trained / 1e6:,.2f}M of them LoRA adapters that train)" if first.trained < first.parameters \
         else ""
-    return [f"model {args.model}: {first.parameters / 1e6:,.1f}M parameters{trained}; "
-            f"{args.world_size} data-parallel "
-            f"rank(s); GPU {args.gpu_memory / 1e9:,.1f} GB, of which a run may use {budget / 1e9:,.1f}; in GB per rank",
+    degree = args.sequence_parallel
+    ranks = f"{args.world_size} data-parallel rank(s)" if degree == 1 else \
+        f"{args.world_size} ranks: {args.world_size // degree} data-parallel replica(s) of {degree}"
+    return [f"model {args.model}: {first.parameters / 1e6:,.1f}M parameters{trained}; {ranks}; "
+            f"GPU {args.gpu_memory / 1e9:,.1f} GB, of which a run may use {budget / 1e9:,.1f}; in GB per rank",
+            *notes,
             *([f"preference pairs: act/sample is a pair's two sequences; reference: {reference}, "
                f"{REFERENCES[reference]}"] if reference else []),
             f"{'config':<30}{'weights':>8}{'grads':>8}{'optim':>8}{'masters':>8}{'working':>8}"
             f"{_ref_column('ref', reference)}{'host':>8}"
-            f"{'act/sample':>11}{'micro':>6}{'peak':>8}{'fits':>6}{'largest':>8}{'DS est.':>8}"]
+            f"{'act/sample':>11}{'micro':>6}{'peak':>9}{'fits':>6}{'largest':>8}{'DS est.':>8}"]
+
+
+def sequence_notes(args, task) -> list:
+    """The heading's lines on a text model's sequence: how sequence parallelism splits it, and a length past the
+    model's positions (which a run refuses as --block_size)."""
+    if not task.spec:
+        return []
+    seq, degree, positions = planner.tokens_per_sample(task.spec, args.seq_len), args.sequence_parallel, \
+        task.spec.max_positions
+    notes = [f"sequence parallel: seq {seq} over {degree} ranks: {seq // degree} tokens per rank, whose activations "
+             f"act/sample counts; ZeRO 1-3 partition over all {args.world_size} ranks"] if degree > 1 else []
+    if positions and seq > positions:
+        notes.append(f"seq {seq} is longer than {args.model}'s {positions} positions: train.py refuses a "
+                     f"--block_size above them; planned as a model saved with more (max_position_embeddings)")
+    return notes
 
 
 def _ref_column(text: str, reference: str) -> str:
@@ -163,11 +207,11 @@ def _ref_column(text: str, reference: str) -> str:
     return f"{text:>8}" if reference else ""
 
 
-def table(args, named: dict, plans: dict, reference: str = "") -> list:
+def table(args, named: dict, plans: dict, reference: str = "", notes: tuple = ()) -> list:
     """The lines of the plan: one row per config, then the recommendation; reference: the reference_kind of a
-    preference run ('': not one)."""
+    preference run ('': not one); notes: sequence_notes."""
     budget = estimate.USABLE * args.gpu_memory
-    lines = _heading(args, next(iter(plans.values())), budget, reference)
+    lines = _heading(args, next(iter(plans.values())), budget, reference, list(notes))
     fitting = []
     for name, p in plans.items():
         ds = named[name]
@@ -184,7 +228,7 @@ def table(args, named: dict, plans: dict, reference: str = "") -> list:
         lines.append(f"{name:<30}{_gb(d.get('weights', 0)):>8}{_gb(d['gradients']):>8}{_gb(d.get('optimizer', 0)):>8}"
                      f"{_gb(d.get('masters', 0)):>8}{_gb(d['working']):>8}{_ref_column(_gb(d.get('reference')), reference)}"
                      f"{_gb(sum(p.host.values())):>8}"
-                     f"{_gb(p.per_sample):>11}{micro or f'{largest}*':>6}{_gb(peak):>8}{'yes' if fits else 'no':>6}"
+                     f"{_gb(p.per_sample):>11}{micro or f'{largest}*':>6}{_gb(peak):>9}{'yes' if fits else 'no':>6}"
                      f"{largest:>8}{_gb(theirs):>8}")
         if fits:
             fitting.append((_speed_rank(name), name, peak))
@@ -223,7 +267,7 @@ def main(argv=None) -> int:
         plans = measure(args, named, task)
     except UserError as e:
         return report(e)
-    for line in table(args, named, plans, task.reference_kind):
+    for line in table(args, named, plans, task.reference_kind, sequence_notes(args, task)):
         print(line)
     skipped = [f"{n} ({why})" for n, why in NOT_PLANNED.items() if not args.deepspeed_config]
     if skipped:

@@ -32,6 +32,7 @@ class _Successor(torch.nn.Module):
             table[token, following] = 5.0
         self.table = torch.nn.Parameter(table)
         self.device, self.pipeline_parallelism, self.shapes = torch.device("cpu"), False, []
+        self.sequence_parallel_size = 1
 
     @property
     def module(self):

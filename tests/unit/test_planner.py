@@ -5,15 +5,17 @@ import pytest
 from app.core import resolver
 from app.ds import precision
 from app.ds.config import DEFAULT_DS_CONFIG, load_ds_config
+from app.errors import UserError
 from app.memory import estimate, planner
 from app.settings import Settings
 
 SETTINGS = Settings(model="gpt2-tiny", block_size=128)
 
 
-def on_a_gpu(micro: int) -> tuple:
-    """dp.json as a GPU with bf16 resolves it, at a micro batch: (DeepSpeed dict, precision's note)."""
-    ds = load_ds_config(DEFAULT_DS_CONFIG, resolve=False)
+def on_a_gpu(micro: int, path=DEFAULT_DS_CONFIG) -> tuple:
+    """dp.json (or the config at path) as a GPU with bf16 resolves it, at a micro batch: (DeepSpeed dict, precision's
+    note)."""
+    ds = load_ds_config(path, resolve=False)
     ds, note = precision.resolve_precision({**ds, "train_micro_batch_size_per_gpu": micro}, "dp.json", cuda=True,
                                            bf16_ok=True)
     assert note.startswith(planner.AUTOCAST_BY_AUTO), note
@@ -120,3 +122,47 @@ def test_a_grpo_plan_counts_the_sampling_cache_and_under_zero3_the_gathered_weig
     ds, _ = on_a_gpu(8)
     plan = planner.plans(planner.workload(grpo, 128), {"autocast": ds}, 1, sampling=planner.sampling_of(grpo, 128))
     assert plan["autocast"].sampling[1] == cache + scores
+
+
+def test_under_sequence_parallelism_a_rank_measures_its_part_of_each_sequence():
+    """At sequence parallel N a rank's inputs are T/N tokens of each sequence: its activations are those of a plain
+    run at T/N tokens, far fewer than at T; the model states are as many ranks' as before."""
+    task = resolver.build(SETTINGS)
+    inputs = planner.workload(task, 128, sequence=4)[1]
+    assert inputs(2)[0][0].shape == (2, 32)
+    ds, _ = on_a_gpu(8, DEFAULT_DS_CONFIG.parent / "zero2.json")
+    sharded, short, whole = (planner.plans(planner.workload(task, seq, sequence=degree), {"zero2": ds}, 4)["zero2"]
+                             for seq, degree in ((128, 4), (32, 1), (128, 1)))
+    assert (sharded.per_sample, sharded.fixed, sharded.least) == (short.per_sample, short.fixed, short.least)
+    assert sharded.per_sample < whole.per_sample / 3
+    assert sharded.device == whole.device and sharded.host == whole.host
+
+
+@pytest.mark.parametrize("settings, sequence, message", [
+    (SETTINGS, 3, "sequence parallel 3 does not divide a sample's 128 tokens: take a sequence length that 3 divides"),
+    (Settings(model="gpt2-tiny"), 3, "a sample's 128 tokens"),  # the model's positions: the length a run takes
+    (Settings(model="cnn"), 2, "sequence parallelism shards text sequences; cnn is an image model"),
+])
+def test_a_sequence_parallel_split_that_cannot_be_even_is_one_line(settings, sequence, message):
+    with pytest.raises(UserError) as caught:
+        planner.workload(resolver.build(settings), settings.block_size, sequence=sequence)
+    assert message in str(caught.value) and "\n" not in str(caught.value)
+
+
+def test_a_sequence_parallel_run_is_weighed_at_its_part_of_each_sequence_over_every_rank():
+    """2 replicas of 2 sequence-parallel ranks: a rank holds half of each sequence's activations, and ZeRO-1
+    partitions over all 4 ranks. On a GPU where only that plan's bf16 weights fit, the run takes them; whole
+    sequences, or a partition over the 2 replicas alone, would fit neither and keep autocast."""
+    ds, note = on_a_gpu(64, DEFAULT_DS_CONFIG.parent / "zero1.json")
+    task = resolver.build(SETTINGS)
+
+    def peak(seq: int, ranks: int, bf16: bool = True) -> int:
+        named = {"plan": planner.with_bf16_weights(ds) if bf16 else ds}
+        return planner.plans(planner.workload(task, seq), named, ranks)["plan"].peak(64)
+    bf16, autocast, whole, two = peak(64, 4), peak(64, 4, bf16=False), peak(128, 4), peak(64, 2)
+    assert bf16 < min(autocast, whole, two)
+    memory = int((bf16 + min(autocast, whole, two)) / 2 / estimate.USABLE)
+    weighed, said = planner.weigh(ds, note, task, SETTINGS, 2, memory, 2)
+    assert weighed["bf16"] == {"enabled": True}, said
+    assert planner.weigh(ds, note, task, SETTINGS, 4, memory) == (ds, note), "whole sequences on 4 replicas"
+    assert planner.weigh(ds, note, task, SETTINGS, 2, memory) == (ds, note), "2 replicas without sequence parallel"

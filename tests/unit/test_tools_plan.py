@@ -19,6 +19,15 @@ def test_memory_sizes(text, count):
                                                            "tuning: add --preference"),
     (["--gpu_memory", "8GB", "--preference"], "--task preference trains a transformers model on text; cnn is an "
                                               "image model"),
+    (["--gpu_memory", "8GB", "--sequence_parallel", "0"], "--sequence_parallel 0: it counts ranks, 1 or more"),
+    (["--gpu_memory", "8GB", "--world_size", "6", "--sequence_parallel", "4"], "--sequence_parallel 4 does not "
+                                                                                 "divide --world_size 6"),
+    (["--gpu_memory", "8GB", "--world_size", "4", "--sequence_parallel", "4", "--seq_len", "1022"],
+     "--sequence_parallel 4 does not divide --seq_len 1022"),
+    (["--gpu_memory", "8GB", "--world_size", "3", "--sequence_parallel", "3", "--model", "gpt2-tiny"],
+     "sequence parallel 3 does not divide a sample's 128 tokens"),  # the length a run takes: the model's positions
+    (["--gpu_memory", "8GB", "--world_size", "2", "--sequence_parallel", "2"], "sequence parallelism shards text "
+                                                                               "sequences; cnn is an image model"),
 ])
 def test_mistakes_are_one_line(argv, message, capsys):
     assert plan_tool.main(argv) == 2  # the CPU tests see no GPU (conftest hides them)
@@ -63,8 +72,9 @@ def test_each_autocast_config_is_also_planned_with_bf16_weights_which_win_where_
 PLANNED = ("dp", "dp+bf16", "zero2", "zero3", "zero3_offload")
 
 
-def preference_plans(folder, *flags, world_size=4, only=PLANNED) -> dict:
-    """{config: MemoryPlan} of gpt2-tiny's shape at 128 tokens, as the command plans them with these flags."""
+def command_plans(folder, *flags, world_size=4, only=PLANNED) -> dict:
+    """{config: MemoryPlan} of gpt2-tiny's shape at 128 tokens (unless flags say --seq_len), as the command plans
+    them with these flags."""
     args = plan_tool.parse(["--model", str(folder), "--world_size", str(world_size), "--seq_len", "128",
                             "--gpu_memory", "10GB", *flags])
     named = {name: ds for name, ds in plan_tool.configs(args).items() if name in only}
@@ -84,7 +94,7 @@ def test_a_preference_plan_counts_two_sequences_a_pair_and_the_frozen_copys_weig
     the policy's weights as its engine does: fp32 under autocast, bf16 with the bf16 section, whole on every rank
     under ZeRO 0-2, a quarter each on 4 ranks under ZeRO-3, on the host with parameter offload; no gradient,
     optimizer state nor master of its own."""
-    plain, pairs = preference_plans(gpt2_folder), preference_plans(gpt2_folder, "--preference")
+    plain, pairs = command_plans(gpt2_folder), command_plans(gpt2_folder, "--preference")
     total = plain["dp"].parameters
     for name in PLANNED:
         assert pairs[name].per_sample == pytest.approx(2 * plain[name].per_sample, rel=1e-4), name
@@ -106,8 +116,8 @@ def test_a_preference_plan_counts_two_sequences_a_pair_and_the_frozen_copys_weig
 def test_no_reference_bytes_under_lora_precomputed_or_simpo(gpt2_folder, flags, same_as):
     """The policy with its adapters off, log-probabilities computed before training and SimPO's loss hold no model
     of their own: the model states are the plain run's, and only the pairs double the activations."""
-    pairs = preference_plans(gpt2_folder, "--preference", *flags, only=("zero3", "zero3_offload"))
-    plain = preference_plans(gpt2_folder, *same_as, only=("zero3", "zero3_offload"))
+    pairs = command_plans(gpt2_folder, "--preference", *flags, only=("zero3", "zero3_offload"))
+    plain = command_plans(gpt2_folder, *same_as, only=("zero3", "zero3_offload"))
     for name, found in pairs.items():
         assert "reference" not in found.device and "reference" not in found.host
         assert (found.device, found.host) == (plain[name].device, plain[name].host), name
@@ -128,3 +138,36 @@ def test_the_table_says_which_reference_and_shows_its_column(gpt2_folder, capsys
     lines = capsys.readouterr().out.splitlines()
     assert "reference: adapters off, the model itself with its LoRA adapters off: no memory of its own" in lines[1]
     assert lines[3].split()[6] == "-"
+
+
+def test_at_sequence_parallel_n_a_rank_holds_the_activations_of_seq_over_n_tokens(gpt2_folder):
+    """4 ranks sharing each 128-token sequence: each sample's activations per rank are a plain run's at 32 tokens,
+    while ZeRO partitions the model states over all 4 ranks, as a plain run on 4 ranks does."""
+    sharded = command_plans(gpt2_folder, "--sequence_parallel", "4")
+    short, whole = command_plans(gpt2_folder, "--seq_len", "32"), command_plans(gpt2_folder)
+    one_rank = command_plans(gpt2_folder, "--seq_len", "32", world_size=1, only=("zero3",))
+    for name in PLANNED:
+        assert sharded[name].per_sample == short[name].per_sample, name
+        assert (sharded[name].fixed, sharded[name].least) == (short[name].fixed, short[name].least), name
+        assert sharded[name].per_sample < whole[name].per_sample / 3, name
+        assert (sharded[name].device, sharded[name].host) == (whole[name].device, whole[name].host), name
+    assert sharded["zero3"].states() < one_rank["zero3"].states() / 2, "partitioned over 4 ranks, not 1 replica"
+
+
+def test_the_table_says_how_the_sequence_is_split_and_a_length_past_the_positions(capsys):
+    """A Llama's rotary positions plan at any length (the preset, from its config: nothing downloaded); past the
+    preset's 128 positions the plan says a run would refuse it."""
+    dp = str(plan_tool.ds_config.REPO / "ds_configs" / "dp.json")
+    argv = ["--model", "llama-tiny", "--seq_len", "4096", "--micro_batch", "1", "--gpu_memory", "80GB",
+            "--deepspeed_config", dp]
+    assert plan_tool.main([*argv, "--sequence_parallel", "4", "--world_size", "8"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert "; 8 ranks: 2 data-parallel replica(s) of 4; GPU 80.0 GB" in lines[0], lines[0]
+    assert lines[1] == ("sequence parallel: seq 4096 over 4 ranks: 1024 tokens per rank, whose activations "
+                        "act/sample counts; ZeRO 1-3 partition over all 8 ranks")
+    assert lines[2].startswith("seq 4096 is longer than llama-tiny's 128 positions: train.py refuses a --block_size")
+    sharded = lines[4].split()
+    assert plan_tool.main([*argv[:3], "1024", *argv[4:], "--world_size", "8"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert "; 8 data-parallel rank(s); GPU" in lines[0] and not lines[1].startswith("sequence parallel")
+    assert lines[3].split()[:8] == sharded[:8], "the same states and act/sample as 1024 tokens on 8 ranks"

@@ -208,10 +208,11 @@ def drop_other_stages(module):
 
 
 def forget_parallel_groups():
-    """Let the next engine of this process pick its own groups: a pipeline engine leaves its grid in DeepSpeed's
-    module-level `groups.mpu`, where a later plain engine would look up its model-parallel rank."""
+    """Let a later engine of this process pick its own groups: a pipeline's `groups.mpu`, sequence parallelism's."""
     from deepspeed.utils import groups
+    from app.ds.internals.sequence import forget_sequence_groups
     groups.mpu = None
+    forget_sequence_groups()
 
 
 def forget_unfinished_forward():

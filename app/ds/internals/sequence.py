@@ -1,0 +1,26 @@
+"""DeepSpeed's sequence-parallel groups (deepspeed.runtime.sequence_parallel.parallel_state_sp, an mpu made once
+per process) and the Ulysses attention the app puts in transformers' registry (app/parallel/sequence_parallel.py)."""
+
+
+def sequence_groups(ds: dict):
+    """The mpu deepspeed.initialize takes for the JSON's "sequence_parallel_size" > 1 (DeepSpeed's
+    parallel_state_sp, its groups made once per process), or None without it."""
+    degree = ds.get("sequence_parallel_size", 1)
+    if degree == 1:
+        return None
+    from deepspeed.runtime.sequence_parallel import parallel_state_sp as mpu
+    if mpu._SEQUENCE_PARALLEL_GROUP is None:
+        mpu.initialize_sequence_parallel(sequence_parallel_size=degree)
+    return mpu
+
+
+def forget_sequence_groups():
+    """Let a later engine of this process make its own sequence-parallel groups, and its models attend as
+    transformers does: the groups released, each Ulysses attention replaced by the core it wraps."""
+    from deepspeed.runtime.sequence_parallel import parallel_state_sp
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+    parallel_state_sp._release_sequence_parallel_groups()
+    for name in list(ALL_ATTENTION_FUNCTIONS.keys()):
+        core = getattr(ALL_ATTENTION_FUNCTIONS[name], "app_core", None)
+        if core is not None:
+            ALL_ATTENTION_FUNCTIONS[name] = core
