@@ -38,7 +38,7 @@ class Settings:
     attention: str = ""
     """Transformers models: the attention (eager, sdpa, flex_attention, flash_attention_2, ...); '' their default."""
     tiled: str = "auto"
-    """Transformers models: each block's MLP over tiles of the sequence (DeepSpeed's TiledMLP); auto: under SP."""
+    """Transformers models: each block's MLP, and the output layer with the loss, by tiles; auto: under SP."""
     eval_answers: int = 3
     """Instruction data: held-out prompts the model answers (greedy) at each evaluation, shown and written to
     output_dir/answers/step<N>.jsonl (0: none)."""

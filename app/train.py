@@ -182,7 +182,7 @@ def train(job: Job) -> int:
     profiler = profiling.for_run(settings.profile, settings.profile_ranks, built.steps, output_dir, engine.device)
     tf32 = precision.set_tf32(world.device, precision.compute_dtype(engine), settings.tf32)
     startup.say_mode(world.description, engine, built.steps, output_dir, ranks.replicas,
-                     [ranks.describe(engine), lora.describe(engine.module) if settings.lora else ""], settled.note,
+                     [ranks.describe(engine, task), lora.describe(engine.module) if settings.lora else ""], settled.note,
                      tf32)
     if settled.filled:
         dist.print0(ds_auto.say(built.state.deepspeed_config, settled.filled, output_dir, dist.is_main()))

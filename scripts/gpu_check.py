@@ -96,11 +96,15 @@ def parts(out: Path) -> list:
         Part("grpo", 150, cuda_test("grpo"),
              "docs/rl.md's worked example in bf16 under ZeRO-3 on 2 ranks sharing the GPU: held-out reward before and "
              "after 60 steps"),
+        Part("long_context", 240, cuda_test("long_sequence"),
+             "llama-tiny-long at 8,192 tokens split over 2 ranks sharing the GPU against one process; llama-1b at "
+             "16,384 tokens under ZeRO-3 with its MLPs tiled and whole: peaks against each other and the plan's"),
         Part("oom_snapshot", 120, [sys.executable, "scripts/oom_snapshot_check.py", str(out)],
              "gpt2-124m at a micro batch far too large: the one line names the memory snapshot, which loads; the "
              "step time with --memory_snapshot on against off"),
         Part("cuda_tests", 240, cuda_test("not synchronises and not stock_deepspeed_on_two_ranks and not "
-                                          "losses_are_stock and not plan_predicts and not preference and not grpo"),
+                                          "losses_are_stock and not plan_predicts and not preference and not grpo and not "
+                                          "long_sequence"),
              "the rest of tests/e2e/test_cuda.py"),
     ]
 

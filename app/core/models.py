@@ -8,6 +8,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from app.core import fused_loss
 from app.data import DataInfo
 from app.errors import UserError, first_line, folder_files
 
@@ -50,25 +51,23 @@ def _replace_first_conv(model: nn.Module, in_channels: int):
 
 
 BUILTIN = {"cnn": _cnn, "mlp": _mlp}
+LLAMA_TINY = dict(num_hidden_layers=4, hidden_size=256, intermediate_size=512, num_attention_heads=4,
+                  num_key_value_heads=2, max_position_embeddings=128, vocab_size=8192, tie_word_embeddings=False)
 # Randomly initialised transformers built from a config, no download. No dropout, as in from-scratch pretraining.
 PRESETS = {
     "gpt2-tiny": ("gpt2", dict(n_layer=4, n_embd=256, n_head=4, n_positions=128, vocab_size=8192)),
     "gpt2-124m": ("gpt2", dict(n_layer=12, n_embd=768, n_head=12, n_positions=1024, vocab_size=50257)),
-    # a Llama-family model for tensor parallelism (AutoTP follows the plan transformers ships for llama)
-    "llama-tiny": ("llama", dict(num_hidden_layers=4, hidden_size=256, intermediate_size=512, num_attention_heads=4,
-                                 num_key_value_heads=2, max_position_embeddings=128, vocab_size=8192,
-                                 tie_word_embeddings=False)),
-    # llama-tiny at 32,768 positions: long sequences (sequence parallelism, tiled MLPs) on a CPU
-    "llama-tiny-long": ("llama", dict(num_hidden_layers=4, hidden_size=256, intermediate_size=512, num_attention_heads=4,
-                                      num_key_value_heads=2, max_position_embeddings=32768, vocab_size=8192,
-                                      tie_word_embeddings=False)),
+    # a Llama-family model for tensor parallelism (AutoTP follows the plan transformers ships for llama); at 32,768
+    # positions, for long sequences (sequence parallelism, tiling) on a CPU
+    "llama-tiny": ("llama", LLAMA_TINY),
+    "llama-tiny-long": ("llama", {**LLAMA_TINY, "max_position_embeddings": 32768}),
     "bert-tiny": ("bert", dict(num_hidden_layers=2, hidden_size=128, num_attention_heads=2, intermediate_size=512,
                                max_position_embeddings=512, vocab_size=8192)),
     # the ZeRO paper's 7.5B GPT-2 shape (7.46B parameters), for the memory plan at scale
     "gpt2-7b": ("gpt2", dict(n_layer=36, n_embd=4096, n_head=32, n_positions=1024, vocab_size=50257)),
     # a 1B-class shape (Llama 3.2 1B's: 1.24B parameters, tied embeddings), for the memory plan and for real runs
     "llama-1b": ("llama", dict(num_hidden_layers=16, hidden_size=2048, intermediate_size=8192, num_attention_heads=32,
-                               num_key_value_heads=8, max_position_embeddings=2048, vocab_size=128256,
+                               num_key_value_heads=8, max_position_embeddings=131072, vocab_size=128256,
                                tie_word_embeddings=True, rope_theta=500000.0)),
     # Llama 3.1 8B's shape (8.03B parameters), at its original 8,192 positions: what people fine-tune with LoRA
     "llama-8b": ("llama", dict(num_hidden_layers=32, hidden_size=4096, intermediate_size=14336, num_attention_heads=32,
@@ -157,8 +156,7 @@ class HFLogits(nn.Module):
 
     def __init__(self, hf, real_vocab: int = 0, second: str = "attention_mask"):
         super().__init__()
-        self.hf = hf
-        self.real_vocab = real_vocab  # language models with a padded vocabulary: the tokens past it are masked
+        self.hf, self.real_vocab = hf, real_vocab  # a padded vocabulary (language models): the tokens past it masked
         self.second = second  # what the second input is: an attention mask (classification) or position ids (packed)
 
     @property
@@ -171,7 +169,9 @@ class HFLogits(nn.Module):
         """The model's own tensor-parallel plan (its output layer's entry lives only here), for AutoTP."""
         return self.hf.__dict__.get("_tp_plan") or getattr(type(self.hf), "_tp_plan", None)
 
-    def forward(self, input_ids, second=None):
+    def forward(self, input_ids, second=None, targets=None):
+        if targets is not None:  # --tiled: the next-token loss's TokenSums, never the whole logits
+            return fused_loss.hf_token_sums(self, input_ids, second, targets)
         logits = self.hf(input_ids=input_ids, **{self.second: second}).logits
         if self.real_vocab:
             logits[..., self.real_vocab:] = float("-inf")  # in place: no second copy of the logits

@@ -3,6 +3,7 @@ step through the DeepSpeed engine, and evaluation; compiled through app/core/com
 import torch
 
 from app.core import compiling
+from app.core.fused_loss import next_token_targets
 from app.ds.precision import input_dtype
 from app.observe.metrics import Meter
 
@@ -41,7 +42,7 @@ class TrainStep:
         (app/data/loader.py) make the step's loss the mean over every sample, or answer token, of the window on
         every rank, however it is split."""
         x, y, w = to_device(batch, self.engine.device, self.dtype)
-        _, losses = self.logits_and_losses(x, y)
+        _, losses = self.logits_and_losses(self.with_targets(x, y), y)
         return (losses * w).sum(), {"loss": (losses.detach() * w).sum()}, w
 
     def micro_step(self, batch, meter: Meter):
@@ -52,6 +53,12 @@ class TrainStep:
         self.engine.step()
         w = self.meter_weights(w)
         meter.add((w > 0).sum(), w.sum(), **sums)
+
+    def with_targets(self, inputs: list, labels: torch.Tensor) -> list:
+        """The model's inputs, and the next-token targets where the task fuses the output layer with its loss."""
+        if not self.task.fused_logits:
+            return inputs
+        return [inputs[0], inputs[1] if len(inputs) > 1 else None, next_token_targets(labels)]
 
     def correct(self, logits, labels: torch.Tensor) -> torch.Tensor:
         """Each sample's accuracy in an evaluation, 0.0 to 1.0 (the task's)."""
@@ -78,7 +85,7 @@ class TrainStep:
         with torch.no_grad():
             for batch in loader:
                 x, y, w = to_device(batch, engine.device, self.dtype)
-                logits, losses = self.logits_and_losses(x, y)
+                logits, losses = self.logits_and_losses(self.with_targets(x, y), y)
                 counted = self.meter_weights(w)
                 meter.add((counted > 0).sum(), counted.sum(), loss=(losses * w).sum(),
                           accuracy=(self.correct(logits, y) * w).sum())

@@ -34,6 +34,9 @@ class Task:
     sampled = 0
     """Completions the run samples for each sample it trains on (online RL's group; 0: none), which the memory plan
     counts."""
+    fused_logits = False
+    """Whether the step hands the model each micro batch's next-token targets, for the output layer and the loss to
+    run tile by tile (--tiled: app/core/fused_loss.py); set on a task whose loss is next_token_loss."""
     splits_sequences = False
     """Whether the loss is a sum over next tokens, which ranks that each hold a part of a sequence can share
     (DeepSpeed's Ulysses: app/parallel/sequence_parallel.py)."""

@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from app.core import lora, models, packing
+from app.core.fused_loss import TokenSums
 from app.core.task import Task
 from app.data import Data
 from app.data import DataInfo, TextModel
@@ -30,15 +31,23 @@ def class_correct(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     return (logits.argmax(-1) == labels).float()
 
 
+def counted_next_tokens(labels: torch.Tensor) -> torch.Tensor:
+    """How many next tokens each sample predicts (labels of IGNORE, prompts and padding, are left out), at least 1."""
+    return (labels[:, 1:] != IGNORE).sum(1).clamp(min=1)
+
+
 def _next_token(logits: torch.Tensor, labels: torch.Tensor):
     """Language-model logits as rows (batch x positions, vocab), each paired with the token it predicts, and
-    how many tokens each sample predicts (labels of IGNORE, prompts and padding, are left out)."""
+    how many tokens each sample predicts."""
     rows, targets = logits[:, :-1].reshape(-1, logits.size(-1)), labels[:, 1:].reshape(-1)
-    return rows, targets, (labels[:, 1:] != IGNORE).sum(1).clamp(min=1)
+    return rows, targets, counted_next_tokens(labels)
 
 
 def next_token_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """Each sample's mean next-token cross entropy over the tokens it is labelled on, in fp32."""
+    """Each sample's mean next-token cross entropy over the tokens it is labelled on, in fp32 (from the logits, or
+    from the sums a tiled output layer returns in their place: app/core/fused_loss.py)."""
+    if isinstance(logits, TokenSums):
+        return logits.loss / counted_next_tokens(labels)
     rows, targets, counted = _next_token(logits, labels)
     losses = F.cross_entropy(rows.float(), targets, reduction="none", ignore_index=IGNORE)
     return losses.view(len(logits), -1).sum(1) / counted
@@ -46,6 +55,8 @@ def next_token_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
 
 def next_token_correct(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     """Each sample's share of the next tokens it is labelled on predicted right."""
+    if isinstance(logits, TokenSums):
+        return logits.right / counted_next_tokens(labels)
     rows, targets, counted = _next_token(logits, labels)
     right = (rows.argmax(-1) == targets) & (targets != IGNORE)
     return right.view(len(logits), -1).sum(1) / counted

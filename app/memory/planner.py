@@ -13,7 +13,8 @@ from app.ds.config import zero_stage
 from app.ds.internals import torch_private
 from app.errors import UserError
 from app.memory import estimate
-from app.parallel import activations
+from app.core.fused_loss import next_token_targets
+from app.parallel import activations, tiled
 
 AUTOCAST_BY_AUTO = "bf16 autocast ("  # how precision's note starts when "auto" picked bf16 autocast
 
@@ -52,12 +53,15 @@ def workload(task, seq_len: int = 0, image_size: int = 0, frozen: bool = False, 
 
     def inputs(b):
         ids = torch.randint(min(vocab, 256), (sequences * b, seq))
-        return ([ids, torch.ones_like(ids)], torch.randint(2, (b,))) if classify else ([ids], ids)
-    def build():
+        if classify:
+            return [ids, torch.ones_like(ids)], torch.randint(2, (b,))
+        return ([ids, None, next_token_targets(ids)] if task.fused_logits else [ids]), ids
+    def build():  # tiled as the run tiles it (--tiled), which build() decides before inputs() are made
         model = models.build_hf(spec, info, tokenizer, {})
         if frozen:
             model.requires_grad_(False)
             model.hf.enable_input_require_grads()
+        tiled.for_run(model, task, sequence, task.settings.model)
         return model
     return build, inputs, task.loss
 

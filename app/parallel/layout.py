@@ -29,7 +29,7 @@ class RankLayout:
         if task.settings.tiled == "on" and (self.split or self.tensor > 1):
             raise UserError("--tiled on runs under data parallel, ZeRO 0-3 and sequence parallelism, not pipeline "
                             "stages or tensor parallelism; pass --tiled off")
-        tiled.for_run(model, task.settings.tiled, self.sequence, model_name)
+        tiled.for_run(model, task, self.sequence, model_name)
         model = activations.apply(model, ds)
         if self.split:
             module, names = pipeline.split(model, model_name, self.split, task)
@@ -48,9 +48,10 @@ class RankLayout:
             return sequence_parallel.SequenceStep(engine, task, compile_model, board)
         return task.make_step(engine, compile_model, board)
 
-    def describe(self, engine) -> str:
-        """The start-up line of a model-parallel run, and of its tiled MLPs ('' for data parallel alone)."""
-        return "; ".join(line for line in (self._parallel(engine), tiled.describe(engine.module)) if line)
+    def describe(self, engine, task) -> str:
+        """The start-up line of a model-parallel run, and of its tiles ('' for data parallel alone)."""
+        return "; ".join(line for line in (self._parallel(engine), tiled.describe(engine.module, task.fused_logits))
+                         if line)
 
     def _parallel(self, engine) -> str:
         """The model-parallel part of the start-up line."""

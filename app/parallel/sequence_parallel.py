@@ -11,7 +11,9 @@ the replicas, so a step's gradient is the one SP=1 takes on the same global batc
 import torch
 import torch.nn.functional as F
 
+from app.core.fused_loss import TokenSums
 from app.core.step import TrainStep
+from app.core.tasks import counted_next_tokens as counted  # over each sample's whole sequence
 from app.data.chat import IGNORE
 from app.errors import UserError
 
@@ -30,6 +32,10 @@ def size(ds: dict, world_size: int, where: str) -> int:
                         f"of {degree} ranks, e.g. `deepspeed --num_gpus {degree} app/train.py ...`")
     if degree > 1 and ("pipeline" in ds or (ds.get("tensor_parallel") or {}).get("autotp_size", 1) > 1):
         raise UserError(f"{where}: the app runs {KEY} without \"pipeline\" or \"tensor_parallel\"; drop one")
+    zero = ds.get("zero_optimization") or {}
+    if degree > 1 and zero.get("stage") == 3 and zero.get("reduce_scatter", True) is False:
+        raise UserError(f"{where}: {KEY} under ZeRO-3 takes DeepSpeed's reduce-scatter of gradients (its default); "
+                        f"drop zero_optimization.reduce_scatter false")
     return degree
 
 
@@ -95,36 +101,48 @@ def sliced(inputs: list, labels: torch.Tensor, degree: int, rank: int) -> tuple:
     return ids[:, part], positions[:, part], targets[:, part]
 
 
-def counted(labels: torch.Tensor) -> torch.Tensor:
-    """Each sample's counted next tokens over its whole sequence (at least 1), as next_token_loss counts them."""
-    return (labels[:, 1:] != IGNORE).sum(1).clamp(min=1)
-
-
 class SequenceStep(TrainStep):
     """The step of a sequence-parallel rank: the model on its slice, the loss its share of each sample's mean;
     only the group's first rank counts the samples for the meters (the others add their losses' shares alone)."""
 
     def __init__(self, engine, task, compile_model: bool, board=None):
         self.degree, self.rank = engine.mpu.get_sequence_parallel_world_size(), engine.mpu.get_sequence_parallel_rank()
+        # DeepSpeed 0.19.8's ZeRO-3 reduce-scatter averages gradients over every rank, where ZeRO 0-2 (and its own
+        # all-reduce path) divide by the data-parallel replicas alone: its gradients come out 1/degree of the
+        # sequence's, which Adam hides but clipping does not. The loss is scaled to make up for it.
+        self.scale = self.degree if engine.zero_optimization_stage() == 3 else 1
         super().__init__(engine, task, compile_model, board)
         if self.compiler is not None:
             self.compiler.forward = self.forward
 
     def forward(self, engine, loss, inputs: list, labels: torch.Tensor) -> tuple:
-        """(this slice's logits, each sample's share of its mean next-token loss)."""
+        """(this slice's logits, or their TokenSums where the task fuses them with the loss; each sample's share of
+        its mean next-token loss)."""
         ids, positions, targets = sliced(inputs, labels, self.degree, self.rank)
+        if self.task.fused_logits:
+            sums = engine(ids, positions, targets)
+            return sums, sums.loss / counted(labels)
         logits = engine(ids, positions)
         losses = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), reduction="none",
                                  ignore_index=IGNORE)
         return logits, losses.view(len(ids), -1).sum(1) / counted(labels)
+
+    def batch_loss(self, batch) -> tuple:
+        loss, sums, weights = super().batch_loss(batch)
+        return loss * self.scale, sums, weights
 
     def logits_and_losses(self, inputs: list, labels: torch.Tensor) -> tuple:
         if self.compiler is not None:
             return self.compiler(inputs, labels)
         return self.forward(self.engine, None, inputs, labels)
 
+    def with_targets(self, inputs: list, labels: torch.Tensor) -> list:
+        return inputs  # forward slices the targets with the sequence
+
     def correct(self, logits, labels: torch.Tensor) -> torch.Tensor:
         """Each sample's share of its next tokens predicted right, on this slice."""
+        if isinstance(logits, TokenSums):
+            return logits.right / counted(labels)
         targets = sliced([labels], labels, self.degree, self.rank)[2]
         right = (logits.argmax(-1) == targets) & (targets != IGNORE)
         return right.sum(1) / counted(labels)

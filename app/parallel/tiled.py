@@ -96,27 +96,32 @@ def _class_forward(mlp: nn.Module, x: torch.Tensor, cast: torch.dtype = None) ->
         return type(mlp).forward(mlp, x)
 
 
-def for_run(model: nn.Module, choice: str, sequence: int, model_name: str):
-    """--tiled on the run's model: on tiles every block's MLP, auto tiles them under sequence parallelism where the
-    model allows it (else says why not), off leaves them."""
-    if choice == "off" or (choice == "auto" and sequence == 1):
-        return
-    if not hasattr(model, "hf"):  # not a transformers model: no blocks of MLPs
-        if choice == "on":
-            raise UserError(f"--tiled on: {model_name} is not a transformers model; pass --tiled off")
+def for_run(model: nn.Module, task, sequence: int, model_name: str):
+    """--tiled on the run's model: on tiles every block's MLP and, where the loss is next-token, the output layer
+    with the loss (app/core/fused_loss.py); auto does so under sequence parallelism where the model allows it (else
+    says why not); off leaves them whole."""
+    choice = task.settings.tiled
+    wanted = choice == "on" or (choice == "auto" and sequence > 1)
+    transformers_model = hasattr(model, "hf")  # else no blocks of MLPs, no output layer of its own
+    task.fused_logits = wanted and transformers_model and task.splits_sequences
+    if choice == "on" and not transformers_model:
+        raise UserError(f"--tiled on: {model_name} is not a transformers model; pass --tiled off")
+    if not (wanted and transformers_model):
         return
     try:
         tile_mlps(model)
     except UserError as e:
         if choice == "on":
             raise
-        dist.print0(f"tiled: off ({e})")
+        dist.print0(f"tiled: MLPs whole ({e})")
 
 
-def describe(model: nn.Module) -> str:
-    """The start-up line of a run whose MLPs are tiled ('' where none is)."""
+def describe(model: nn.Module, fused_logits: bool) -> str:
+    """The start-up line of a run whose MLPs or output layer are tiled ('' where none is)."""
     tiles = [block.mlp for block in models.named_blocks(model) if hasattr(getattr(block, "mlp", None), "tiles")]
-    if not tiles:
+    said = [f"{len(tiles)} MLPs (DeepSpeed TiledMLP)"] if tiles else []
+    said += ["the output layer with the loss (never the whole logits)"] if fused_logits else []
+    if not said:
         return ""
-    return (f"tiled: {len(tiles)} MLPs over tiles of the sequence (DeepSpeed TiledMLP, one tile per hidden width of "
-            f"tokens); each recomputes its forward in the backward pass")
+    return (f"tiled: {' and '.join(said)} over tiles of the sequence, one per hidden width of tokens; each tile "
+            f"recomputed in the backward pass")

@@ -64,6 +64,8 @@ def _parser() -> argparse.ArgumentParser:
                         "(the JSON's sequence_parallel_size, DeepSpeed's Ulysses): each holds seq_len / N tokens")
     parser.add_argument("--image_size", type=int, default=0,
                         help="images: side in pixels (default: 224 for torchvision models, 8 for cnn and mlp)")
+    parser.add_argument("--tiled", default="auto", choices=("auto", "on", "off"), help="transformers models: the "
+                        "MLPs and the output layer with the loss by tiles (train.py's --tiled; auto: under SP)")
     parser.add_argument("--lora", action="store_true", help="transformers models: plan LoRA fine-tuning (train.py's "
                         "--lora): the adapters train, the base model is frozen")
     parser.add_argument("--lora_rank", type=int, default=8, help="LoRA: the adapters' inner size (train.py's)")
@@ -142,7 +144,7 @@ def _speed_rank(name: str) -> tuple:
 def task_of(args):
     """The task train.py builds for these flags (LoRA or preference on an image model: the task says no)."""
     return resolver.build(Settings(model=args.model, lora=args.lora, task="preference" if args.preference else "auto",
-                                reference=args.reference, preference_loss=args.preference_loss))
+                                reference=args.reference, preference_loss=args.preference_loss, tiled=args.tiled))
 
 
 def measure(args, named: dict, task) -> dict:

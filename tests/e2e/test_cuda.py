@@ -162,6 +162,61 @@ def test_grpo_learns_under_zero3_on_two_ranks_sharing_the_gpu(tmp_path):
     assert rewards[-1] > start, (start, rewards)
 
 
+def _long_corpus(tmp_path):
+    """docs/long-context.md's corpus: the first 40 modules of Python's standard library (1.0 MB of real text)."""
+    import os
+    from pathlib import Path
+    folder = Path(os.__file__).parent
+    path = tmp_path / "long.txt"
+    path.write_text("".join(p.read_text() for p in sorted(folder.glob("*.py"))[:40]))
+    return path
+
+
+def test_long_sequences_split_over_two_ranks_sharing_the_gpu(tmp_path):
+    """llama-tiny-long at 8,192 tokens in bf16 autocast: SP=2 on 2 ranks sharing the GPU (DeepSpeed's all-to-all on
+    CUDA tensors) against one process, 6 steps, within bf16's reach."""
+    need(1)
+    from conftest import config_variant
+    args = ["--model", "llama-tiny-long", "--dataset", _long_corpus(tmp_path), "--block_size", 8192,
+            "--max_steps", 6, "--log_interval", 1, "--eval_interval", 6, "--compile", "off"]
+    one = config_variant(tmp_path, "dp", train_micro_batch_size_per_gpu=1)
+    two = config_variant(tmp_path, "sequence_parallel", train_micro_batch_size_per_gpu=1)
+    train_jobs("python", 1, [[*args, "--deepspeed_config", one, "--output_dir", tmp_path / "one"]],
+               base_env=cuda_env())
+    out = train_jobs("ranks", 2, [[*args, "--deepspeed_config", two, "--output_dir", tmp_path / "sp2"]],
+                     base_env={**cuda_env(), **SHARED})[0]
+    whole, split = ([r["loss"] for r in read_metrics(tmp_path / name)[0]] for name in ("one", "sp2"))
+    apart = max(abs(a - b) for a, b in zip(whole, split))
+    figure("long_sp2_vs_one_largest_loss_difference", apart)
+    for name in ("one", "sp2"):
+        figure(f"long_{name}_peak_gb", read_summary(tmp_path / name)["peak_memory_bytes"] / 1e9)
+    assert "sequence parallel: DeepSpeed Ulysses splits each sequence over 2 ranks" in out
+    assert len(split) == 6 and apart < 2e-2 * whole[0], (whole, split)
+
+
+def test_tiled_mlps_lower_the_peak_of_a_long_sequence_on_the_gpu(tmp_path):
+    """llama-1b at 16,384 tokens, micro batch 1, bf16 autocast under ZeRO-3: its MLPs tiled and whole, each peak
+    against the other and against the plan's."""
+    need(1)
+    from conftest import config_variant
+    config = REPO / "ds_configs" / "zero3.json"
+    args = ["--model", "llama-1b", "--dataset", _long_corpus(tmp_path), "--block_size", 16384, "--max_steps", 2,
+            "--log_interval", 1, "--eval_interval", 0, "--compile", "off", "--deepspeed_config",
+            config_variant(tmp_path, "zero3", train_micro_batch_size_per_gpu=1)]
+    train_jobs("python", 1, [[*args, "--tiled", choice, "--output_dir", tmp_path / choice] for choice in ("on", "off")],
+               base_env=cuda_env())
+    peaks = {choice: read_summary(tmp_path / choice)["peak_memory_bytes"] for choice in ("on", "off")}
+    planned = subprocess.run([sys.executable, "-m", "app.tools.plan", "--model", "llama-1b", "--seq_len", "16384",
+                              "--micro_batch", "1", "--world_size", "1", "--deepspeed_config", str(config)], cwd=REPO,
+                             capture_output=True, text=True, env=cuda_env(), timeout=300)
+    assert planned.returncode == 0, planned.stderr
+    header, row = (line.split() for line in planned.stdout.splitlines()[1:3])
+    figure("long_llama1b_16k_peak_gb_tiled", peaks["on"] / 1e9)
+    figure("long_llama1b_16k_peak_gb_whole", peaks["off"] / 1e9)
+    figure("long_llama1b_16k_plan_over_whole", float(row[header.index("peak")]) * 1e9 / peaks["off"])
+    assert peaks["on"] < peaks["off"], peaks
+
+
 def test_no_preference_step_waits_on_the_gpu_but_the_models_own(tmp_path):
     """tests/e2e/test_host_syncs.py's preference count on CUDA, 2 ranks sharing the GPU."""
     need(1)

@@ -1,6 +1,7 @@
 """Sequence parallelism through DeepSpeed's Ulysses for real: llama-tiny with each sequence split over 2 gloo ranks
 against one process on the same global batch, under ZeRO 0-3; resume on one rank; the one-line refusals."""
 import pytest
+import torch
 
 from conftest import config_variant, read_metrics, read_summary, run, train_command, train_jobs, write_text_rows
 
@@ -18,17 +19,26 @@ def variant(folder, name: str, stage: int, **changes):
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    """tag -> (output_dir, rank 0's output): one process under ZeRO 0 and 3 (zero.Init draws other initial weights),
-    and 2 ranks at sequence_parallel_size 2 under ZeRO 0-3 in one launch."""
+    """tag -> (output_dir, rank 0's output): llama-tiny in one process under ZeRO 0 and 3 (zero.Init draws other
+    initial weights) and at sequence_parallel_size 2 on 2 ranks under ZeRO 0-3; instruction chats (answer tokens
+    only, padded rows) on a saved model, with and without LoRA, in one process and at SP=2 under ZeRO-3."""
+    from app.tools.instructions import write, write_model
     root = tmp_path_factory.mktemp("sequence-parallel")
     corpus = write_text_rows(root / "corpus.txt", 600)
-    ones = {f"one{s}": variant(root / f"one{s}", "dp", s) for s in (0, 3)}
-    twos = {f"sp{s}": variant(root / f"sp{s}", "sequence_parallel", s) for s in STAGES}
+    text = [*LLAMA, "--dataset", corpus]
+    chats = ["--model", write_model(root, seed=0), "--dataset", write(root, 300, seed=0), "--packing", "off",
+             *SHORT[2:], "--block_size", 96]
+    ones = {**{f"one{s}": (variant(root / f"one{s}", "dp", s), text) for s in (0, 3)},
+            "chats-one": (variant(root / "chats-one", "dp", 0), chats),
+            "lora-one": (variant(root / "lora-one", "dp", 0), [*chats, "--lora"])}
+    twos = {**{f"sp{s}": (variant(root / f"sp{s}", "sequence_parallel", s), text) for s in STAGES},
+            "chats-sp": (variant(root / "chats-sp", "sequence_parallel", 3), chats),
+            "lora-sp": (variant(root / "lora-sp", "sequence_parallel", 3), [*chats, "--lora"])}
     made = {}
-    for launcher, nproc, configs in (("python", 1, ones), ("ranks", 2, twos)):
-        outputs = train_jobs(launcher, nproc, [["--deepspeed_config", config, "--dataset", corpus, *LLAMA,
-                                                "--output_dir", root / tag] for tag, config in configs.items()])
-        made.update({tag: (root / tag, out) for tag, out in zip(configs, outputs)})
+    for launcher, nproc, jobs in (("python", 1, ones), ("ranks", 2, twos)):
+        outputs = train_jobs(launcher, nproc, [["--deepspeed_config", config, *args, "--output_dir", root / tag]
+                                               for tag, (config, args) in jobs.items()])
+        made.update({tag: (root / tag, out) for tag, out in zip(jobs, outputs)})
     return {"corpus": corpus, **made}
 
 
@@ -54,6 +64,18 @@ def test_two_ranks_of_one_sequence_give_the_losses_of_one_process(stage, runs):
     assert read_summary(out)["world_size"] == 2
 
 
+@pytest.mark.parametrize("kind", ["chats", "lora"])
+def test_instruction_chats_split_over_two_ranks_train_as_in_one_process(kind, runs):
+    """Answer tokens only, rows padded past the cut: each rank's share is over the row's answer tokens in the whole
+    sequence; with LoRA only the adapters train. ZeRO-3 at SP=2 against ZeRO 0 in one process (the saved model
+    loads the same weights under zero.Init)."""
+    out, stdout = runs[f"{kind}-sp"]
+    one, two = losses(runs[f"{kind}-one"][0]), losses(out)
+    assert len(one) == len(two) == 8 and two[-1] < two[0]
+    assert max(abs(a - b) for a, b in zip(one, two)) < 1e-5 * one[0], list(zip(one, two))
+    assert "answers: not generated under sequence parallelism" in stdout
+
+
 @pytest.mark.parametrize("stage", [0, 3])
 def test_a_sequence_parallel_checkpoint_resumes_in_one_process(stage, runs, tmp_path):
     """Step 4 of the SP=2 run, resumed on one rank without sequence parallelism, trains on to SP=2's losses."""
@@ -71,28 +93,53 @@ def test_a_sequence_parallel_checkpoint_resumes_in_one_process(stage, runs, tmp_
     assert max(abs(r["loss"] - b) for r, b in zip(resumed, whole)) < 1e-5, (resumed, whole)
 
 
+def tied_gpt2(folder):
+    """A save_pretrained GPT-2 of width 64 at 1,024 positions, its output layer tied to its input embedding."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+    from app.data.tokenizers import byte_tokenizer
+    tokenizer = byte_tokenizer()
+    torch.manual_seed(0)
+    GPT2LMHeadModel(GPT2Config(n_embd=64, n_layer=2, n_head=4, n_positions=1024, vocab_size=len(tokenizer),
+                               resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
 @pytest.fixture(scope="module")
 def tiled_runs(runs, tmp_path_factory):
-    """rank 0's metrics of llama-tiny-long at 1,024 tokens (512 per rank: 2 tiles of its width 256), SP=2 under
-    ZeRO-3, its MLPs tiled and not."""
+    """tag -> (output_dir, rank 0's output), tiled and whole: llama-tiny-long at 1,024 tokens (512 per rank: 2 tiles
+    of its width 256), SP=2 under ZeRO-3; a tied GPT-2 at 512 tokens (8 tiles of width 64) in one process under
+    ZeRO-2, whose tied output layer must get its gradient once."""
     root = tmp_path_factory.mktemp("tiled")
-    config = config_variant(root, "sequence_parallel", train_micro_batch_size_per_gpu=1, gradient_accumulation_steps=2,
-                            zero_optimization={"stage": 3})
-    args = ["--deepspeed_config", config, "--dataset", runs["corpus"], "--model", "llama-tiny-long", "--block_size",
-            1024, "--max_steps", 3, "--log_interval", 1, "--seed", 3]
-    outputs = train_jobs("ranks", 2, [[*args, "--tiled", choice, "--output_dir", root / choice]
-                                      for choice in ("on", "off")])
-    return {choice: (root / choice, out) for choice, out in zip(("on", "off"), outputs)}
+    long = ["--deepspeed_config", config_variant(root, "sequence_parallel", train_micro_batch_size_per_gpu=1,
+                                                 gradient_accumulation_steps=2, zero_optimization={"stage": 3}),
+            "--dataset", runs["corpus"], "--model", "llama-tiny-long", "--block_size", 1024, "--max_steps", 3,
+            "--log_interval", 1, "--seed", 3]
+    tied = ["--deepspeed_config", config_variant(root, "zero2", train_micro_batch_size_per_gpu=2,
+                                                 gradient_accumulation_steps=2),
+            "--dataset", runs["corpus"], "--model", tied_gpt2(root / "gpt2"), "--block_size", 512, "--max_steps", 3,
+            "--log_interval", 1, "--seed", 3]
+    made = {}
+    for launcher, nproc, name, args in (("ranks", 2, "long", long), ("python", 1, "tied", tied)):
+        outputs = train_jobs(launcher, nproc, [[*args, "--tiled", choice, "--output_dir", root / f"{name}-{choice}"]
+                                               for choice in ("on", "off")])
+        made.update({f"{name}-{choice}": (root / f"{name}-{choice}", out) for choice, out in zip(("on", "off"),
+                                                                                                outputs)})
+    return made
 
 
-def test_tiled_mlps_train_as_the_whole_ones(tiled_runs):
-    """DeepSpeed's TiledMLP recomputes each tile in the backward pass; ZeRO-3 reduces each gradient once, after the
-    last tile: the same losses as MLPs run whole."""
-    (on, said), (off, plain) = tiled_runs["on"], tiled_runs["off"]
-    assert "tiled: 4 MLPs over tiles of the sequence (DeepSpeed TiledMLP" in said
+@pytest.mark.parametrize("name, mlps", [("long", 4), ("tied", 2)])
+def test_tiles_train_as_the_whole_model(name, mlps, tiled_runs):
+    """DeepSpeed's TiledMLP and the app's tiled output layer recompute each tile in the backward pass; ZeRO reduces
+    each gradient once, after the last tile (ZeRO-2 refuses a second one): the losses of the whole model."""
+    (on, said), (off, plain) = tiled_runs[f"{name}-on"], tiled_runs[f"{name}-off"]
+    assert f"tiled: {mlps} MLPs (DeepSpeed TiledMLP) and the output layer with the loss (never the whole logits)" \
+        in said
     assert "tiled:" not in plain
     tiled, whole = losses(on), losses(off)
     assert len(tiled) == 3 and max(abs(a - b) for a, b in zip(tiled, whole)) < 1e-5, (tiled, whole)
+    evals = [[r["eval_loss"] for r in read_metrics(folder)[1]] for folder in (on, off)]
+    assert evals[0] and abs(evals[0][-1] - evals[1][-1]) < 1e-5, evals
 
 
 @pytest.mark.parametrize("args, said", [

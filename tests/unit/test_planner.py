@@ -1,5 +1,7 @@
 """Precision "auto" weighed against a GPU's memory, worked out on fake tensors (no GPU needed): bf16 weights where
 bf16 autocast's fp32 weights do not fit the micro batch and bf16 weights do, else the precision "auto" picked."""
+import dataclasses
+
 import pytest
 
 from app.core import resolver
@@ -126,8 +128,9 @@ def test_a_grpo_plan_counts_the_sampling_cache_and_under_zero3_the_gathered_weig
 
 def test_under_sequence_parallelism_a_rank_measures_its_part_of_each_sequence():
     """At sequence parallel N a rank's inputs are T/N tokens of each sequence: its activations are those of a plain
-    run at T/N tokens, far fewer than at T; the model states are as many ranks' as before."""
-    task = resolver.build(SETTINGS)
+    run at T/N tokens, far fewer than at T; the model states are as many ranks' as before (tiling, which "auto"
+    turns on under SP, apart: the next test)."""
+    task = resolver.build(dataclasses.replace(SETTINGS, tiled="off"))
     inputs = planner.workload(task, 128, sequence=4)[1]
     assert inputs(2)[0][0].shape == (2, 32)
     ds, _ = on_a_gpu(8, DEFAULT_DS_CONFIG.parent / "zero2.json")
@@ -136,6 +139,20 @@ def test_under_sequence_parallelism_a_rank_measures_its_part_of_each_sequence():
     assert (sharded.per_sample, sharded.fixed, sharded.least) == (short.per_sample, short.fixed, short.least)
     assert sharded.per_sample < whole.per_sample / 3
     assert sharded.device == whole.device and sharded.host == whole.host
+
+
+def test_the_plan_measures_a_tiled_model_as_the_run_tiles_it():
+    """--tiled: the MLPs and the output layer by tiles hold less for the backward pass than whole at a sequence of
+    8 hidden widths; auto tiles under sequence parallelism only."""
+    ds, _ = on_a_gpu(8, DEFAULT_DS_CONFIG.parent / "zero2.json")
+    per_sample = {}
+    for choice, degree in (("off", 1), ("on", 1), ("auto", 1), ("auto", 2)):
+        task = resolver.build(dataclasses.replace(SETTINGS, model="llama-tiny-long", tiled=choice))
+        work = planner.workload(task, 2048 * degree, sequence=degree)
+        per_sample[choice, degree] = planner.plans(work, {"zero2": ds}, 2)["zero2"].per_sample
+        assert task.fused_logits == (choice == "on" or degree > 1)
+    assert per_sample["on", 1] < 0.8 * per_sample["off", 1], per_sample
+    assert per_sample["auto", 1] == per_sample["off", 1] and per_sample["auto", 2] == per_sample["on", 1]
 
 
 @pytest.mark.parametrize("settings, sequence, message", [

@@ -17,6 +17,8 @@ from app.parallel.layout import rank_layout
     ({"sequence_parallel_size": 0}, 2, "must be a positive integer, got 0"),
     ({"sequence_parallel_size": True}, 2, "must be a positive integer, got True"),
     ({"sequence_parallel_size": 2, "tensor_parallel": {"autotp_size": 2}}, 4, "drop one"),
+    ({"sequence_parallel_size": 2, "zero_optimization": {"stage": 3, "reduce_scatter": False}}, 2,
+     "under ZeRO-3 takes DeepSpeed's reduce-scatter of gradients"),
 ])
 def test_a_degree_the_world_cannot_take_is_one_line(ds, world, said):
     with pytest.raises(UserError, match=said):

@@ -11,6 +11,7 @@ from transformers import BertConfig, BertModel, GPT2Config, GPT2LMHeadModel, Lla
 
 from app.core.models import HFLogits, named_blocks
 from app.errors import UserError
+from app.settings import Settings
 from app.parallel import activations, tiled
 
 EXACT = 1e-6
@@ -186,20 +187,32 @@ def test_tiled_mlps_hold_less_for_the_backward_pass_at_a_long_sequence():
     assert tiled_bytes < 0.6 * plain_bytes, f"tiled MLPs hold {tiled_bytes / plain_bytes:.2f} of the plain bytes"
 
 
+class _Task:
+    """What for_run reads of a task: its settings' --tiled, whether its loss is next-token."""
+    def __init__(self, choice: str, splits_sequences: bool = True):
+        self.settings, self.splits_sequences, self.fused_logits = Settings(tiled=choice), splits_sequences, False
+
+
 def test_for_run_tiles_on_asked_and_under_sequence_parallelism_alone_on_auto():
     for choice, sequence, tiled_count in (("on", 1, 2), ("auto", 2, 2), ("auto", 1, 0), ("off", 2, 0)):
-        model = HFLogits(_llama())
-        tiled.for_run(model, choice, sequence, "llama")
+        model, task = HFLogits(_llama()), _Task(choice)
+        tiled.for_run(model, task, sequence, "llama")
         assert sum(hasattr(block.mlp, "tiles") for block in named_blocks(model)) == tiled_count, (choice, sequence)
-        assert bool(tiled.describe(model)) == bool(tiled_count)
+        assert task.fused_logits == bool(tiled_count)
+        assert bool(tiled.describe(model, task.fused_logits)) == bool(tiled_count)
+    task = _Task("on", splits_sequences=False)  # a preference pair's loss is not next-token: its MLPs alone
+    tiled.for_run(HFLogits(_llama()), task, 1, "llama")
+    assert not task.fused_logits
 
 
-def test_for_run_says_why_auto_leaves_a_model_with_dropout_and_on_refuses_it(capsys):
-    model = HFLogits(_gpt2(resid_pdrop=0.1))
-    tiled.for_run(model, "auto", 2, "gpt2")
-    assert "tiled: off (tiled MLPs: GPT2Block's mlp has dropout (p=0.1)" in capsys.readouterr().out
-    assert tiled.describe(model) == ""
+def test_for_run_says_why_auto_keeps_the_mlps_of_a_model_with_dropout_whole_and_on_refuses_it(capsys):
+    model, task = HFLogits(_gpt2(resid_pdrop=0.1)), _Task("auto")
+    tiled.for_run(model, task, 2, "gpt2")
+    assert "tiled: MLPs whole (tiled MLPs: GPT2Block's mlp has dropout (p=0.1)" in capsys.readouterr().out
+    assert tiled.describe(model, task.fused_logits) == ("tiled: the output layer with the loss (never the whole "
+                                                        "logits) over tiles of the sequence, one per hidden width of "
+                                                        "tokens; each tile recomputed in the backward pass")
     with pytest.raises(UserError, match="has dropout"):
-        tiled.for_run(model, "on", 1, "gpt2")
+        tiled.for_run(model, _Task("on"), 1, "gpt2")
     with pytest.raises(UserError, match="--tiled on: cnn is not a transformers model"):
-        tiled.for_run(nn.Linear(2, 2), "on", 1, "cnn")
+        tiled.for_run(nn.Linear(2, 2), _Task("on"), 1, "cnn")

@@ -142,8 +142,9 @@ def test_the_table_says_which_reference_and_shows_its_column(gpt2_folder, capsys
 
 def test_at_sequence_parallel_n_a_rank_holds_the_activations_of_seq_over_n_tokens(gpt2_folder):
     """4 ranks sharing each 128-token sequence: each sample's activations per rank are a plain run's at 32 tokens,
-    while ZeRO partitions the model states over all 4 ranks, as a plain run on 4 ranks does."""
-    sharded = command_plans(gpt2_folder, "--sequence_parallel", "4")
+    while ZeRO partitions the model states over all 4 ranks, as a plain run on 4 ranks does (tiling, which --tiled
+    auto turns on under SP, apart: tests/unit/test_planner.py)."""
+    sharded = command_plans(gpt2_folder, "--sequence_parallel", "4", "--tiled", "off")
     short, whole = command_plans(gpt2_folder, "--seq_len", "32"), command_plans(gpt2_folder)
     one_rank = command_plans(gpt2_folder, "--seq_len", "32", world_size=1, only=("zero3",))
     for name in PLANNED:
@@ -159,7 +160,7 @@ def test_the_table_says_how_the_sequence_is_split_and_a_length_past_the_position
     preset's 128 positions the plan says a run would refuse it."""
     dp = str(plan_tool.ds_config.REPO / "ds_configs" / "dp.json")
     argv = ["--model", "llama-tiny", "--seq_len", "4096", "--micro_batch", "1", "--gpu_memory", "80GB",
-            "--deepspeed_config", dp]
+            "--deepspeed_config", dp, "--tiled", "off"]
     assert plan_tool.main([*argv, "--sequence_parallel", "4", "--world_size", "8"]) == 0
     lines = capsys.readouterr().out.splitlines()
     assert "; 8 ranks: 2 data-parallel replica(s) of 4; GPU 80.0 GB" in lines[0], lines[0]
