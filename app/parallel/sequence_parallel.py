@@ -18,8 +18,13 @@ from app.data.chat import IGNORE
 from app.errors import UserError
 
 KEY = "sequence_parallel_size"
-ATTENTIONS = ("sdpa", "flash_attention_2", "flash_attention_3", "flex_attention")
-"""The attention implementations DeepSpeed's Ulysses serves (eager builds a whole-sequence mask it cannot split)."""
+ATTENTIONS = ("sdpa", "flash_attention_2", "flash_attention_3")
+"""The attention implementations the app splits with DeepSpeed's Ulysses: causal over the gathered sequence without a
+mask (eager builds a whole-sequence mask Ulysses cannot split; flex_attention without its block mask attends both
+ways)."""
+MASKED = ("sliding_window", "attn_logit_softcapping")
+"""Config keys of attention that a plain causal mask does not give (Mistral's window, Gemma 2's soft cap), which only
+flash-attention keeps without the mask Ulysses drops."""
 
 
 def size(ds: dict, world_size: int, where: str) -> int:
@@ -48,8 +53,12 @@ def check_model(model, degree: int, model_name: str):
     text = config.get_text_config()
     attention = text._attn_implementation
     if attention not in ATTENTIONS:
-        raise UserError(f"{KEY} {degree}: {model_name} runs attention {attention!r}, which DeepSpeed's Ulysses does "
-                        f"not split (it needs one of {', '.join(ATTENTIONS)}); pass --attention sdpa")
+        raise UserError(f"{KEY} {degree}: {model_name} runs attention {attention!r}, which the app does not split "
+                        f"with DeepSpeed's Ulysses (it splits {', '.join(ATTENTIONS)}); pass --attention sdpa")
+    masked = [key for key in MASKED if getattr(text, key, None) and getattr(text, "use_sliding_window", True)]
+    if masked and not attention.startswith("flash_attention"):
+        raise UserError(f"{KEY} {degree}: {model_name} sets {masked[0]}, which attention {attention!r} keeps only "
+                        f"through the mask DeepSpeed's Ulysses drops; pass --attention flash_attention_2")
     heads = text.num_attention_heads
     kv = getattr(text, "num_key_value_heads", None) or heads
     if heads % degree or (kv % degree and degree % kv):

@@ -19,19 +19,11 @@ import torch
 from deepspeed.runtime.sequence_parallel.ulysses_sp import TiledMLP
 from torch import nn
 
-from app.core import models
+from app.core import fused_loss, models
 from app.distributed import dist
 from app.errors import UserError
 
 DROPOUTS = (nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d, nn.AlphaDropout, nn.FeatureAlphaDropout)
-
-
-def tiles_for(seq_len: int, hidden: int) -> int:
-    """Tiles of a sequence for its MLPs: one per `hidden` positions, DeepSpeed's rule (ceil(seq_len / hidden)), at
-    least 1."""
-    # DeepSpeed's example all-reduces this (MAX) so that ranks agree; here every rank sees the same shapes, so the
-    # shapes alone decide it and no collective is needed
-    return max(1, math.ceil(seq_len / hidden))
 
 
 def pieces(rows: int, shards: int) -> int:
@@ -44,7 +36,8 @@ def pieces(rows: int, shards: int) -> int:
 
 def tile_mlps(model: nn.Module, shards: int = 0) -> list:
     """Make every transformer block's MLP run its forward through DeepSpeed's TiledMLP over `shards` tiles of the
-    sequence (0: tiles_for each call's length and width); the MLPs tiled ([] when shards is 1: nothing changes)."""
+    sequence (0: fused_loss.tiles_for each call's length and width); the MLPs tiled ([] when shards is 1: nothing
+    changes)."""
     if shards == 1:
         return []
     blocks = models.named_blocks(model)
@@ -79,7 +72,7 @@ def _tiled_forward(mlp: nn.Module, x: torch.Tensor) -> torch.Tensor:
     rows = math.prod(x.shape[:-1])
     # DeepSpeed marks the compute params' gradients ready on its last tile index only: ask for as many tiles as
     # torch.chunk will make, or ZeRO would never reduce them
-    count = pieces(rows, mlp.tiles or tiles_for(x.shape[-2], x.shape[-1]))
+    count = pieces(rows, mlp.tiles or fused_loss.tiles_for(x.shape[-2], x.shape[-1]))
     if count == 1:
         return _class_forward(mlp, x)
     device = x.device.type
@@ -103,7 +96,7 @@ def for_run(model: nn.Module, task, sequence: int, model_name: str):
     choice = task.settings.tiled
     wanted = choice == "on" or (choice == "auto" and sequence > 1)
     transformers_model = hasattr(model, "hf")  # else no blocks of MLPs, no output layer of its own
-    task.fused_logits = wanted and transformers_model and task.splits_sequences
+    task.fused_logits = wanted and transformers_model and task.splits_sequences and not _own_logits(model)
     if choice == "on" and not transformers_model:
         raise UserError(f"--tiled on: {model_name} is not a transformers model; pass --tiled off")
     if not (wanted and transformers_model):
@@ -125,3 +118,13 @@ def describe(model: nn.Module, fused_logits: bool) -> str:
         return ""
     return (f"tiled: {' and '.join(said)} over tiles of the sequence, one per hidden width of tokens; each tile "
             f"recomputed in the backward pass")
+
+
+def _own_logits(model: nn.Module) -> str:
+    """The config key of a step the model takes on its logits past its output layer (Gemma 2's soft cap, Cohere's
+    and Granite's scales), which the tiled loss would skip: its logits are then kept whole ('' where none)."""
+    config = model.hf.config
+    for key, plain in (("final_logit_softcapping", None), ("logit_scale", 1.0), ("logits_scaling", 1.0)):
+        if getattr(config, key, plain) not in (None, plain):
+            return key
+    return ""

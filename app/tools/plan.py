@@ -35,7 +35,7 @@ ORDER = {"dp": "nothing is partitioned: the least communication",
 NOT_PLANNED = {"bf16": "dp.json with bf16 autocast always: on a GPU, the same as dp",
                "pipeline": "splits the layers over the ranks: its stages' bytes are the bench's parameter bytes",
                "tensor_parallel": "shards each layer over the ranks: its shards' bytes are the bench's parameter bytes",
-               "sequence_parallel": "dp.json with each sequence split: plan it with --sequence_parallel 2"}
+               "sequence_parallel": "dp.json with each sequence split: plan it with --deepspeed_config"}
 UNITS = {"": 1e9, "b": 1, "kb": 1e3, "mb": 1e6, "gb": 1e9, "tb": 1e12, "kib": 2**10, "mib": 2**20, "gib": 2**30,
          "tib": 2**40, "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40}
 
@@ -60,8 +60,9 @@ def _parser() -> argparse.ArgumentParser:
                         "the config's train_micro_batch_size_per_gpu)")
     parser.add_argument("--seq_len", type=int, default=0, help="text: tokens per sample (default: the model's "
                         "positions, at most 1024; any length given is planned)")
-    parser.add_argument("--sequence_parallel", type=int, default=1, help="text: ranks that share each sequence "
-                        "(the JSON's sequence_parallel_size, DeepSpeed's Ulysses): each holds seq_len / N tokens")
+    parser.add_argument("--sequence_parallel", type=int, default=None, help="text: ranks that share each sequence "
+                        "(DeepSpeed's Ulysses): each holds seq_len / N tokens (default: --deepspeed_config's "
+                        "sequence_parallel_size, else 1)")
     parser.add_argument("--image_size", type=int, default=0,
                         help="images: side in pixels (default: 224 for torchvision models, 8 for cnn and mlp)")
     parser.add_argument("--tiled", default="auto", choices=("auto", "on", "off"), help="transformers models: the "
@@ -101,7 +102,11 @@ def parse(argv=None):
 
 
 def _check_sequence_parallel(args):
-    """A UserError where --sequence_parallel cannot split the ranks or the sequence evenly."""
+    """--sequence_parallel, else the JSON's sequence_parallel_size (a what-if flag outranks it); a UserError where it
+    cannot split the ranks or the sequence evenly."""
+    if args.sequence_parallel is None:
+        args.sequence_parallel = ds_config.load_ds_config(Path(args.deepspeed_config), cuda=True, bf16_ok=True).get(
+            "sequence_parallel_size", 1) if args.deepspeed_config else 1
     degree = args.sequence_parallel
     if degree < 1:
         raise UserError(f"--sequence_parallel {degree}: it counts ranks, 1 or more (1: no sequence parallelism)")

@@ -58,6 +58,9 @@ def test_two_ranks_of_one_sequence_give_the_losses_of_one_process(stage, runs):
     evals = [r["eval_loss"] for r in read_metrics(out)[1]], [r["eval_loss"] for r in read_metrics(
         runs["one3" if stage == 3 else "one0"][0])[1]]
     assert evals[0] and abs(evals[0][-1] - evals[1][-1]) < tolerance, evals
+    accuracy = [read_metrics(folder)[1][-1]["eval_accuracy"] for folder in (out, runs["one3" if stage == 3 else
+                                                                                       "one0"][0])]
+    assert abs(accuracy[0] - accuracy[1]) < 1e-6, accuracy
     assert "sequence parallel: DeepSpeed Ulysses splits each sequence over 2 ranks x 1 data-parallel replica(s)" \
         in stdout
     assert "global batch 8," in stdout
@@ -143,7 +146,7 @@ def test_tiles_train_as_the_whole_model(name, mlps, tiled_runs):
 
 
 @pytest.mark.parametrize("args, said", [
-    (["--model", "gpt2-tiny", "--attention", "eager"], "runs attention 'eager', which DeepSpeed's Ulysses does not"),
+    (["--model", "gpt2-tiny", "--attention", "eager"], "runs attention 'eager', which the app does not split"),
     (["--task", "sequence_classification"], "splits next-token losses (--task causal_lm or instruction)"),
 ])
 def test_what_ulysses_cannot_split_is_one_line(args, said, runs, tmp_path):

@@ -37,14 +37,27 @@ def _llama(heads=4, kv=2, attention="sdpa"):
     return HFLogits(LlamaForCausalLM._from_config(config, attn_implementation=attention))
 
 
+def _mistral(window):
+    from transformers import MistralConfig, MistralForCausalLM
+    config = MistralConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4,
+                           num_key_value_heads=2, vocab_size=50, sliding_window=window)
+    return HFLogits(MistralForCausalLM._from_config(config, attn_implementation="sdpa"))
+
+
 @pytest.mark.parametrize("model, degree, said", [
-    (lambda: _llama(attention="eager"), 2, "runs attention 'eager', which DeepSpeed's Ulysses does not split"),
+    (lambda: _llama(attention="eager"), 2, "runs attention 'eager', which the app does not split"),
     (lambda: _llama(heads=4, kv=4), 3, "has 4 attention heads \\(4 key/value heads\\), which do not split over 3"),
     (lambda: torch.nn.Linear(2, 2), 2, "is not a transformers language model"),
+    (lambda: _llama(attention="flex_attention"), 2, "runs attention 'flex_attention', which the app does not split"),
+    (lambda: _mistral(4096), 2, "sets sliding_window, which attention 'sdpa' keeps only through the mask"),
 ])
 def test_what_ulysses_cannot_split_is_refused_in_one_line(model, degree, said):
     with pytest.raises(UserError, match=said):
         sequence_parallel.check_model(model(), degree, "llama")
+
+
+def test_a_mistral_without_a_window_splits():
+    sequence_parallel.check_model(_mistral(None), 2, "mistral")
 
 
 def test_gpt2_and_grouped_key_value_heads_split():

@@ -9,6 +9,7 @@ import torch
 from torch import nn
 from transformers import BertConfig, BertModel, GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
 
+from app.core import fused_loss
 from app.core.models import HFLogits, named_blocks
 from app.errors import UserError
 from app.settings import Settings
@@ -127,7 +128,7 @@ def test_torch_compile_traces_a_tiled_model_to_the_same_gradients():
 
 
 def test_the_tile_counts_follow_their_rules():
-    assert [tiled.tiles_for(n, 64) for n in (1, 64, 65, 512)] == [1, 1, 2, 8]  # DeepSpeed's ceil(seq_len / hidden)
+    assert [fused_loss.tiles_for(n, 64) for n in (1, 64, 65, 512)] == [1, 1, 2, 8]  # DeepSpeed's ceil(tokens / hidden)
     assert [tiled.pieces(20, k) for k in (1, 3, 6, 7, 40)] == [1, 3, 5, 7, 20]  # what torch.chunk makes
     assert all(len(torch.arange(20).chunk(k)) == tiled.pieces(20, k) for k in range(1, 41))
 
@@ -178,7 +179,7 @@ def _weights(*modules) -> set:
 def test_tiled_mlps_hold_less_for_the_backward_pass_at_a_long_sequence():
     plain = _llama(width=256)
     model = copy.deepcopy(plain)
-    assert len(tiled.tile_mlps(model)) == 2 and tiled.tiles_for(512, 64) == 8  # 0: DeepSpeed's rule per call
+    assert len(tiled.tile_mlps(model)) == 2 and fused_loss.tiles_for(512, 64) == 8  # 0: DeepSpeed's rule per call
     embeds = torch.randn(1, 512, 64, requires_grad=True)
     out, tiled_bytes = _saved_bytes(lambda: model.model(inputs_embeds=embeds).last_hidden_state, _weights(model))
     want, plain_bytes = _saved_bytes(lambda: plain.model(inputs_embeds=embeds).last_hidden_state, _weights(plain))
@@ -216,3 +217,14 @@ def test_for_run_says_why_auto_keeps_the_mlps_of_a_model_with_dropout_whole_and_
         tiled.for_run(model, _Task("on"), 1, "gpt2")
     with pytest.raises(UserError, match="--tiled on: cnn is not a transformers model"):
         tiled.for_run(nn.Linear(2, 2), _Task("on"), 1, "cnn")
+
+
+def test_a_model_that_scales_or_caps_its_logits_keeps_them_whole():
+    """Gemma 2's final soft cap (and Cohere's, Granite's logit scales) come after the output layer, where the tiled
+    loss would skip them: its MLPs are tiled, its logits whole."""
+    from transformers import Gemma2Config, Gemma2ForCausalLM
+    config = Gemma2Config(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                          num_key_value_heads=2, head_dim=16, vocab_size=100, final_logit_softcapping=30.0)
+    model, task = HFLogits(Gemma2ForCausalLM(config)), _Task("on")
+    tiled.for_run(model, task, 1, "gemma2")
+    assert not task.fused_logits and sum(hasattr(block.mlp, "tiles") for block in named_blocks(model)) == 2

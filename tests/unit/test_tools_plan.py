@@ -155,6 +155,15 @@ def test_at_sequence_parallel_n_a_rank_holds_the_activations_of_seq_over_n_token
     assert sharded["zero3"].states() < one_rank["zero3"].states() / 2, "partitioned over 4 ranks, not 1 replica"
 
 
+def test_a_config_that_splits_sequences_is_planned_as_it_splits_them(capsys):
+    """--deepspeed_config ds_configs/sequence_parallel.json plans 2 ranks sharing each sequence, as a run of it does."""
+    config = str(plan_tool.ds_config.REPO / "ds_configs" / "sequence_parallel.json")
+    argv = ["--model", "llama-tiny", "--seq_len", "128", "--micro_batch", "1", "--gpu_memory", "80GB",
+            "--world_size", "2", "--deepspeed_config", config]
+    assert plan_tool.main(argv) == 0
+    assert capsys.readouterr().out.splitlines()[1].startswith("sequence parallel: seq 128 over 2 ranks: 64 tokens")
+
+
 def test_the_table_says_how_the_sequence_is_split_and_a_length_past_the_positions(capsys):
     """A Llama's rotary positions plan at any length (the preset, from its config: nothing downloaded); past the
     preset's 128 positions the plan says a run would refuse it."""

@@ -17,9 +17,12 @@ def sequence_groups(ds: dict):
 def forget_sequence_groups():
     """Let a later engine of this process make its own sequence-parallel groups, and its models attend as
     transformers does: the groups released, each Ulysses attention replaced by the core it wraps."""
+    import sys
     from deepspeed.runtime.sequence_parallel import parallel_state_sp
-    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
     parallel_state_sp._release_sequence_parallel_groups()
+    if "transformers.modeling_utils" not in sys.modules:  # no transformers model in this process: nothing wrapped
+        return
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
     for name in list(ALL_ATTENTION_FUNCTIONS.keys()):
         core = getattr(ALL_ATTENTION_FUNCTIONS[name], "app_core", None)
         if core is not None:
