@@ -1,7 +1,7 @@
 """Streamed training data end to end (docs/data-and-models.md, "Streaming"): a streamed run and a loaded one over
 the same rows give the same losses where their order does not matter (each step the whole data); a streamed run
 stopped and resumed, or killed with SIGKILL and resumed, takes the same next batches (the same losses); the micro
-batch "auto" runs its trials on the stream's first samples; the process's memory stays flat as the data grows 10x."""
+batch "auto" runs its trials on the stream's first samples; the process's memory stays flat as the data grows 40x."""
 import json
 
 import pytest
@@ -81,20 +81,22 @@ def test_the_micro_batch_auto_runs_its_trials_on_the_streams_first_samples(runs)
     assert len(losses(folder)) == 2
 
 
-def test_memory_stays_flat_as_the_streamed_data_grows_tenfold(tmp_path):
+def test_memory_stays_flat_as_the_streamed_data_grows_fortyfold(tmp_path):
+    """A run's peak resident memory varies by about 30 MB from run to run (measured: 1,003 to 1,034 MB), so the
+    data grows by about 480 MB: a tenth of that is well above the noise, and far below what loading it would take."""
     from app.tools.instructions import write_model
     model, held = write_model(tmp_path / "model", seed=0), write_text_rows(tmp_path / "held.txt", 50, seed=1)
     small = write_text_rows(tmp_path / "small.txt", 400000)
     large = tmp_path / "large.txt"
     with open(large, "wb") as f:
-        for _ in range(10):
+        for _ in range(40):
             f.write(small.read_bytes())
     peaks = {}
     for path in (small, large):
         train("python", 1, "--model", model, "--dataset", path, "--eval_file", held, "--streaming", "on",
               "--max_steps", 5, "--block_size", 128, "--eval_answers", 0, "--output_dir", tmp_path / path.stem)
         peaks[path.stem] = read_summary(tmp_path / path.stem)["peak_memory_bytes"]
-    grown = large.stat().st_size - small.stat().st_size  # about 110 MB
+    grown = large.stat().st_size - small.stat().st_size  # about 480 MB
     print(f"peak resident memory: {peaks['small'] / 1e6:.0f} MB with {small.stat().st_size / 1e6:.0f} MB of text, "
           f"{peaks['large'] / 1e6:.0f} MB with {large.stat().st_size / 1e6:.0f} MB")
     assert peaks["large"] - peaks["small"] < 0.1 * grown, peaks
