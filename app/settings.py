@@ -88,7 +88,7 @@ class Settings:
     mask_truncated_completions: bool = False
     """grpo: leave completions cut at --max_completion_length out of the loss (they count in the metrics)."""
     num_iterations: int = 1
-    """grpo: optimizer steps on each batch of completions (TRL's mu); only 1 today."""
+    """grpo: optimizer steps on each batch of completions (TRL's mu), clipped against the policy that sampled it."""
     lora: bool = False
     """Transformers models: train low-rank adapters (LoRA, through HF peft) and freeze the base model; checkpoints
     hold the adapters, and app.tools.export writes the adapter folder or the merged model."""

@@ -191,7 +191,8 @@ def train(job: Job) -> int:
     if not (built.saved is not None and built.saved.step >= built.steps):  # nothing_to_do says so below
         task.before_load(engine, built.state.deepspeed_config, output_dir)
     compiled = compiling.wanted(settings.compile, engine.device, task.eager_because(engine))
-    start = resume.load(engine, built.resume_from, built.saved, ranks.replicas) if built.resume_from else (0, 0)
+    resumed = built.resume_from
+    start = resume.load(engine, task, resumed, built.saved, ranks.replicas) if resumed else (0, 0)
     early = early_stop.for_run(settings, built.saved)
     if loop.nothing_to_do(engine, built.steps) or early is not None and early.ended_before():
         return 0

@@ -14,8 +14,8 @@ from app.distributed import dist
 from app.ds import internals as ds_internals
 from app.checkpoint import outdir
 from app.ds.internals.safe_load import check_files, data_only
-from app.checkpoint.save import MANIFEST, STATE, UNIVERSAL, TrainerState, checkpoint_root, complete_checkpoints, \
-    atomic_write, has_frozen, sha256_of
+from app.checkpoint.save import MANIFEST, RANK_FILES, STATE, UNIVERSAL, TrainerState, checkpoint_root, \
+    complete_checkpoints, atomic_write, has_frozen, sha256_of
 from app.errors import UserError, first_line
 
 
@@ -146,6 +146,7 @@ def check_compatible(saved: TrainerState, current: TrainerState, folder: Path):
         raise UserError(f"checkpoint {folder} was made with {said(then)} but this run has {said(now)}; pass the "
                         f"same --lora flags or start a new --output_dir")
     _check_task_record(saved, current, folder)
+    _check_windows(saved, current, folder)
     if saved.lora.get("base") != current.lora.get("base"):
         raise UserError(f"checkpoint {folder} holds LoRA adapters trained on another base model than {current.model} "
                         f"has now (its config or weights differ); resume on the base model they were trained on, "
@@ -181,6 +182,22 @@ def _check_task_record(saved: TrainerState, current: TrainerState, folder: Path)
         raise UserError(f"checkpoint {folder} trained against a reference of another base model than {current.model} "
                         f"has now (its config or weights differ, or its seed); resume on the base model it started "
                         f"from, or start a new --output_dir")
+
+
+def _check_windows(saved: TrainerState, current: TrainerState, folder: Path):
+    """A run that trains each window of samples several times (GRPO's --num_iterations) resumes only on the same
+    windows: the same micro batch over all data-parallel ranks and the same accumulation, so that the loader's
+    repeats stay in step with the cycles the checkpoint counts."""
+    if saved.task_record.get("num_iterations", 1) == 1:
+        return
+    micro, steps = "train_micro_batch_size_per_gpu", "gradient_accumulation_steps"
+    then, now = ((s.deepspeed_config[micro] * (s.data_parallel_size or s.world_size), s.deepspeed_config[steps])
+                 for s in (saved, current))
+    if then != now:
+        raise UserError(f"checkpoint {folder} trains each window of prompts {saved.task_record['num_iterations']} "
+                        f"times (--num_iterations) over windows of {then[1]} global micro batch(es) of {then[0]}; "
+                        f"this run has {now[1]} of {now[0]}: resume with {micro} x data-parallel ranks = {then[0]} "
+                        f"and {steps} = {then[1]}")
 
 
 def needs_universal(saved: TrainerState, world_size: int) -> bool:
@@ -222,7 +239,7 @@ def make_universal(folder: Path, saved: TrainerState) -> Path:
                    "--num_merge_workers", "1"]
         done = subprocess.run(command, capture_output=True, text=True, cwd=Path(__file__).resolve().parents[2])
         if done.returncode == 0:
-            for name in (STATE, *(p.name for p in folder.glob("rng_rank*.json"))):
+            for name in (STATE, *(p.name for p in folder.glob(RANK_FILES))):  # the rng's and the task's
                 shutil.copy(folder / name, target / name)
             atomic_write(target / MANIFEST, "{}")  # marks the conversion as finished
         else:
@@ -235,8 +252,9 @@ def make_universal(folder: Path, saved: TrainerState) -> Path:
     return target
 
 
-def load(engine, folder: Path, saved: TrainerState, replicas: int) -> tuple:
-    """Restore engine, optimizer, scheduler and RNG; return the (epoch, micro batch) this run continues from."""
+def load(engine, task, folder: Path, saved: TrainerState, replicas: int) -> tuple:
+    """Restore engine, optimizer, scheduler, RNG and the task's own files (app/core/task.py: load_rank_files);
+    return the (epoch, micro batch) this run continues from."""
     with data_only(f"a file under {folder}"):
         path, _ = engine.load_checkpoint(str(folder.parent), tag=folder.name, load_optimizer_states=True,
                                          load_lr_scheduler_states=True, load_module_strict=not has_frozen(engine))
@@ -246,6 +264,7 @@ def load(engine, folder: Path, saved: TrainerState, replicas: int) -> tuple:
     rng_file = folder / f"rng_rank{dist.rank():05d}.json"
     if rng_file.is_file():  # absent for ranks that did not exist when it was saved: they keep the seed
         _set_rng_state(json.loads(rng_file.read_text()))
+    task.load_rank_files(engine, folder)
     samples, span = saved.samples_into_epoch(), engine.train_micro_batch_size_per_gpu() * replicas
     if samples % span:
         dist.print0(f"resume: {samples} samples into the epoch is not a whole number of global micro "

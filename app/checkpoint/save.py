@@ -24,6 +24,7 @@ STATE = "trainer_state.json"
 LATEST = "latest"
 BEST = "best"  # names the checkpoint --keep_best keeps
 UNIVERSAL = "universal"  # world-size-independent copies made when a run resumes on another world size
+RANK_FILES = "*_rank[0-9][0-9][0-9][0-9][0-9].*"  # each rank's own files (rng, a task's): <what>_rank<r:05d>.<ext>
 SAVING = ".app-saving"  # in a checkpoint folder while the app writes it: the only folders a later save may clear
 NAME = re.compile(r"step\d{8}")  # the app's checkpoint folders; anything else under checkpoints/ is the user's
 

@@ -2,11 +2,12 @@
 scored by the user's reward functions, and the model moved towards the completions that beat their group's mean
 (GRPO, and its DAPO and Dr. GRPO normalisations), as TRL's GRPOTrainer does; docs/rl.md."""
 import contextlib
+from pathlib import Path
 
 import torch
 from torch import nn
 
-from app.core import lora, models, rewards, rollout
+from app.core import grpo_kept, lora, models, rewards, rollout
 from app.core.grpo_step import GrpoStep
 from app.core.reference import AgainstReference
 from app.core.step import TrainStep
@@ -27,13 +28,14 @@ class Grpo(AgainstReference):
     def __init__(self, settings: Settings, spec, data=None, tokenizer=None):
         self.sequences = self.group = self.sampled = settings.num_generations
         super().__init__(settings, spec, data, tokenizer)
-        self.check(settings)
-        self.rewards = rewards.load(settings.reward, settings.reward_weights)
+        self.check(settings, rewarded=False)  # a run's needs --reward (app/core/resolver.py); the plan's does not
+        self.rewards = rewards.load(settings.reward, settings.reward_weights) if settings.reward else []
         self.loss_kind, self.beta = settings.grpo_loss, settings.beta_or(0.0)
         self.epsilon, self.epsilon_high = settings.epsilon, settings.epsilon_high or settings.epsilon
         self.how = rollout.Sampling(settings.temperature, settings.top_k, settings.top_p,
                                     settings.max_completion_length)
         self.mask_truncated = settings.mask_truncated_completions
+        self.kept = None  # the completions of the current cycle of --num_iterations steps (app/core/grpo_kept.py)
         self.reference_kind = "" if not self.beta else "adapters off" if settings.lora else "frozen copy"
         shown = ["reward", "reward_std", "frac_reward_zero_std", *(f"rewards/{r.name}/mean" for r in self.rewards),
                  "completions/mean_length", "completions/clipped_ratio", "clip_ratio/low_mean",
@@ -43,9 +45,11 @@ class Grpo(AgainstReference):
         self.log_columns = (*shown, *(f"eval_{name}" for name in evaluated))
 
     @staticmethod
-    def check(settings: Settings):
-        """The settings GRPO refuses, one line each (before the data is read: app/core/resolver.py)."""
-        rewards.require(settings.reward)
+    def check(settings: Settings, rewarded: bool = True):
+        """The settings GRPO refuses, one line each (before the data is read: app/core/resolver.py); rewarded: a run's,
+        which needs --reward."""
+        if rewarded:
+            rewards.require(settings.reward)
         beta = settings.beta_or(0.0)
         if beta < 0 or settings.epsilon <= 0 or settings.epsilon_high < 0:
             raise UserError(f"--beta must be 0 or more (0: no KL term), --epsilon above 0 and --epsilon_high 0 or "
@@ -53,9 +57,9 @@ class Grpo(AgainstReference):
         if settings.temperature <= 0 or not 0 < settings.top_p <= 1 or settings.top_k < 0:
             raise UserError(f"--temperature must be above 0, --top_p above 0 and at most 1, --top_k 0 or more; got "
                             f"{settings.temperature:g}, {settings.top_p:g}, {settings.top_k}")
-        if settings.num_iterations != 1:
-            raise UserError(f"--num_iterations {settings.num_iterations}: the app takes one optimizer step on each "
-                            f"batch of completions; pass --num_iterations 1")
+        if settings.num_iterations < 1:
+            raise UserError(f"--num_iterations must be at least 1 (optimizer steps on each batch of completions), got "
+                            f"{settings.num_iterations}")
         if settings.packing == "on":
             raise UserError("--packing on packs instruction rows; GRPO's prompts are sampled as they are: leave "
                             "--packing auto")
@@ -124,7 +128,8 @@ class Grpo(AgainstReference):
 
     def record(self) -> dict:
         """What a resume must train with: the loss and its settings, the sampling, the rewards (names, weights and
-        their files' sha256), the reference and its base."""
+        their files' sha256), the reference and its base, and --num_iterations above 1 (app/checkpoint/resume.py
+        then keeps the windows too)."""
         s = self.settings
         return {"task": "grpo", "grpo_loss": self.loss_kind, "beta": self.beta, "epsilon": self.epsilon,
                 "epsilon_high": self.epsilon_high, "num_generations": self.group,
@@ -132,7 +137,25 @@ class Grpo(AgainstReference):
                 "top_p": self.how.top_p, "top_k": self.how.top_k, "scale_rewards": s.scale_rewards,
                 "mask_truncated_completions": self.mask_truncated,
                 "reward": [[r.name, r.weight, r.digest] for r in self.rewards], "reference": self.reference_kind,
-                "base": lora.fingerprint(s.model, self.spec.pretrained, s.seed, self.spec.config)}
+                "base": lora.fingerprint(s.model, self.spec.pretrained, s.seed, self.spec.config),
+                **({"num_iterations": s.num_iterations} if s.num_iterations > 1 else {})}  # 1: as records before it
+
+    def save_rank_files(self, engine, folder: Path):
+        """Inside a cycle of --num_iterations steps, what this rank keeps of its completions, for a resume to end
+        the cycle on them."""
+        if engine.global_steps % self.settings.num_iterations:
+            self.kept.save(folder / f"grpo_kept_rank{dist.rank():05d}.pt")
+
+    def load_rank_files(self, engine, folder: Path):
+        """Every rank's kept completions of the checkpoint's cycle (any world size saved them), where it stopped
+        inside one."""
+        if engine.global_steps % self.settings.num_iterations:
+            paths = sorted(folder.glob("grpo_kept_rank*.pt"))
+            if not paths:
+                raise UserError(f"{folder} stopped inside a cycle of --num_iterations {self.settings.num_iterations} "
+                                f"steps but holds no kept completions (grpo_kept_rank*.pt); resume an earlier "
+                                f"checkpoint")
+            self.kept = grpo_kept.Kept.load(paths)
 
     def sample_data(self, samples: int, seq_len: int) -> tuple:
         raise UserError("the benchmark runs image classifiers and causal language models on blocks of text; "

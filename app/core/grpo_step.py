@@ -14,9 +14,10 @@ from pathlib import Path
 import torch
 
 from app.checkpoint.save import atomic_write
-from app.core import grpo_loss, rewards, rollout
+from app.core import grpo_kept, grpo_loss, rewards, rollout
 from app.core.step import TrainStep
 from app.distributed import dist
+from app.ds import internals as ds_internals
 from app.observe.metrics import Meter
 
 
@@ -35,6 +36,9 @@ class Part:
     length: torch.Tensor
     """Each completion's tokens, up to and with its end (whether or not the loss masks it)."""
     advantages: torch.Tensor = None
+    old: torch.Tensor = None
+    """(n, max_new) the completions' log-probabilities under the policy that sampled them, where a cycle of
+    --num_iterations steps trains on them again (None: the step's own, detached; the ratio is 1)."""
     rows: list = None
     """Each completion's prompt: its row in the set, and its text (for --log_completions)."""
     texts: list = None
@@ -66,7 +70,7 @@ class GrpoStep(TrainStep):
             return
         window, self.window = self.window, []
         started = time.perf_counter()
-        parts, totals = self.rolled_out(window)  # its last act reads the host sum: the device has finished
+        parts, totals = self.cycle_parts(window)  # its last act reads the host: the device has finished
         totals["sampling_s"] = time.perf_counter() - started
         if self.task.settings.log_completions:
             write_completions(self.task.output_dir, self.engine.global_steps + 1, parts, self.task)
@@ -109,6 +113,25 @@ class GrpoStep(TrainStep):
                     lengths, completions, mask.float(), w.repeat_interleave(group) / group, scored, truncated, length,
                     rows=[r for r in rows for _ in range(group)], texts=texts)
 
+    def cycle_parts(self, window: list) -> tuple:
+        """(Parts, totals) of the window: sampled at the first step of each cycle of --num_iterations, which keeps
+        them (app/core/grpo_kept.py); the cycle's later steps train on what it kept, for the loader gives their
+        windows again."""
+        task, repeats = self.task, self.task.settings.num_iterations
+        if self.engine.global_steps % repeats == 0:
+            parts, totals = self.rolled_out(window)
+            task.kept = grpo_kept.Kept.of(parts, totals, task.group) if repeats > 1 else None
+            return parts, totals
+        pad = task.tokenizer.pad_token_id
+
+        def again(batch, fields: dict, texts: list) -> Part:
+            x, y, w = batch
+            lengths = y[:, 1].repeat_interleave(task.group)
+            return Part(sequences(x.repeat_interleave(task.group, 0), lengths, fields["completions"], pad), lengths,
+                        share=w.repeat_interleave(task.group) / task.group, texts=texts,
+                        rows=[r for r in y[:, 0].tolist() for _ in range(task.group)], **fields)
+        return task.kept.parts(window, task.group, again), dict(task.kept.totals)
+
     def rolled_out(self, window: list) -> tuple:
         """The window's Parts, their advantages set, and its totals over every rank."""
         task = self.task
@@ -118,18 +141,25 @@ class GrpoStep(TrainStep):
             reward = grpo_loss.combined(part.rewards, [r.weight for r in task.rewards])
             part.advantages = grpo_loss.advantages(reward, task.group, task.settings.scale_rewards,
                                                    totals["batch_std"])
+            if task.settings.num_iterations > 1:  # the policy that sampled: the ratio's base through the cycle
+                with torch.no_grad():
+                    part.old = self.log_probs(part, ds_internals.forward_within_the_step).cpu()
         return parts, totals
+
+    def log_probs(self, part: Part, forward) -> torch.Tensor:
+        """(n, max_new) the completions' log-probabilities under forward(engine, sequences)'s logits."""
+        device = self.engine.device
+        return grpo_loss.token_logps(forward(self.engine, part.ids.to(device)), part.completions.to(device),
+                                     part.starts.to(device), self.task.how.temperature)
 
     def part_loss(self, part: Part, totals: dict) -> tuple:
         """(the micro batch's loss, its sums for the meter, its weight): app/core/grpo_loss.py's normalisation."""
         task, device = self.task, self.engine.device
-        ids, starts, completions = part.ids.to(device), part.starts.to(device), part.completions.to(device)
         mask, share = part.mask.to(device), part.share.to(device)
-        logp = grpo_loss.token_logps(self.engine(ids), completions, starts, task.how.temperature)
-        reference = None
-        if task.beta:
-            reference = grpo_loss.token_logps(self.reference.logits(ids), completions, starts, task.how.temperature)
-        losses, kl, below, above = grpo_loss.token_losses(logp, logp.detach(), part.advantages.to(device).float(),
+        logp = self.log_probs(part, lambda engine, ids: engine(ids))
+        reference = self.log_probs(part, lambda _, ids: self.reference.logits(ids)) if task.beta else None
+        old = logp.detach() if part.old is None else part.old.to(device)
+        losses, kl, below, above = grpo_loss.token_losses(logp, old, part.advantages.to(device).float(),
                                                           task.epsilon, task.epsilon_high, task.beta, reference)
         scale = dist.world_size() * self.engine.gradient_accumulation_steps()
         per_token = scale / max(totals["tokens"], 1.0)

@@ -16,8 +16,9 @@ CLASSES = {"causal_lm": CausalLM, "instruction": Instruction, "preference": Pref
            "sequence_classification": SequenceClassification}
 
 
-def spec_of(settings: Settings):
-    """The transformers model's HFSpec (None for an image model), once the flags are known to suit the model."""
+def spec_of(settings: Settings, run: bool = True):
+    """The transformers model's HFSpec (None for an image model), once the flags are known to suit the model (run:
+    a run's flags, not a tool's: GRPO's rewards too)."""
     spec = models.hf_spec(settings.model)
     if settings.task != "auto" and spec is None and settings.task in TEXT_TASKS:
         raise UserError(f"--task {settings.task} trains a transformers model on text; {settings.model} is an image "
@@ -40,7 +41,7 @@ def spec_of(settings: Settings):
         raise UserError(f"--task {settings.task} trains a causal language model on {what}; {settings.model} is a "
                         f"sequence classifier: pass a causal LM")
     elif asked(settings, spec) == "grpo":
-        Grpo.check(settings)
+        Grpo.check(settings, rewarded=run)
     return spec
 
 
@@ -51,7 +52,7 @@ def asked(settings: Settings, spec: models.HFSpec) -> str:
 
 def build(settings: Settings) -> Task:
     """The task for the flags alone, without data (the tools: the benchmark, the plan)."""
-    spec = spec_of(settings)
+    spec = spec_of(settings, run=False)
     return ImageClassification(settings) if spec is None else CLASSES[asked(settings, spec)](settings, spec)
 
 

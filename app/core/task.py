@@ -3,8 +3,9 @@
 train.py, the loop, the micro batch search, the memory plan and the tools call these hooks on every task, whatever
 its kind; a new kind of training is a new subclass (docs/architecture.md, "Adding a task"). The hooks in the order a
 run calls them: check_layout, build_model (many times: the micro batch search's trials, the reference, the run),
-before_search, after_trial, flops_per_sample, before_load, eager_because, make_step, then, while training, loss,
-correct, eval_metrics and save_files; at the end, per_sample and summary_metrics.
+before_search, after_trial, flops_per_sample, before_load, eager_because, load_rank_files (on resume), make_step,
+then, while training, loss, correct, eval_metrics, save_files and save_rank_files; at the end, per_sample and
+summary_metrics.
 """
 from pathlib import Path
 
@@ -115,6 +116,14 @@ class Task:
 
     def save_files(self, folder: Path):
         """Extra files rank 0 writes into each checkpoint: none."""
+
+    def save_rank_files(self, engine, folder: Path):
+        """Files each rank writes into each checkpoint, the state of its own a resume needs, each named
+        <what>_rank<rank:05d>.<ext> (app/checkpoint/save.py: RANK_FILES; a resume on another world size carries
+        them over): none."""
+
+    def load_rank_files(self, engine, folder: Path):
+        """On resume, once the engine holds the checkpoint in folder: read back what save_rank_files wrote."""
 
     def record(self) -> dict:
         """What a checkpoint records of the task's settings, which a resume must match (app/checkpoint/resume.py)."""

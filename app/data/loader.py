@@ -26,13 +26,17 @@ class ShardSampler:
     over the W ranks, so summing weight x per-unit-mean loss gives exactly that mean. The windows are DeepSpeed's,
     counted in micro batches from the run's start, so one may span two epochs; the counts come from the data on the
     host, never from the device. normalise=False (evaluation) weighs each sample by its units alone.
+
+    repeats R (GRPO's --num_iterations): each window comes R times over before the next, so an epoch is R times
+    the micro batches and each of its samples trains R optimizer steps; a window's weights are the same each time.
     """
 
     def __init__(self, size, batch_size, rank=0, world_size=1, shuffle=True, seed=0, accumulation=1, units=None,
-                 normalise=True, sources=None):
+                 normalise=True, sources=None, repeats=1):
         if size == 0:
             raise UserError("the dataset is empty; check --dataset and --data_dir")
         self.size, self.batch_size, self.rank, self.world_size = size, batch_size, rank, world_size
+        self.batches, self.repeats = math.ceil(size / (batch_size * world_size)), repeats  # an epoch's, each once
         self.shuffle, self.seed, self.epoch, self.skip = shuffle, seed, 0, 0
         self.accumulation, self.normalise = accumulation, normalise
         # plain numbers on the host (numpy), never tensors: nothing the step might wait on
@@ -45,12 +49,12 @@ class ShardSampler:
         the epochs its windows reach into are counted now, between steps."""
         self.epoch, self.skip = epoch, skip
         if self.normalise and self.accumulation > 1:
-            reach = -(-self.accumulation // len(self))
+            reach = -(-self.accumulation // self.batches)
             for near in range(max(0, epoch - reach), epoch + reach + 1):
                 self._batch_units(near)
 
     def __len__(self):
-        return math.ceil(self.size / (self.batch_size * self.world_size))
+        return self.batches * self.repeats
 
     def _order(self, epoch: int) -> list:
         if not self.shuffle:
@@ -59,12 +63,21 @@ class ShardSampler:
             return self.sources.mixture.order(epoch)
         return torch.randperm(self.size, generator=torch.Generator().manual_seed(self.seed + epoch)).tolist()
 
+    def _repeated(self, epoch: int, k: int, count: bool = False) -> tuple:
+        """(epoch, k) of the global micro batch that the epoch's k-th repeats (repeats 1: itself); count: of the
+        global micro batches drawn once the epoch's first k have been."""
+        a, r = self.accumulation, self.repeats
+        g = epoch * len(self) + k
+        drawn = g // (a * r) * a + (min(g % (a * r), a) if count else g % a)
+        return divmod(drawn, self.batches)
+
     def drawn(self, epoch: int, done: int) -> dict:
         """With several sources, the rows and tokens each gave from the run's start to global micro batch `done` of
         epoch (metrics.csv's rows/<name> and tokens/<name>); padding left out. Else nothing."""
         if self.sources is None:
             return {}
-        rows, tokens = self._counted(epoch)[min(done, len(self))]
+        epoch, done = self._repeated(epoch, done, count=True)
+        rows, tokens = self._counted(epoch)[done]
         for past in range(epoch):
             rows, tokens = rows + self._counted(past)[-1][0], tokens + self._counted(past)[-1][1]
         names = self.sources.names
@@ -93,17 +106,20 @@ class ShardSampler:
 
     def _window_units(self, epoch: int, k: int) -> float:
         """Units of the optimizer step's window that global micro batch k of epoch belongs to."""
-        n, a = len(self), self.accumulation
+        n, a = self.batches, self.accumulation
         first = (epoch * n + k) // a * a
         return sum(self._batch_units(g // n)[g % n] for g in range(first, first + a))
 
     def __iter__(self):
-        order, span = self._order(self.epoch), self.batch_size * self.world_size
+        orders, span = {}, self.batch_size * self.world_size
         for k in range(self.skip, len(self)):
-            chunk = order[k * span:(k + 1) * span]
+            epoch, j = self._repeated(self.epoch, k)
+            if epoch not in orders:  # a repeated window may reach back and forth over an epoch's end
+                orders = {e: o for e, o in orders.items() if abs(e - epoch) <= 1} | {epoch: self._order(epoch)}
+            chunk = orders[epoch][j * span:(j + 1) * span]
             units = self.units[chunk[self.rank::self.world_size]].tolist()
             if self.normalise:
-                units = weights(units, self._window_units(self.epoch, k), self.world_size, self.accumulation)
+                units = weights(units, self._window_units(epoch, j), self.world_size, self.accumulation)
             mine = list(zip(chunk[self.rank::self.world_size], units))
             mine += [(chunk[0], 0.0)] * (self.batch_size - len(mine))
             yield mine
@@ -178,26 +194,28 @@ def feeding(dataset, cuda: bool, cores_per_rank: int, num_workers: int = -1, pin
 
 
 def build_loader(dataset, batch_size, rank, world_size, shuffle, seed, num_workers=0, pin_memory=False,
-                 persistent=True, accumulation=1, normalise=True):
+                 persistent=True, accumulation=1, normalise=True, repeats=1):
     """A ShardLoader over this rank's shard of dataset; persistent: its workers live from epoch to epoch (the
     training loader's), else they start for each pass and end with it (evaluation's, so that a rank's worker
     budget is not held twice through training). accumulation and normalise: the weights' (ShardSampler); the
     dataset's units (app/data/samples.py) count what each sample's loss averages over; its sources
-    (app/data/sources.py), what each sample's source is and how the training order mixes them."""
+    (app/data/sources.py), what each sample's source is and how the training order mixes them; repeats: how many
+    times each window comes (ShardSampler)."""
     data = declared(dataset)
     sampler = ShardSampler(len(dataset), batch_size, rank, world_size, shuffle, seed, accumulation, data.units,
-                           normalise, data.sources)
+                           normalise, data.sources, repeats)
     return ShardLoader(Weighted(dataset), batch_sampler=sampler, num_workers=num_workers, pin_memory=pin_memory,
                        persistent_workers=persistent and num_workers > 0)
 
 
 def training_loader(dataset, batch_size, rank, world_size, seed, num_workers=0, pin_memory=False, accumulation=1):
-    """The training loader: a streamed set's StreamLoader (app/data/stream.py), else build_loader's, shuffled."""
+    """The training loader: a streamed set's StreamLoader (app/data/stream.py), else build_loader's, shuffled, each
+    window as many times as the set declares (app/data/samples.py: repeats)."""
     stream = declared(dataset).stream
     if stream is not None:
         return StreamLoader(stream, batch_size, rank, world_size, accumulation, num_workers, pin_memory)
     return build_loader(dataset, batch_size, rank, world_size, True, seed, num_workers, pin_memory,
-                        accumulation=accumulation)
+                        accumulation=accumulation, repeats=declared(dataset).repeats)
 
 
 def held_out_loaders(eval_set, batch_size, **args):

@@ -13,10 +13,11 @@ from app.errors import UserError
 
 class PromptRows(Samples):
     """(the prompt's ids, left-padded to the set's length, [the row's index, its prompt's tokens]); the raw rows
-    stay for the rewards. A sample is one prompt: the step samples its group of completions."""
+    stay for the rewards. A sample is one prompt: the step samples its group of completions. repeats: the optimizer
+    steps each window of prompts takes (--num_iterations; training only)."""
 
-    def __init__(self, rows, pad_id: int, length: int):
-        self.rows, self.pad_id, self.length = rows, pad_id, length
+    def __init__(self, rows, pad_id: int, length: int, repeats: int = 1):
+        self.rows, self.pad_id, self.length, self.repeats = rows, pad_id, length, repeats
         self.ids = rows["prompt_ids"]
 
     def __len__(self):
@@ -91,4 +92,5 @@ def prompt_sets(settings, model: TextModel, output_dir) -> tuple:
     info = DataInfo(0, task="causal_lm", vocab_size=len(tokenizer),
                     seq_len=longest + settings.max_completion_length)
     pad = tokenizer.pad_token_id
-    return PromptRows(train, pad, longest), PromptRows(held, pad, longest), info, tokenizer, "grpo"
+    return (PromptRows(train, pad, longest, settings.num_iterations), PromptRows(held, pad, longest), info, tokenizer,
+            "grpo")

@@ -12,6 +12,9 @@ class Samples(Dataset):
     """app/data/sources.py's Sources when the set is made of several sources; None: one."""
     stream = None
     """app/data/stream.py's Stream when the training samples are read as a stream; None: loaded."""
+    repeats = 1
+    """Optimizer steps each window of training samples takes (GRPO's --num_iterations): the loader gives each window
+    this many times over (app/data/loader.py)."""
 
     def per_sample(self) -> dict:
         """Rows and real (not padding) tokens a sample holds, on average, for the summary's rates: nothing here."""
@@ -22,7 +25,7 @@ ANY = Samples()  # what a foreign set (torchvision's, a TensorDataset, a Subset)
 
 
 def declared(dataset) -> Samples:
-    """The set's own declarations (units, sources, stream, per_sample), or the defaults for a foreign set."""
+    """The set's own declarations (units, sources, stream, repeats, per_sample), or the defaults for a foreign set."""
     return dataset if isinstance(dataset, Samples) else ANY
 
 

@@ -21,8 +21,8 @@ class RankLayout:
     """Sequence-parallel degree: ranks that each hold a part of every sequence (1: none)."""
 
     def prepare(self, model, task, model_name: str, ds: dict) -> tuple:
-        """(the module the engine trains, extra(folder) files rank 0 saves, every_rank(engine, folder) or None):
-        the model (its blocks checkpointed where the JSON asks), this rank's pipeline stage of it, or the model
+        """(the module the engine trains, extra(folder) files rank 0 saves, every_rank(engine, folder) files every rank
+        saves): the model (its blocks checkpointed where the JSON asks), this rank's pipeline stage of it, or the model
         AutoTP will shard."""
         if self.sequence > 1:
             sequence_parallel.attach(model, self.sequence, model_name)
@@ -33,11 +33,13 @@ class RankLayout:
         model = activations.apply(model, ds)
         if self.split:
             module, names = pipeline.split(model, model_name, self.split, task)
-            return module, lambda folder: (task.save_files(folder), pipeline.save_layer_names(names, folder)), None
+            return (module, lambda folder: (task.save_files(folder), pipeline.save_layer_names(names, folder)),
+                    task.save_rank_files)
         if self.tensor > 1:
             tensor_parallel.check_model(model, model_name)
-            return model, task.save_files, tensor_parallel.save_full_weights
-        return model, task.save_files, None
+            return model, task.save_files, lambda engine, folder: (tensor_parallel.save_full_weights(engine, folder),
+                                                                   task.save_rank_files(engine, folder))
+        return model, task.save_files, task.save_rank_files
 
     def train_step(self, engine, task, compile_model: bool, board=None):
         """What the loop runs: whole batches through the pipeline's schedule, else micro steps (board: the run's

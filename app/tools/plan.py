@@ -2,11 +2,14 @@
 optimizer state and fp32 masters on the GPU and on the host, the activations a sample adds, the predicted peak,
 the largest micro batch that fits, and the fastest config that fits. No GPU and no download needed. With
 --preference, of preference tuning: a sample is a pair (two sequences) and the reference model is counted. With
+--grpo, of online RL: a sample is a prompt, its group of completions sampled (their key-value cache, and under
+ZeRO-3 the weights gathered whole) then trained on, seq_len tokens each, prompt and completion. With
 --sequence_parallel N (DeepSpeed's Ulysses), each rank holds seq_len / N tokens of every sample and ZeRO
 partitions over all --world_size ranks.
 
     python -m app.tools.plan --model gpt2-124m --world_size 8 --micro_batch 16 --gpu_memory 80GB
     python -m app.tools.plan --model llama-1b --seq_len 32768 --sequence_parallel 4 --world_size 4 --gpu_memory 80GB
+    python -m app.tools.plan --model llama-1b --grpo --num_generations 8 --seq_len 1024 --gpu_memory 80GB
 """
 import argparse
 import re
@@ -20,6 +23,7 @@ from app.ds import config as ds_config
 from app.ds import internals as ds_internals
 from app.core import lora, preference
 from app.memory import estimate, planner
+from app.tools.plan_notes import sequence_notes, task_notes
 from app.core import resolver
 from app.settings import Settings
 from app.errors import UserError, report
@@ -78,8 +82,14 @@ def _parser() -> argparse.ArgumentParser:
                         help="preference: train.py's (precompute: no reference model while training)")
     parser.add_argument("--preference_loss", choices=preference.LOSSES, default=Settings.preference_loss,
                         help="preference: train.py's (simpo: no reference model)")
+    parser.add_argument("--grpo", action="store_true", help="causal LMs: plan online RL (train.py's --task grpo)")
+    for flag, kind in (("num_generations", int), ("beta", str), ("gather_for_generation", str)):
+        parser.add_argument(f"--{flag}", type=kind, default=getattr(Settings, flag), help="grpo: train.py's")
     parser.add_argument("--gpu_memory", default="", help="memory of one GPU, e.g. 80GB (default: this GPU's)")
     return parser
+
+
+GRPO = ("num_generations", "beta", "gather_for_generation")
 
 
 def parse(argv=None):
@@ -88,6 +98,10 @@ def parse(argv=None):
     if not args.preference and (args.reference, args.preference_loss) != (Settings.reference,
                                                                            Settings.preference_loss):
         raise UserError("--reference and --preference_loss plan preference tuning: add --preference")
+    if not args.grpo and any(getattr(args, flag) != getattr(Settings, flag) for flag in GRPO):
+        raise UserError("--num_generations, --beta and --gather_for_generation plan online RL: add --grpo")
+    if args.grpo and args.preference:
+        raise UserError("--grpo and --preference plan two kinds of training: pick one")
     if min(args.world_size, args.micro_batch, args.seq_len, args.image_size) < 0:
         raise UserError("--world_size, --micro_batch, --seq_len and --image_size must be 1 or more")
     if args.gpu_memory:
@@ -148,8 +162,10 @@ def _speed_rank(name: str) -> tuple:
 
 def task_of(args):
     """The task train.py builds for these flags (LoRA or preference on an image model: the task says no)."""
-    return resolver.build(Settings(model=args.model, lora=args.lora, task="preference" if args.preference else "auto",
-                                reference=args.reference, preference_loss=args.preference_loss, tiled=args.tiled))
+    task = "preference" if args.preference else "grpo" if args.grpo else "auto"
+    return resolver.build(Settings(model=args.model, lora=args.lora, task=task, reference=args.reference,
+                                   preference_loss=args.preference_loss, tiled=args.tiled,
+                                   **{flag: getattr(args, flag) for flag in GRPO}))
 
 
 def measure(args, named: dict, task) -> dict:
@@ -164,21 +180,12 @@ def measure(args, named: dict, task) -> dict:
                          planner.sampling_of(task, args.seq_len))
 
 
-# What each reference of preference tuning (the task's reference_kind) holds while training.
-REFERENCES = {"frozen copy": "its weights per rank in the ref column, in the config's weight precision (partitioned "
-                             "under ZeRO-3; in the host column with offload_param)",
-              "adapters off": "the model itself with its LoRA adapters off: no memory of its own",
-              "precomputed": "log-probabilities computed once before training: no model while training",
-              "none (SimPO)": "SimPO's loss needs none"}
-
-
 def _gb(count) -> str:
     return "-" if count is None else f"{count / 1e9:,.2f}"
 
 
 def _heading(args, first, budget: float, reference: str, notes: list) -> list:
-    """The plan's lines above its rows: the model and GPU, notes on the sequence, a preference run's reference, the
-    columns."""
+    """The plan's lines above its rows: the model and GPU, notes (sequence_notes, task_notes), the columns."""
     trained = f" ({first.trained / 1e6:,.2f}M of them LoRA adapters that train)" if first.trained < first.parameters \
         else ""
     degree = args.sequence_parallel
@@ -187,36 +194,19 @@ def _heading(args, first, budget: float, reference: str, notes: list) -> list:
     return [f"model {args.model}: {first.parameters / 1e6:,.1f}M parameters{trained}; {ranks}; "
             f"GPU {args.gpu_memory / 1e9:,.1f} GB, of which a run may use {budget / 1e9:,.1f}; in GB per rank",
             *notes,
-            *([f"preference pairs: act/sample is a pair's two sequences; reference: {reference}, "
-               f"{REFERENCES[reference]}"] if reference else []),
             f"{'config':<30}{'weights':>8}{'grads':>8}{'optim':>8}{'masters':>8}{'working':>8}"
             f"{_ref_column('ref', reference)}{'host':>8}"
             f"{'act/sample':>11}{'micro':>6}{'peak':>9}{'fits':>6}{'largest':>8}{'DS est.':>8}"]
 
 
-def sequence_notes(args, task) -> list:
-    """The heading's lines on a text model's sequence: how sequence parallelism splits it, and a length past the
-    model's positions (which a run refuses as --block_size)."""
-    if not task.spec:
-        return []
-    seq, degree, positions = planner.tokens_per_sample(task.spec, args.seq_len), args.sequence_parallel, \
-        task.spec.max_positions
-    notes = [f"sequence parallel: seq {seq} over {degree} ranks: {seq // degree} tokens per rank, whose activations "
-             f"act/sample counts; ZeRO 1-3 partition over all {args.world_size} ranks"] if degree > 1 else []
-    if positions and seq > positions:
-        notes.append(f"seq {seq} is longer than {args.model}'s {positions} positions: train.py refuses a "
-                     f"--block_size above them; planned as a model saved with more (max_position_embeddings)")
-    return notes
-
-
 def _ref_column(text: str, reference: str) -> str:
-    """The reference's column: in a preference run's table only."""
+    """The reference's column: in the table of a run that holds one only."""
     return f"{text:>8}" if reference else ""
 
 
 def table(args, named: dict, plans: dict, reference: str = "", notes: tuple = ()) -> list:
     """The lines of the plan: one row per config, then the recommendation; reference: the reference_kind of a
-    preference run ('': not one); notes: sequence_notes."""
+    run that holds one ('': none); notes: sequence_notes and task_notes."""
     budget = estimate.USABLE * args.gpu_memory
     lines = _heading(args, next(iter(plans.values())), budget, reference, list(notes))
     fitting = []
@@ -274,7 +264,7 @@ def main(argv=None) -> int:
         plans = measure(args, named, task)
     except UserError as e:
         return report(e)
-    for line in table(args, named, plans, task.reference_kind, sequence_notes(args, task)):
+    for line in table(args, named, plans, task.reference_kind, [*sequence_notes(args, task), *task_notes(task)]):
         print(line)
     skipped = [f"{n} ({why})" for n, why in NOT_PLANNED.items() if not args.deepspeed_config]
     if skipped:

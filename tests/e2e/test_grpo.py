@@ -1,7 +1,9 @@
 """Online RL (--task grpo) end to end: one SGD step does not depend on the split over micro batches, accumulation and
 ranks, under ZeRO 0 and 3, for each loss; ranks whose completions end at very different lengths finish the step
-under ZeRO-3; a resumed run samples and trains exactly as the unbroken one; the worked example's held-out reward
-rises under ZeRO-3 on 2 ranks, with and without LoRA; mistakes are one line."""
+under ZeRO-3; a resumed run samples and trains exactly as the unbroken one; --num_iterations trains each batch of
+completions again, clipped against the policy that sampled it, and a run stopped inside such a cycle ends it on
+any world size; the worked example's held-out reward rises under ZeRO-3 on 2 ranks, with and without LoRA;
+mistakes are one line."""
 import csv
 import json
 from pathlib import Path
@@ -9,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import REPO, named_jobs, read_metrics, read_summary, train_jobs
+from conftest import REPO, config_variant, named_jobs, read_metrics, read_summary, train_jobs
 from e2e.test_preference import sgd  # fp32 SGD: the weights after a step are those before less lr x its gradient
 
 SPLITS = {"micro 4 x accumulation 1 x 2 ranks": (4, 1, 2), "micro 1 x accumulation 4 x 2 ranks": (1, 4, 2),
@@ -40,9 +42,9 @@ def evaluations(run_folder: Path) -> list:
     return [row for row in rows if row["eval_reward"] is not None]
 
 
-def weights(run_folder: Path) -> dict:
+def weights(run_folder: Path, step: int = 1) -> dict:
     from app.tools.export import fp32_state_dict
-    return fp32_state_dict(run_folder / "checkpoints" / "step00000001")
+    return fp32_state_dict(run_folder / "checkpoints" / f"step{step:08d}")
 
 
 def ending_model(folder: Path) -> Path:
@@ -110,6 +112,19 @@ def runs(tmp_path_factory):
                 jobs[f"{stage} {loss} {name}"] = [*tiny, "--dataset", few, "--max_steps", 1, "--grpo_loss", loss,
                                                   "--deepspeed_config", sgd(tmp, micro, accumulation, stage)]
     two[f"3 dapo {LOGGED}"].append("--log_completions")
+    two["mu"] = [*tiny, "--dataset", few, "--max_steps", 2, "--num_iterations", 2, "--log_completions",
+                 "--save_interval", 1, "--log_interval", 1, "--deepspeed_config", sgd(tmp, 1, 4, 3)]
+    # zero3.json's Adam (DeepSpeed converts its ZeRO-3 checkpoints to another world size, not SGD's) at micro 2 x
+    # accumulation 2 on 2 ranks: windows of 8 of the 9 prompts, which span epochs; on 1 rank micro 4 makes the same
+    cycle = [*tiny, "--dataset", few, "--max_steps", 4, "--num_iterations", 2, "--save_interval", 1, "--log_interval",
+             1, "--deepspeed_config"]
+    zero3 = {micro: config_variant(tmp / f"micro{micro}", "zero3", train_micro_batch_size_per_gpu=micro,
+                                   gradient_accumulation_steps=2) for micro in (2, 4)}
+    two["mu adam"] = [*cycle, zero3[2]]
+    inside = ["--resume", tmp / "mu adam" / "checkpoints" / "step00000003"]  # a cycle's first step, not its second
+    two["mu resumed"] = [*cycle, zero3[2], *inside]
+    one["mu resumed on one rank"] = [*cycle, zero3[4], *inside]
+    one["mu other windows"] = [*cycle, zero3[2], *inside]
     # the model before the step, as ZeRO-3 builds it (under zero.Init): one step at learning rate 0
     one["initial"] = [*tiny, "--dataset", few, "--max_steps", 1, "--deepspeed_config", sgd(tmp, 8, 1, 3, lr=0.0)]
     for name, (micro, accumulation, ranks) in list(SPLITS.items())[:2]:  # sampled layer by layer, every rank in step
@@ -137,7 +152,7 @@ def runs(tmp_path_factory):
     one["classifier"] = ["--model", "bert-tiny", "--tokenizer", "bytes", "--dataset", few, "--task", "grpo",
                          "--reward", f"{tmp / 'rewards.py'}:length"]
     one["no reward"] = ["--model", "llama-tiny", "--tokenizer", "bytes", "--dataset", few, "--task", "grpo"]
-    refused = {"pipeline", "classifier", "no reward"}
+    refused = {"pipeline", "classifier", "no reward", "mu other windows"}
 
     return named_jobs(tmp, two, one, refused) | {"data": (tmp / "data", "")}
 
@@ -157,18 +172,25 @@ def test_one_steps_gradient_does_not_depend_on_the_split(stage, loss, runs):
     assert 0 <= rows[0]["rewards/has_e/mean"] <= 1
 
 
-def loss_of(kind: str, model, lines: list, max_new: int) -> torch.Tensor:
-    """The step's loss written here from TRL's formulas, on the logged completions: with one iteration the ratio is
-    1, so each token's loss is -advantage x its log-probability (its value detached), weighed as the loss says."""
-    ratios, advantages = [], []
-    for line in lines:
-        ids = torch.tensor(line["prompt_ids"] + line["ids"])[None]
-        start = len(line["prompt_ids"])
-        logp = torch.log_softmax(model(ids).logits[0, start - 1:-1].float(), -1)
-        taken = logp.gather(-1, ids[0, start:, None])[:, 0]
-        ratios.append(torch.exp(taken - taken.detach()))  # 1, its gradient that of the log-probability
-        advantages.append(line["advantage"])
-    per_token = [-a * ratio for a, ratio in zip(advantages, ratios)]
+def completion_logps(model, line: dict) -> torch.Tensor:
+    """The log-probability of each of a logged completion's tokens under the model."""
+    ids = torch.tensor(line["prompt_ids"] + line["ids"])[None]
+    start = len(line["prompt_ids"])
+    logp = torch.log_softmax(model(ids).logits[0, start - 1:-1].float(), -1)
+    return logp.gather(-1, ids[0, start:, None])[:, 0]
+
+
+def loss_of(kind: str, model, lines: list, max_new: int, old: list = None) -> torch.Tensor:
+    """The step's loss written here from TRL's formulas, on the logged completions: each token's loss is
+    -min(ratio x advantage, clip(ratio, 0.8, 1.2) x advantage), weighed as the loss says. The ratio is against old,
+    the log-probabilities of the policy that sampled; without old (one iteration) it is 1, its gradient that of the
+    log-probability."""
+    per_token = []
+    for k, line in enumerate(lines):
+        taken = completion_logps(model, line)
+        ratio = torch.exp(taken - (taken.detach() if old is None else old[k]))
+        a = line["advantage"]
+        per_token.append(-torch.min(ratio * a, ratio.clamp(0.8, 1.2) * a))
     if kind == "dapo":
         return sum(t.sum() for t in per_token) / sum(len(t) for t in per_token)
     if kind == "grpo":
@@ -176,19 +198,26 @@ def loss_of(kind: str, model, lines: list, max_new: int) -> torch.Tensor:
     return sum(t.sum() for t in per_token) / (len(per_token) * max_new)
 
 
+def initial_model(runs) -> Path:
+    """The model before any step, as ZeRO-3 builds it: the lr-0 run's checkpoint exported (once)."""
+    from app.tools.export import export
+    folder = runs["initial"][0] / "exported"
+    if not (folder / "config.json").is_file():
+        export(runs["initial"][0] / "checkpoints" / "step00000001", folder)
+    return folder
+
+
 @pytest.mark.parametrize("loss", LOSSES)
-def test_the_steps_gradient_is_that_of_the_loss_computed_here_from_its_completions(loss, runs, tmp_path):
+def test_the_steps_gradient_is_that_of_the_loss_computed_here_from_its_completions(loss, runs):
     """The logged completions of one step (ZeRO-3, micro 1 x accumulation 4 x 2 ranks; each loss samples the same),
     the model before it (a run at learning rate 0, exported): the gradient of the loss computed in this test from
     them is what one SGD step at lr 1 took off the weights."""
     from transformers import AutoModelForCausalLM
-    from app.tools.export import export
     folder = runs[f"3 dapo {LOGGED}"][0]
     lines = [json.loads(line) for line in (folder / "completions" / "step00000001.jsonl").read_text().splitlines()]
     assert len(lines) == 8 * 2 and {line["completion"] for line in lines} == {0, 1}, "a step of 8 prompts x 2"
     assert any(line["advantage"] != 0 for line in lines) and all(len(line["ids"]) <= 6 for line in lines)
-    export(runs["initial"][0] / "checkpoints" / "step00000001", tmp_path / "initial")
-    model = AutoModelForCausalLM.from_pretrained(tmp_path / "initial", torch_dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(initial_model(runs), torch_dtype=torch.float32)
     loss_of(loss, model, lines, max_new=6).backward()
     before, after = weights(runs["initial"][0]), weights(runs[f"3 {loss} {LOGGED}"][0])
     compared = 0
@@ -199,6 +228,51 @@ def test_the_steps_gradient_is_that_of_the_loss_computed_here_from_its_completio
             assert worst < 1e-6, (name, worst)
             compared += 1
     assert compared >= len(list(model.parameters())) - 1, "every weight (the output layer may be tied)"
+
+
+def test_num_iterations_trains_each_batch_of_completions_again_clipped_against_the_policy_that_sampled_it(runs):
+    """--num_iterations 2, ZeRO-3 on 2 ranks, SGD at lr 1: step 2 trains on step 1's completions (logged alike), and
+    the weights after each step are those of the loss computed here, from TRL's formula, with the ratio against the
+    model before step 1 (exported from the run at lr 0) and clipped at 1 -/+ 0.2."""
+    from transformers import AutoModelForCausalLM
+    folder = runs["mu"][0]
+    logged = [[json.loads(line) for line in (folder / "completions" / f"step{step:08d}.jsonl").read_text().splitlines()]
+              for step in (1, 2)]
+    assert [{**line, "step": 0} for line in logged[0]] == [{**line, "step": 0} for line in logged[1]]
+    rows = read_metrics(folder)[0]
+    assert rows[0]["clip_ratio/region_mean"] == 0 < rows[1]["clip_ratio/low_mean"] and \
+        0 < rows[1]["clip_ratio/high_mean"] and rows[1]["clip_ratio/region_mean"] < 0.8, "some tokens clipped, not all"
+    model = AutoModelForCausalLM.from_pretrained(initial_model(runs), torch_dtype=torch.float32)
+    with torch.no_grad():
+        old = [completion_logps(model, line) for line in logged[0]]
+    for step in (1, 2):
+        model.zero_grad()
+        loss_of("dapo", model, logged[0], max_new=6, old=old).backward()
+        with torch.no_grad():
+            for param in model.parameters():
+                param -= param.grad  # SGD at lr 1
+        after = weights(folder, step)
+        worst = max((after[f"hf.{name}"] - param).abs().max().item() for name, param in model.named_parameters())
+        assert worst < 1e-6, (step, worst)
+
+
+def test_a_run_stopped_inside_a_cycle_ends_it_on_its_kept_completions_on_any_world_size(runs):
+    """Resumed after step 3, the first of the second cycle of 2 (micro 2 x accumulation 2 x 2 ranks), on 2 ranks and
+    on 1 (micro 4: the same windows), step 4 trains on the completions step 3 kept: the weights and loss of the
+    unbroken run. On 1 rank with micro 2 the windows would differ: one line."""
+    folder = runs["mu adam"][0]
+    unbroken = weights(folder, 4)
+    assert (folder / "checkpoints" / "step00000003" / "grpo_kept_rank00001.pt").is_file()
+    assert not (folder / "checkpoints" / "step00000004" / "grpo_kept_rank00000.pt").exists(), \
+        "a checkpoint at a cycle's end keeps nothing"
+    for name, bound in (("mu resumed", 0.0), ("mu resumed on one rank", 1e-6)):
+        resumed, output = runs[name]
+        assert "resume:" in output and "at step 3, epoch" in output, output[-2000:]
+        after = weights(resumed, 4)
+        assert max((unbroken[k] - after[k]).abs().max().item() for k in unbroken) <= bound, name
+        assert abs(read_metrics(resumed)[0][-1]["loss"] - read_metrics(folder)[0][-1]["loss"]) <= bound + 1e-9
+    assert "trains each window of prompts 2 times (--num_iterations) over windows of 2 global micro batch(es) of 4; " \
+        "this run has 2 of 2" in runs["mu other windows"][1]
 
 
 def test_sampling_gathered_once_or_layer_by_layer_takes_the_same_step_under_zero3(runs):

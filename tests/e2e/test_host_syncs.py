@@ -5,7 +5,7 @@ import pytest
 
 from app.tools.instructions import write_model
 from conftest import write_text_rows
-from helpers.host_syncs import check_preference_waits, check_report, count_in_launch, counted, sync_job
+from helpers.host_syncs import STEPS, check_preference_waits, check_report, count_in_launch, counted, sync_job
 
 # bf16.json is dp.json with bf16 autocast on everywhere: as a GPU resolves them, the same run, counted once
 CONFIGS = ("dp", "zero1", "zero2", "zero3", "zero2_offload", "zero3_offload", "activation_checkpointing")
@@ -35,6 +35,25 @@ def test_no_step_waits_on_the_device_with_two_ranks(tmp_path, corpus):
     model_only = {source.split(" at ")[1].split(":")[0] for _, _, source, _ in counted(eager)}
     assert model_only == {"transformers/masking_utils.py"}, counted(eager)
     assert all(count == 1 for _, _, _, count in counted(eager))
+
+
+def test_no_sequence_parallel_or_tiled_step_waits_on_the_device(tmp_path):
+    """DeepSpeed's Ulysses (sequence_parallel.json: 2 ranks share each sequence) with the tiled MLPs and loss that
+    come with it, and --tiled on under ZeRO 0 on 2 ranks, eager, on a small Llama folder: the only waits are the
+    model's own, transformers' masking code asking once per forward whether the rows are packed sequences."""
+    rows = write_text_rows(tmp_path / "corpus.txt", 3000)  # no epoch ends inside the counted steps
+    llama = ["--model", write_model(tmp_path, seed=0, layers=1), "--dataset", rows, "--block_size", 64]
+    names = {"sequence parallel": ("sequence_parallel",), "tiled": ("dp", "--tiled", "on")}
+    jobs = [sync_job(name, "off", tmp_path / label.replace(" ", "-"), *llama, *extra)
+            for label, (name, *extra) in names.items()]
+    for label, report in zip(names, count_in_launch(2, jobs)):
+        assert report["code"] == 0 and "tiled: " in report["output"], report["output"][-2000:]
+        assert ("DeepSpeed Ulysses splits each sequence over 2 ranks" in report["output"]) == (label != "tiled")
+        assert all(len(windows) == STEPS - 2 for windows in report["ranks"]), report["ranks"]
+        found = counted(report)
+        assert {source.split(" at ")[1].split(":")[0] for _, _, source, _ in found} <= \
+            {"transformers/masking_utils.py"}, (label, found)
+        assert all(count == 1 for _, _, _, count in found), (label, found)
 
 
 def test_no_preference_step_waits_on_the_device(tmp_path):

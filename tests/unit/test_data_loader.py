@@ -151,3 +151,36 @@ def test_a_window_that_spans_two_epochs_weighs_the_rows_of_both():
 def test_evaluation_weighs_each_row_by_its_units():
     sampler = loader.ShardSampler(6, 4, 0, 1, shuffle=False, units=[3, 1, 2, 5, 4, 1], normalise=False)
     assert list(sampler) == [[(0, 3.0), (1, 1.0), (2, 2.0), (3, 5.0)], [(4, 4.0), (5, 1.0), (4, 0.0), (4, 0.0)]]
+
+
+def _global(sampler_of, world: int, epochs: int) -> list:
+    """Every global micro batch of the first epochs: [(index, weight) of every rank, rank by rank]."""
+    samplers = [sampler_of(rank) for rank in range(world)]
+    found = []
+    for epoch in range(epochs):
+        for sampler in samplers:
+            sampler.set_epoch(epoch)
+        found += [[pair for batch in step for pair in batch] for step in zip(*samplers)]
+    return found
+
+
+@pytest.mark.parametrize("size,micro,accumulation,world", [(32, 2, 2, 2), (20, 4, 2, 1), (21, 2, 3, 2)])
+def test_repeats_give_each_window_that_many_times_with_its_weights(size, micro, accumulation, world):
+    """GRPO's --num_iterations 3: the windows of the plain order, each three times over before the next, the same
+    batches and weights each time; the epoch three times as long. (20 and 21 rows make windows that span epochs.)"""
+    units = list(range(1, size + 1))
+    once = _global(lambda r: loader.ShardSampler(size, micro, r, world, seed=4, accumulation=accumulation,
+                                                 units=units), world, 4)  # a window may reach into the 4th
+    thrice = _global(lambda r: loader.ShardSampler(size, micro, r, world, seed=4, accumulation=accumulation,
+                                                   units=units, repeats=3), world, 3)
+    assert len(thrice) == 3 * len(once) * 3 // 4
+    windows = [once[k:k + accumulation] for k in range(0, len(once), accumulation)]
+    expected = [batch for window in windows for _ in range(3) for batch in window]
+    assert thrice == expected[:len(thrice)]
+
+
+def test_a_resume_inside_a_repeated_window_takes_the_same_batches():
+    whole, resumed = (loader.ShardSampler(21, 2, 1, 2, seed=2, accumulation=3, repeats=2) for _ in range(2))
+    whole.set_epoch(1)
+    resumed.set_epoch(1, skip=4)
+    assert len(whole) == 2 * 6 and list(resumed) == list(whole)[4:]

@@ -105,3 +105,16 @@ def test_a_part_is_one_sources_held_out_rows_with_their_units():
             return i * 10
     part = loader.Part(Rows(), 2, 5)
     assert len(part) == 3 and [part[i] for i in range(3)] == [20, 30, 40] and part.units == [3.0, 4.0, 5.0]
+
+
+def test_repeated_windows_count_their_rows_once():
+    """With repeats 2 and accumulation 2 each window of two global micro batches comes twice: the counts grow over
+    its first coming and hold through the second."""
+    table = sources.Sources(["a", "b"], [0, 23, 64], np.arange(64, dtype=float) + 1,
+                            sources.Mixture([23, 41], [230, 41], [2, 1], "rows", seed=1))
+    once = loader.ShardSampler(64, 4, 0, 2, seed=1, sources=table, accumulation=2)
+    twice = loader.ShardSampler(64, 4, 0, 2, seed=1, sources=table, accumulation=2, repeats=2)
+    assert len(twice) == 2 * len(once) == 16
+    real = [0, 1, 2, 2, 2, 3, 4, 4, 4, 5, 6, 6, 6, 7, 8, 8, 8]  # global micro batches drawn after k of twice's
+    assert [twice.drawn(0, k) for k in range(17)] == [once.drawn(0, n) for n in real]
+    assert twice.drawn(1, 0) == once.drawn(1, 0)

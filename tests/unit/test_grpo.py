@@ -38,13 +38,22 @@ def test_the_task_takes_trls_defaults_and_records_what_a_resume_must_match(rewar
 @pytest.mark.parametrize("given, message", [
     ({"beta": "-1"}, "--beta must be 0 or more"),
     ({"temperature": 0.0}, "--temperature must be above 0"),
-    ({"num_iterations": 2}, "--num_iterations 2: the app takes one optimizer step"),
+    ({"num_iterations": 0}, "--num_iterations must be at least 1"),
     ({"packing": "on"}, "--packing on packs instruction rows"),
     ({"reward": ""}, "--task grpo needs --reward FILE.py:NAME"),
 ])
 def test_settings_grpo_cannot_train_with_are_one_line(reward, given, message):
+    """A run's flags, checked before its data is read; the plan's task (no --reward) takes the same ranges."""
     with pytest.raises(UserError, match=message):
-        _task(**{"reward": reward, **given})
+        resolver.spec_of(Settings(model="llama-tiny", task="grpo", **{"reward": reward, **given}))
+    if "reward" not in given:
+        with pytest.raises(UserError, match=message):
+            resolver.build(Settings(model="llama-tiny", task="grpo", **given))
+
+
+def test_the_plans_task_needs_no_reward():
+    task = resolver.build(Settings(model="llama-tiny", task="grpo", num_generations=4))
+    assert task.rewards == [] and task.sampled == 4
 
 
 def test_grpo_needs_a_causal_lm_and_a_layout_of_whole_models(reward):

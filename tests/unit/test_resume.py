@@ -292,6 +292,29 @@ def test_a_preference_run_resumed_on_another_base_or_task_is_refused(then, now, 
     resume.check_compatible(_state(task_record=SIMPO), _state(task_record={**SIMPO, "base": "other"}), tmp_path)
 
 
+def _windows(micro: int, accumulation: int, replicas: int, repeats: int = 2) -> TrainerState:
+    """A GRPO run's state with --num_iterations repeats (1: recorded as before it had the key)."""
+    record = {"task": "grpo", **({"num_iterations": repeats} if repeats > 1 else {})}
+    return _state(world_size=replicas, data_parallel_size=replicas, task_record=record,
+                  deepspeed_config={"train_micro_batch_size_per_gpu": micro,
+                                    "gradient_accumulation_steps": accumulation})
+
+
+def test_a_run_that_repeats_its_windows_resumes_only_on_the_same_windows(tmp_path):
+    """--num_iterations 2: micro 4 on 2 ranks resumes as micro 8 on 1 (the same global micro batches), not as micro
+    4 on 1 nor with another accumulation; once a window (1) any layout resumes."""
+    resume.check_compatible(_windows(4, 2, 2), _windows(8, 2, 1), tmp_path)
+    resume.check_compatible(_windows(4, 2, 2, repeats=1), _windows(4, 1, 1, repeats=1), tmp_path)
+    for now in (_windows(4, 2, 1), _windows(8, 1, 2)):
+        with pytest.raises(UserError, match="trains each window of prompts 2 times .* over windows of 2 global "
+                                            "micro batch.es. of 8; this run has") as caught:
+            resume.check_compatible(_windows(4, 2, 2), now, tmp_path)
+        assert _one_line(caught).endswith("resume with train_micro_batch_size_per_gpu x data-parallel ranks = 8 "
+                                          "and gradient_accumulation_steps = 2")
+    with pytest.raises(UserError, match=r"num_iterations None -> 2"):
+        resume.check_compatible(_windows(4, 2, 2, repeats=1), _windows(4, 2, 2), tmp_path)
+
+
 @pytest.mark.parametrize("stage, saved_world, world, needed", [
     (0, 2, 1, False),  # stage 0: every rank holds everything, any world size loads it
     (1, 2, 2, False), (1, 2, 1, True), (2, 1, 2, True), (3, 2, 3, True), (3, 4, 4, False),

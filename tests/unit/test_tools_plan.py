@@ -28,6 +28,12 @@ def test_memory_sizes(text, count):
      "sequence parallel 3 does not divide a sample's 128 tokens"),  # the length a run takes: the model's positions
     (["--gpu_memory", "8GB", "--world_size", "2", "--sequence_parallel", "2"], "sequence parallelism shards text "
                                                                                "sequences; cnn is an image model"),
+    (["--gpu_memory", "8GB", "--num_generations", "4"], "--num_generations, --beta and --gather_for_generation plan "
+                                                        "online RL: add --grpo"),
+    (["--gpu_memory", "8GB", "--grpo", "--preference"], "--grpo and --preference plan two kinds of training"),
+    (["--gpu_memory", "8GB", "--grpo"], "--task grpo trains a transformers model on text; cnn is an image model"),
+    (["--gpu_memory", "8GB", "--grpo", "--model", "gpt2-tiny", "--num_generations", "1"],
+     "--num_generations must be at least 2"),
 ])
 def test_mistakes_are_one_line(argv, message, capsys):
     assert plan_tool.main(argv) == 2  # the CPU tests see no GPU (conftest hides them)
@@ -181,3 +187,20 @@ def test_the_table_says_how_the_sequence_is_split_and_a_length_past_the_position
     lines = capsys.readouterr().out.splitlines()
     assert "; 8 data-parallel rank(s); GPU" in lines[0] and not lines[1].startswith("sequence parallel")
     assert lines[3].split()[:8] == sharded[:8], "the same states and act/sample as 1024 tokens on 8 ranks"
+
+
+def test_a_grpo_plan_counts_the_groups_sequences_and_their_sampling(gpt2_folder):
+    """A sample is a prompt: its group's 4 sequences train together (four times a plain sample's activations), and
+    sampling them first holds their key-value cache, with, under ZeRO-3 gathered whole, the weights the rank does
+    not hold; with --beta above 0 the frozen copy rides along as in preference tuning."""
+    plain = command_plans(gpt2_folder)
+    grpo = command_plans(gpt2_folder, "--grpo", "--num_generations", "4")
+    for name in PLANNED:
+        assert grpo[name].per_sample == pytest.approx(4 * plain[name].per_sample, rel=1e-4), name
+        assert grpo[name].sampling[1] > 0 and "reference" not in grpo[name].device
+    whole = 4 * plain["zero3"].parameters
+    assert grpo["dp"].sampling[0] == 0 and grpo["zero3"].sampling[0] == whole - whole // 4, "three quarters gathered"
+    layered = command_plans(gpt2_folder, "--grpo", "--num_generations", "4", "--gather_for_generation", "off")
+    assert layered["zero3"].sampling == (0, grpo["zero3"].sampling[1])
+    held = command_plans(gpt2_folder, "--grpo", "--num_generations", "4", "--beta", "0.1")
+    assert held["dp"].device["reference"] == 4 * plain["dp"].parameters
