@@ -118,8 +118,11 @@ def runs(tmp_path_factory):
     # accumulation 2 on 2 ranks: windows of 8 of the 9 prompts, which span epochs; on 1 rank micro 4 makes the same
     cycle = [*tiny, "--dataset", few, "--max_steps", 4, "--num_iterations", 2, "--save_interval", 1, "--log_interval",
              1, "--deepspeed_config"]
-    zero3 = {micro: config_variant(tmp / f"micro{micro}", "zero3", train_micro_batch_size_per_gpu=micro,
-                                   gradient_accumulation_steps=2) for micro in (2, 4)}
+    zero3 = {}
+    for micro in (2, 4):
+        (tmp / f"micro{micro}").mkdir()
+        zero3[micro] = config_variant(tmp / f"micro{micro}", "zero3", train_micro_batch_size_per_gpu=micro,
+                                      gradient_accumulation_steps=2)
     two["mu adam"] = [*cycle, zero3[2]]
     inside = ["--resume", tmp / "mu adam" / "checkpoints" / "step00000003"]  # a cycle's first step, not its second
     two["mu resumed"] = [*cycle, zero3[2], *inside]
