@@ -28,7 +28,7 @@ from app.memory.planner import weighed_for_run
 from app.observe import memory_snapshot, metrics, runlog, startup, trackers
 from app.observe import profiler as profiling
 from app.observe.summary import summarise
-from app.parallel import layout
+from app.parallel import layout, tiled
 from app.settings import Settings, parse, settings_dict
 
 if TYPE_CHECKING:
@@ -133,6 +133,7 @@ def settle(settings: Settings, world: World, ds: dict, board: endings.Board) -> 
     early_stop.watched(settings.early_stopping_metric)  # a mistake there is one line before anything is built
     spec = resolver.spec_of(settings)
     lora.check_layout(settings.lora, ranks)
+    tiled.check_layout(settings.tiled, ranks)
     ds, filled, note = run_dict.planned(ds, settings.deepspeed_config, world.device, ranks.replicas,
                                         resolver.auto_facts(spec))
     ds = trackers.enabled(ds, settings.report_to)  # --report_to's DeepSpeed monitors; one that cannot start: a line

@@ -26,9 +26,6 @@ class RankLayout:
         AutoTP will shard."""
         if self.sequence > 1:
             sequence_parallel.attach(model, self.sequence, model_name)
-        if task.settings.tiled == "on" and (self.split or self.tensor > 1):
-            raise UserError("--tiled on runs under data parallel, ZeRO 0-3 and sequence parallelism, not pipeline "
-                            "stages or tensor parallelism; pass --tiled off")
         tiled.for_run(model, task, self.sequence, model_name)
         model = activations.apply(model, ds)
         if self.split:

@@ -89,6 +89,13 @@ def _class_forward(mlp: nn.Module, x: torch.Tensor, cast: torch.dtype = None) ->
         return type(mlp).forward(mlp, x)
 
 
+def check_layout(choice: str, ranks):
+    """--tiled on under pipeline stages or tensor parallelism, refused in one line before the data is read."""
+    if choice == "on" and (ranks.split or ranks.tensor > 1):
+        raise UserError("--tiled on runs under data parallel, ZeRO 0-3 and sequence parallelism, not pipeline "
+                        "stages or tensor parallelism; pass --tiled off")
+
+
 def for_run(model: nn.Module, task, sequence: int, model_name: str):
     """--tiled on the run's model: on tiles every block's MLP and, where the loss is next-token, the output layer
     with the loss (app/core/fused_loss.py); auto does so under sequence parallelism where the model allows it (else

@@ -228,3 +228,13 @@ def test_a_model_that_scales_or_caps_its_logits_keeps_them_whole():
     model, task = HFLogits(Gemma2ForCausalLM(config)), _Task("on")
     tiled.for_run(model, task, 1, "gemma2")
     assert not task.fused_logits and sum(hasattr(block.mlp, "tiles") for block in named_blocks(model)) == 2
+
+
+def test_tiled_on_under_pipeline_stages_or_tensor_parallelism_is_one_line():
+    from app.parallel import layout
+    for ds in ({"pipeline": {"stages": 2}}, {"tensor_parallel": {"autotp_size": 2}}):
+        with pytest.raises(UserError, match="--tiled on runs under data parallel, ZeRO 0-3 and sequence "
+                                            "parallelism, not pipeline stages or tensor parallelism"):
+            tiled.check_layout("on", layout.rank_layout(ds, 2, 0, "p.json"))
+        tiled.check_layout("auto", layout.rank_layout(ds, 2, 0, "p.json"))  # auto tiles under SP alone
+    tiled.check_layout("on", layout.rank_layout({"sequence_parallel_size": 2}, 2, 0, "sp.json"))
