@@ -1,5 +1,6 @@
 """Sequence parallelism through DeepSpeed's Ulysses for real: llama-tiny with each sequence split over 2 gloo ranks
-against one process on the same global batch, under ZeRO 0-3; resume on one rank; the one-line refusals."""
+against one process on the same global batch, under ZeRO 0-3 and with ZeRO-2 and ZeRO-3 offload; resume on one
+rank; the one-line refusals."""
 import pytest
 import torch
 
@@ -17,6 +18,14 @@ def variant(folder, name: str, stage: int, **changes):
                           zero_optimization={"stage": stage}, **changes)
 
 
+def offloaded(folder, stage: int, sequence: int):
+    """ds_configs/zero<stage>_offload.json (CPU Adam steps on the host) at micro batch 4 and 2 accumulation steps,
+    with sequence_parallel_size `sequence`."""
+    folder.mkdir(exist_ok=True)
+    return config_variant(folder, f"zero{stage}_offload", train_micro_batch_size_per_gpu=4,
+                          gradient_accumulation_steps=2, sequence_parallel_size=sequence)
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     """tag -> (output_dir, rank 0's output): llama-tiny in one process under ZeRO 0 and 3 (zero.Init draws other
@@ -30,10 +39,12 @@ def runs(tmp_path_factory):
              *SHORT[2:], "--block_size", 96]
     ones = {**{f"one{s}": (variant(root / f"one{s}", "dp", s), text) for s in (0, 3)},
             "chats-one": (variant(root / "chats-one", "dp", 0), chats),
-            "lora-one": (variant(root / "lora-one", "dp", 0), [*chats, "--lora"])}
+            "lora-one": (variant(root / "lora-one", "dp", 0), [*chats, "--lora"]),
+            **{f"offload{s}-one": (offloaded(root / f"offload{s}-one", s, 1), text) for s in (2, 3)}}
     twos = {**{f"sp{s}": (variant(root / f"sp{s}", "sequence_parallel", s), text) for s in STAGES},
             "chats-sp": (variant(root / "chats-sp", "sequence_parallel", 3), chats),
-            "lora-sp": (variant(root / "lora-sp", "sequence_parallel", 3), [*chats, "--lora"])}
+            "lora-sp": (variant(root / "lora-sp", "sequence_parallel", 3), [*chats, "--lora"]),
+            **{f"offload{s}-sp": (offloaded(root / f"offload{s}-sp", s, 2), text) for s in (2, 3)}}
     made = {}
     for launcher, nproc, jobs in (("python", 1, ones), ("ranks", 2, twos)):
         outputs = train_jobs(launcher, nproc, [["--deepspeed_config", config, *args, "--output_dir", root / tag]
@@ -65,6 +76,18 @@ def test_two_ranks_of_one_sequence_give_the_losses_of_one_process(stage, runs):
         in stdout
     assert "global batch 8," in stdout
     assert read_summary(out)["world_size"] == 2
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_offloaded_optimizer_and_weights_split_sequences_as_one_process_does(stage, runs):
+    """zero2_offload.json and zero3_offload.json (the optimizer, and under ZeRO-3 the weights, on the host) at
+    sequence_parallel_size 2 on 2 ranks: the losses of the same config in one process; the gradients DeepSpeed
+    reduces on its offload path are the SP ranks' whole ones."""
+    one, (out, stdout) = losses(runs[f"offload{stage}-one"][0]), runs[f"offload{stage}-sp"]
+    two = losses(out)
+    assert "DeepSpeed Ulysses splits each sequence over 2 ranks" in stdout and "offload" in stdout.lower()
+    assert len(one) == len(two) == 8 and two[-1] < two[0] - 0.5
+    assert max(abs(a - b) for a, b in zip(one, two)) < 1e-5 * one[0], list(zip(one, two))
 
 
 @pytest.mark.parametrize("kind", ["chats", "lora"])
