@@ -97,11 +97,13 @@ class Grpo(AgainstReference):
             return without_dropout(super().build_model(info, ds_config))
 
     def flops_per_sample(self, model: nn.Module, info) -> float:
-        """A prompt's FLOPs: its group's sequences forward and backward, the sampling's forwards of each completion
-        token (with the cache), and a reference's forward of the sequences."""
+        """A prompt's FLOPs a step: its group's sequences forward and backward, the sampling's forwards of each
+        completion token (with the cache), and a reference's forward of the sequences. Under --num_iterations mu
+        a cycle samples once for its mu steps, with the old policy's forward of the sequences: a step's share."""
         sequence = models.train_flops_per_token(model, info.seq_len) * info.seq_len
         forward = models.train_flops_per_token(model, info.seq_len, forward_only=True)
-        sampled = forward * self.how.max_new
+        repeats = self.settings.num_iterations
+        sampled = (forward * self.how.max_new + (forward * info.seq_len if repeats > 1 else 0.0)) / repeats
         return self.group * (sequence + sampled + (forward * info.seq_len if self.beta else 0.0))
 
     def before_load(self, engine, ds: dict, output_dir):

@@ -63,3 +63,19 @@ def test_grpo_needs_a_causal_lm_and_a_layout_of_whole_models(reward):
         _task(reward).check_layout(layout.rank_layout({"pipeline": {"stages": 2}}, 2, 0, "p.json"))
     with pytest.raises(UserError, match="--num_generations must be at least 2"):
         Settings(task="grpo", num_generations=1)
+
+
+def test_a_cycle_of_steps_shares_its_sampling_and_old_policy_forward_in_the_flops(reward):
+    """MFU counts what a step runs: with --num_iterations 2 a cycle samples once and takes the old policy's forward
+    of the sequences once, for its 2 steps."""
+    from transformers import AutoModelForCausalLM
+    from app.core import models
+    from app.data import DataInfo
+    info = DataInfo(0, task="causal_lm", vocab_size=256, seq_len=40)
+    once, cycle = _task(reward, num_generations=4), _task(reward, num_generations=4, num_iterations=2)
+    model = models.HFLogits(AutoModelForCausalLM.from_config(once.spec.config))
+    train = models.train_flops_per_token(model, 40) * 40
+    forward = models.train_flops_per_token(model, 40, forward_only=True)
+    max_new = once.how.max_new
+    assert once.flops_per_sample(model, info) == pytest.approx(4 * (train + forward * max_new))
+    assert cycle.flops_per_sample(model, info) == pytest.approx(4 * (train + forward * (max_new + 40) / 2))
