@@ -54,6 +54,16 @@ def sequences(prompts: torch.Tensor, lengths: torch.Tensor, completions: torch.T
     return out
 
 
+def part_of(batch, group: int, pad: int, texts: list, **fields) -> Part:
+    """The Part of a micro batch of prompts (ids, [rows, prompt lengths], loader weights), each `group` times, with
+    its completions' fields (sampled, or kept by a cycle: app/core/grpo_kept.py)."""
+    x, y, w = batch
+    lengths = y[:, 1].repeat_interleave(group)
+    return Part(sequences(x.repeat_interleave(group, 0), lengths, fields["completions"], pad), lengths,
+                share=w.repeat_interleave(group) / group, texts=texts,
+                rows=[r for r in y[:, 0].tolist() for _ in range(group)], **fields)
+
+
 class GrpoStep(TrainStep):
     """A micro step of online RL (the task: app/core/grpo.py)."""
 
@@ -109,9 +119,8 @@ class GrpoStep(TrainStep):
         length = mask.sum(1)
         if task.mask_truncated:
             mask = mask & ~truncated[:, None]
-        return Part(sequences(x.repeat_interleave(group, 0), lengths, completions, tokenizer.pad_token_id),
-                    lengths, completions, mask.float(), w.repeat_interleave(group) / group, scored, truncated, length,
-                    rows=[r for r in rows for _ in range(group)], texts=texts)
+        return part_of(batch, group, tokenizer.pad_token_id, texts, completions=completions, mask=mask.float(),
+                       rewards=scored, truncated=truncated, length=length)
 
     def cycle_parts(self, window: list) -> tuple:
         """(Parts, totals) of the window: sampled at the first step of each cycle of --num_iterations, which keeps
@@ -123,13 +132,7 @@ class GrpoStep(TrainStep):
             task.kept = grpo_kept.Kept.of(parts, totals, task.group) if repeats > 1 else None
             return parts, totals
         pad = task.tokenizer.pad_token_id
-
-        def again(batch, fields: dict, texts: list) -> Part:
-            x, y, w = batch
-            lengths = y[:, 1].repeat_interleave(task.group)
-            return Part(sequences(x.repeat_interleave(task.group, 0), lengths, fields["completions"], pad), lengths,
-                        share=w.repeat_interleave(task.group) / task.group, texts=texts,
-                        rows=[r for r in y[:, 0].tolist() for _ in range(task.group)], **fields)
+        again = lambda batch, fields, texts: part_of(batch, task.group, pad, texts, **fields)  # noqa: E731
         return task.kept.parts(window, task.group, again), dict(task.kept.totals)
 
     def rolled_out(self, window: list) -> tuple:
@@ -143,21 +146,26 @@ class GrpoStep(TrainStep):
                                                    totals["batch_std"])
             if task.settings.num_iterations > 1:  # the policy that sampled: the ratio's base through the cycle
                 with torch.no_grad():
-                    part.old = self.log_probs(part, ds_internals.forward_within_the_step).cpu()
+                    within = lambda ids: ds_internals.forward_within_the_step(self.engine, ids)  # noqa: E731
+                    part.old = self.log_probs(self.on_device(part), within).cpu()
         return parts, totals
 
-    def log_probs(self, part: Part, forward) -> torch.Tensor:
-        """(n, max_new) the completions' log-probabilities under forward(engine, sequences)'s logits."""
+    def on_device(self, part: Part) -> tuple:
+        """(sequences, completions, prompt lengths) of the Part on the engine's device."""
         device = self.engine.device
-        return grpo_loss.token_logps(forward(self.engine, part.ids.to(device)), part.completions.to(device),
-                                     part.starts.to(device), self.task.how.temperature)
+        return part.ids.to(device), part.completions.to(device), part.starts.to(device)
+
+    def log_probs(self, on_device: tuple, logits) -> torch.Tensor:
+        """(n, max_new) the completions' log-probabilities under logits(sequences); on_device: on_device(part)."""
+        ids, completions, starts = on_device
+        return grpo_loss.token_logps(logits(ids), completions, starts, self.task.how.temperature)
 
     def part_loss(self, part: Part, totals: dict) -> tuple:
         """(the micro batch's loss, its sums for the meter, its weight): app/core/grpo_loss.py's normalisation."""
         task, device = self.task, self.engine.device
-        mask, share = part.mask.to(device), part.share.to(device)
-        logp = self.log_probs(part, lambda engine, ids: engine(ids))
-        reference = self.log_probs(part, lambda _, ids: self.reference.logits(ids)) if task.beta else None
+        mask, share, on_device = part.mask.to(device), part.share.to(device), self.on_device(part)
+        logp = self.log_probs(on_device, self.engine)
+        reference = self.log_probs(on_device, self.reference.logits) if task.beta else None
         old = logp.detach() if part.old is None else part.old.to(device)
         losses, kl, below, above = grpo_loss.token_losses(logp, old, part.advantages.to(device).float(),
                                                           task.epsilon, task.epsilon_high, task.beta, reference)
