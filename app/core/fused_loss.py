@@ -34,6 +34,11 @@ def next_token_targets(labels: torch.Tensor) -> torch.Tensor:
     return F.pad(labels[:, 1:], (0, 1), value=IGNORE)
 
 
+def counted_next_tokens(labels: torch.Tensor) -> torch.Tensor:
+    """How many next tokens each sample predicts (labels of IGNORE, prompts and padding, are left out), at least 1."""
+    return (labels[:, 1:] != IGNORE).sum(1).clamp(min=1)
+
+
 def tiles_for(tokens: int, hidden: int) -> int:
     """Tiles of a sequence: one per hidden width of tokens (DeepSpeed's rule for its tiled compute), at least 1."""
     return max(1, math.ceil(tokens / hidden))

@@ -236,7 +236,8 @@ def build_hf(spec: HFSpec, info: DataInfo, tokenizer, ds_config: dict, attention
             raise
     hf.config.architectures = [type(hf).__name__]
     padded = info.task == "causal_lm" and vocab_size(config) < config.vocab_size
-    return HFLogits(hf, vocab_size(config) if padded else 0, "position_ids" if info.packed else "attention_mask")
+    positions = info.packed or ds_config.get("sequence_parallel_size", 1) > 1  # packed, or a slice of each sequence
+    return HFLogits(hf, vocab_size(config) if padded else 0, "position_ids" if positions else "attention_mask")
 
 
 def _attention_refused(error: Exception, attention: str):

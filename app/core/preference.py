@@ -14,7 +14,8 @@ from torch import nn
 
 from app.core import lora, models, reference
 from app.core.step import TrainStep
-from app.core.reference import AgainstReference, Reference, answer_logps
+from app.core.reference import AgainstReference, Reference, answer_logps, counted_at_least_one, target_logps
+from app.core.sequence_step import Group, Sliced
 from app.core.tasks import answer_prompts, without_dropout
 from app.distributed import dist
 from app.ds.precision import compute_dtype
@@ -56,9 +57,12 @@ class PreferenceStep(TrainStep):
     mean over its pairs however they split; the rewards summed beside it."""
     metrics = METRICS
 
+    group = None
+    """The sequence-parallel Group whose ranks each hold a slice of the pairs (SequencePairStep), or None."""
+
     def __init__(self, engine, task, compile_model: bool, board=None):
         super().__init__(engine, task, compile_model, board)
-        self.reference = task.live_reference(engine)
+        self.reference = task.live_reference(engine, self.group)
 
     def batch_loss(self, batch) -> tuple:
         """(the micro batch's weighted loss, its sums for the meter, its weights)."""
@@ -69,7 +73,7 @@ class PreferenceStep(TrainStep):
         w = w.to(device, non_blocking=True)
         reference = self.reference(ids, labels).view(-1, 2) if self.reference is not None else \
             given.to(device, non_blocking=True)
-        _, policy = self.logits_and_losses([ids], labels)
+        policy = self.answer_logps(ids, labels)
         task = self.task
         losses, chosen, rejected = pair_losses(task.loss_kind, task.beta, task.gamma, policy.view(-1, 2, 2),
                                                reference)
@@ -79,6 +83,10 @@ class PreferenceStep(TrainStep):
                 "reward_accuracy": ((chosen > rejected).float() * w).sum()}
         return (losses * w).sum(), sums, w
 
+    def answer_logps(self, ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """(sequences, 2): the policy's log-probability of each sequence's answer and its token count."""
+        return self.logits_and_losses(self.with_targets([ids], labels), labels)[1]
+
     def evaluate(self, loader) -> dict:
         """The held-out pairs' loss and rewards over every rank's shard, padding excluded: means over pairs."""
         engine = self.engine
@@ -87,10 +95,32 @@ class PreferenceStep(TrainStep):
         with torch.no_grad():
             for batch in loader:
                 _, sums, w = self.batch_loss(batch)
+                w = self.meter_weights(w)
                 meter.add((w > 0).sum(), w.sum(), **sums)
         engine.train()
         result = meter.reduce()
         return {f"eval_{name}": result[name] for name in self.metrics}
+
+
+class SequencePairStep(Sliced, PreferenceStep):
+    """PreferenceStep on a rank that holds a slice of every pair's sequences (sequence parallelism): the policy and
+    the reference on the slice, their log-probabilities summed over the group before the loss (Group.whole: each
+    rank backpropagates the pairs' loss through its own slice), the meters counting the group's first rank."""
+
+    def forward(self, engine, loss, inputs: list, labels: torch.Tensor) -> tuple:
+        """(this slice's logits, or their TokenSums; each sequence's log-probability and token count on the
+        slice)."""
+        logits, targets = self.on_slice(engine, inputs, labels)
+        return logits, target_logps(logits, targets)
+
+    def answer_logps(self, ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        return counted_at_least_one(self.group.whole(super().answer_logps(ids, labels)))
+
+    def batch_loss(self, batch) -> tuple:
+        """Every rank of the group holds the pairs' whole loss: the meters take the first rank's sums."""
+        loss, sums, w = super().batch_loss(batch)
+        first = float(self.group.rank == 0)
+        return loss, {name: value * first for name, value in sums.items()}, w
 
 
 class Preference(AgainstReference):
@@ -101,6 +131,7 @@ class Preference(AgainstReference):
     loss = staticmethod(answer_logps)  # the step's forward gives each sequence's terms; pair_losses combines them
     log_columns = (*METRICS[1:], *(f"eval_{name}" for name in METRICS[1:]))
     summary_metrics = ("eval_loss", "eval_reward_accuracy")
+    splits_sequences = tiled_loss = True
 
     def __init__(self, settings: Settings, spec, data=None, tokenizer=None):
         """What the settings ask of the loss and the reference; a frozen copy comes with before_search()."""
@@ -136,7 +167,7 @@ class Preference(AgainstReference):
         """While the engine holds the base model's weights: the precomputed log-probabilities; says which reference
         the run trains against."""
         if self.reference_kind == "precomputed":
-            reference.precompute(lambda: Reference(engine, adapters_off=self.settings.lora),
+            reference.precompute(lambda: Reference(engine, self.settings.lora, Group.of(engine), self.fused_logits),
                                  [self.data.train, self.data.held_out], self.base(), compute_dtype(engine),
                                  ds["train_micro_batch_size_per_gpu"], output_dir)
         dist.print0(f"preference: {self.loss_kind} loss, beta {self.beta:g}"
@@ -152,6 +183,9 @@ class Preference(AgainstReference):
 
     def make_step(self, engine, compile_model: bool, board=None) -> TrainStep:
         return PreferenceStep(engine, self, compile_model, board)
+
+    def make_sequence_step(self, engine, compile_model: bool, board=None) -> TrainStep:
+        return SequencePairStep(engine, self, compile_model, board)
 
     def answer_prompts(self, count: int) -> list:
         return answer_prompts(self.data.held_out, count)

@@ -12,6 +12,7 @@ import torch.nn.functional as F
 
 from app.checkpoint.save import atomic_write
 from app.distributed import dist
+from app.core.fused_loss import TokenSums, next_token_targets
 from app.core.tasks import TextTask
 from app.data.chat import IGNORE
 from app.ds import internals as ds_internals
@@ -20,13 +21,28 @@ from app.ds import run_dict
 FILE = "reference-logps-{}.json"
 
 
-def answer_logps(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+def answer_logps(logits, labels: torch.Tensor) -> torch.Tensor:
     """(sequences, 2): each sequence's log-probability of its labelled tokens (summed, in fp32) and how many
-    there are."""
-    rows, targets = logits[:, :-1].reshape(-1, logits.size(-1)), labels[:, 1:].reshape(-1)
-    logp = -F.cross_entropy(rows.float(), targets, reduction="none", ignore_index=IGNORE)
-    counted = (labels[:, 1:] != IGNORE).sum(1).clamp(min=1).float()
-    return torch.stack([logp.view(len(logits), -1).sum(1), counted], 1)
+    there are (at least 1); logits: the sequences' logits, or the TokenSums of an output layer tiled with the loss
+    (app/core/fused_loss.py)."""
+    shifted = logits if isinstance(logits, TokenSums) else logits[:, :-1]  # TokenSums: of next-token targets
+    return counted_at_least_one(target_logps(shifted, labels[:, 1:]))
+
+
+def target_logps(logits, targets: torch.Tensor) -> torch.Tensor:
+    """(sequences, 2): each sequence's summed log-probability (fp32) of the targets its positions predict, and how
+    many are counted (a slice of a sequence: its share of both); logits: the positions' logits, or their
+    TokenSums."""
+    counted = (targets != IGNORE).sum(1).float()
+    if isinstance(logits, TokenSums):  # the summed cross entropy of the counted targets
+        return torch.stack([-logits.loss, counted], 1)
+    logp = -F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), reduction="none", ignore_index=IGNORE)
+    return torch.stack([logp.view(len(targets), -1).sum(1), counted], 1)
+
+
+def counted_at_least_one(logps: torch.Tensor) -> torch.Tensor:
+    """(sequences, 2) log-probabilities and counts, a count of 0 (no answer token) taken as 1."""
+    return torch.stack([logps[:, 0], logps[:, 1].clamp(min=1)], 1)
 
 
 def frozen_copy(build, ds: dict, replicas: int):
@@ -56,11 +72,12 @@ def _place(sets, output_dir: Path, key: str) -> Path:
 
 
 def _compute(reference, pairs, micro: int) -> list:
-    """[[chosen, rejected]] log-probabilities of every pair: each rank computes every world-th pair, micro pairs at
-    a time, all ranks the same number of forwards (ZeRO-3 gathers in each), then they are summed across ranks."""
-    rank, world = dist.rank(), dist.world_size()
-    mine = list(range(rank, len(pairs), world))
-    padded = mine + [mine[0] if mine else 0] * (-(-len(pairs) // world) - len(mine))  # repeats, not kept
+    """[[chosen, rejected]] log-probabilities of every pair: each data-parallel replica computes every replicas-th
+    pair, micro pairs at a time, all ranks the same number of forwards (ZeRO-3 gathers in each), then they are summed
+    across ranks (of a sequence-parallel group, the first rank's alone)."""
+    share, shares, counts = reference.share()
+    mine = list(range(share, len(pairs), shares))
+    padded = mine + [mine[0] if mine else 0] * (-(-len(pairs) // shares) - len(mine))  # repeats, not kept
     table = torch.zeros(len(pairs), 2, dtype=torch.float64)
     device = reference.engine.device
     for start in range(0, len(padded), micro):
@@ -69,7 +86,8 @@ def _compute(reference, pairs, micro: int) -> list:
         labels = torch.stack([y[0] for _, y in items]).to(device).flatten(0, 1)
         logps = reference(ids, labels).view(-1, 2).double().cpu()
         kept = mine[start:start + micro]
-        table[kept] = logps[:len(kept)]
+        if counts:
+            table[kept] = logps[:len(kept)]
     return [list(pair) for pair in torch.tensor(dist.host_sum(table.flatten().tolist())).view(-1, 2).tolist()]
 
 
@@ -93,16 +111,33 @@ def precompute(reference_of, sets, base: str, dtype, micro: int, output_dir: Pat
 
 class Reference:
     """The reference's logits, or log-probabilities of a micro batch's answers, under no_grad, eager, in eval mode.
-    engine: the policy's engine (adapters_off: its LoRA adapters switched off) or a frozen copy's."""
+    engine: the policy's engine (adapters_off: its LoRA adapters switched off) or a frozen copy's; group: the
+    sequence-parallel Group (app/core/sequence_step.py) whose ranks each run a slice of the sequences, or None;
+    fused: the output layer runs tiled with the log-probabilities, as the policy's does (--tiled), never the whole
+    logits."""
 
-    def __init__(self, engine, adapters_off: bool):
-        self.engine, self.adapters_off = engine, adapters_off
+    def __init__(self, engine, adapters_off: bool, group=None, fused: bool = False):
+        self.engine, self.adapters_off, self.group, self.fused = engine, adapters_off, group, fused
 
     def __call__(self, ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        return answer_logps(self.logits(ids), labels)[:, 0]
+        """Each sequence's log-probability of its answer (under sequence parallelism: its slices' summed)."""
+        if self.group is None:
+            return answer_logps(self.logits(ids, None, next_token_targets(labels) if self.fused else None),
+                                labels)[:, 0]
+        ids, positions, targets = self.group.slice([ids], labels)
+        return self.group.whole(target_logps(self.logits(ids, positions, targets if self.fused else None),
+                                             targets))[:, 0]
 
-    def logits(self, ids: torch.Tensor) -> torch.Tensor:
-        """The reference's logits of the sequences."""
+    def share(self) -> tuple:
+        """(which share of a set this rank computes, of how many, whether its results count): a share a rank, or
+        under sequence parallelism a share a group, counted on the group's first rank."""
+        if self.group is None:
+            return dist.rank(), dist.world_size(), True
+        return self.group.replica, self.group.replicas, self.group.rank == 0
+
+    def logits(self, *inputs: torch.Tensor) -> torch.Tensor:
+        """The reference's logits of the sequences (inputs: the ids, then the model's second input and the targets
+        that make it return TokenSums in their place, where given)."""
         engine = self.engine
         training = engine.module.training
         off = engine.module.hf.disable_adapter() if self.adapters_off else contextlib.nullcontext()
@@ -110,7 +145,8 @@ class Reference:
         try:
             with torch.no_grad(), torch.compiler.set_stance("force_eager"), off:
                 # the policy's own engine: its forward counts as part of the policy's step (ZeRO-3's gather order)
-                return ds_internals.forward_within_the_step(engine, ids) if self.adapters_off else engine(ids)
+                return ds_internals.forward_within_the_step(engine, *inputs) if self.adapters_off else \
+                    engine(*inputs)
         finally:
             engine.train(training)
 
@@ -120,12 +156,12 @@ class AgainstReference(TextTask):
     with its LoRA adapters off, or a frozen copy built as it is; reference_kind says which (the subclass sets it)."""
     frozen = None
 
-    def live_reference(self, engine):
+    def live_reference(self, engine, group=None):
         """The Reference a step asks for each micro batch: the adapters off, the frozen copy, or None (none, or one
-        the batch brings, or before before_search(): a tool's steps)."""
+        the batch brings, or before before_search(): a tool's steps); group: as Reference's."""
         if self.reference_kind == "adapters off":
-            return Reference(engine, adapters_off=True)
-        return Reference(self.frozen, False) if self.frozen is not None else None
+            return Reference(engine, True, group, self.fused_logits)
+        return Reference(self.frozen, False, group, self.fused_logits) if self.frozen is not None else None
 
     def before_search(self, ds: dict, replicas: int):
         """The frozen copy, when the run trains against one, so the search's trial steps carry it as the run will."""

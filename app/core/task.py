@@ -3,14 +3,15 @@
 train.py, the loop, the micro batch search, the memory plan and the tools call these hooks on every task, whatever
 its kind; a new kind of training is a new subclass (docs/architecture.md, "Adding a task"). The hooks in the order a
 run calls them: check_layout, build_model (many times: the micro batch search's trials, the reference, the run),
-before_search, after_trial, flops_per_sample, before_load, eager_because, load_rank_files (on resume), make_step,
-then, while training, loss, correct, eval_metrics, save_files and save_rank_files; at the end, per_sample and
-summary_metrics.
+before_search, after_trial, flops_per_sample, before_load, eager_because, load_rank_files (on resume), make_step
+(make_sequence_step under sequence parallelism), then, while training, loss, correct, eval_metrics, save_files and
+save_rank_files; at the end, per_sample and summary_metrics.
 """
 from pathlib import Path
 
 from torch import nn
 
+from app.core.sequence_step import SequenceStep
 from app.core.step import TrainStep
 from app.data import Data, DataInfo
 from app.errors import UserError
@@ -35,12 +36,15 @@ class Task:
     sampled = 0
     """Completions the run samples for each sample it trains on (online RL's group; 0: none), which the memory plan
     counts."""
+    tiled_loss = False
+    """Whether the loss can take, in place of the logits, the TokenSums of an output layer tiled with it
+    (next_token_loss can): --tiled then runs them tile by tile."""
     fused_logits = False
     """Whether the step hands the model each micro batch's next-token targets, for the output layer and the loss to
-    run tile by tile (--tiled: app/core/fused_loss.py); set on a task whose loss is next_token_loss."""
+    run tile by tile (--tiled: app/core/fused_loss.py); set by the layout on a task with a tiled_loss."""
     splits_sequences = False
-    """Whether the loss is a sum over next tokens, which ranks that each hold a part of a sequence can share
-    (DeepSpeed's Ulysses: app/parallel/sequence_parallel.py)."""
+    """Whether ranks that each hold a slice of every sequence can train the task (DeepSpeed's Ulysses: its step is
+    make_sequence_step's)."""
     spec = None
     """The transformers model's HFSpec (app/core/models.py); None for other models."""
     tokenizer = None
@@ -74,9 +78,9 @@ class Task:
             raise UserError("packing and pipeline stages: a stage takes input ids alone, not the position ids that "
                             "keep packed rows apart; pass --packing off")
         if ranks.sequence > 1 and not self.splits_sequences:
-            raise UserError(f"sequence parallelism (sequence_parallel_size {ranks.sequence}) splits next-token losses "
-                            f"(--task causal_lm or instruction), not {self.name}'s; pick a ds_config without "
-                            f"sequence_parallel_size")
+            raise UserError(f"sequence parallelism (sequence_parallel_size {ranks.sequence}) splits the losses of "
+                            f"--task causal_lm, instruction and preference, not {self.name}'s; pick a ds_config "
+                            f"without sequence_parallel_size")
         if self.data is not None and self.data.info.packed and ranks.sequence > 1:
             raise UserError("packing and sequence parallelism: DeepSpeed's Ulysses drops the attention mask, and sdpa "
                             "then lets packed rows see each other; pass --packing off")
@@ -104,6 +108,11 @@ class Task:
     def make_step(self, engine, compile_model: bool, board=None) -> TrainStep:
         """The step the loop runs on each micro batch (app/core/step.py)."""
         return TrainStep(engine, self, compile_model, board)
+
+    def make_sequence_step(self, engine, compile_model: bool, board=None) -> TrainStep:
+        """The step under sequence parallelism, where each rank holds a slice of every sequence
+        (app/core/sequence_step.py): a next-token loss's shares."""
+        return SequenceStep(engine, self, compile_model, board)
 
     def eval_metrics(self, loss: float) -> dict:
         """Metrics an evaluation derives from its loss (perplexity)."""

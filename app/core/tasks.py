@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from app.core import lora, models, packing
-from app.core.fused_loss import TokenSums
+from app.core.fused_loss import TokenSums, counted_next_tokens
 from app.core.task import Task
 from app.data import Data
 from app.data import DataInfo, TextModel
@@ -29,11 +29,6 @@ def class_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
 def class_correct(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     """1.0 where the top class is the label, else 0.0."""
     return (logits.argmax(-1) == labels).float()
-
-
-def counted_next_tokens(labels: torch.Tensor) -> torch.Tensor:
-    """How many next tokens each sample predicts (labels of IGNORE, prompts and padding, are left out), at least 1."""
-    return (labels[:, 1:] != IGNORE).sum(1).clamp(min=1)
 
 
 def _next_token(logits: torch.Tensor, labels: torch.Tensor):
@@ -164,7 +159,7 @@ def answer_prompts(held, count: int) -> list:
 class CausalLM(TextTask):
     """Next-token prediction on blocks of text."""
     name = "causal_lm"
-    splits_sequences = True
+    splits_sequences = tiled_loss = True
     loss = staticmethod(next_token_loss)
     correct = staticmethod(next_token_correct)
     summary_metrics = ("eval_loss", "eval_accuracy", "eval_perplexity")

@@ -110,6 +110,27 @@ def host_max(values) -> list:
     return _host_reduce(values, torch_dist.ReduceOp.MAX)
 
 
+def group_sum(part: torch.Tensor, group) -> torch.Tensor:
+    """part summed over the ranks of group, its gradient passed back to part unchanged: every rank of the group
+    computes the same loss from the sum, so each rank's part takes the loss's gradient once (an all-reduce of the
+    gradients, torch.distributed.nn's, would count it once per rank)."""
+    return _GroupSum.apply(part, group)
+
+
+class _GroupSum(torch.autograd.Function):
+    """group_sum's forward and backward."""
+
+    @staticmethod
+    def forward(ctx, part: torch.Tensor, group) -> torch.Tensor:
+        whole = part.clone()
+        torch_dist.all_reduce(whole, group=group)
+        return whole
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad, None
+
+
 def broadcast_object(obj):
     """rank 0's obj (a JSON value) on every rank, over the host group."""
     return gather_objects(obj if is_main() else None)[0] if many() else obj

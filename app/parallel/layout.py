@@ -44,7 +44,7 @@ class RankLayout:
         if self.split:
             return pipeline.PipeStep(engine, task, compile_model, board)
         if self.sequence > 1:
-            return sequence_parallel.SequenceStep(engine, task, compile_model, board)
+            return task.make_sequence_step(engine, compile_model, board)
         return task.make_step(engine, compile_model, board)
 
     def describe(self, engine, task) -> str:

@@ -2,19 +2,9 @@
 "sequence_parallel_size": N splits each sequence over N consecutive ranks. Each rank holds T/N of its tokens, and
 inside attention all T tokens of heads/N heads (DeepSpeed's all-to-all before and after each attention).
 
-The N ranks of a group are one data-parallel replica: they load the same micro batch, and each takes its slice of
-the positions. The next-token targets are shifted over the whole sequence first, so the last token of a slice
-predicts the first token of the next. A rank's loss is its slice's share of each sample's mean (its tokens' losses
-over the sample's counted tokens in the whole sequence); DeepSpeed sums the gradients over all ranks and divides by
-the replicas, so a step's gradient is the one SP=1 takes on the same global batch.
+This module checks the degree and the model and routes the model's attention through Ulysses; the step of a rank
+that holds a slice of each sequence, and how the losses split over the slices, are app/core/sequence_step.py's.
 """
-import torch
-import torch.nn.functional as F
-
-from app.core.fused_loss import TokenSums
-from app.core.step import TrainStep
-from app.core.tasks import counted_next_tokens as counted  # over each sample's whole sequence
-from app.data.chat import IGNORE
 from app.errors import UserError
 
 KEY = "sequence_parallel_size"
@@ -68,8 +58,8 @@ def check_model(model, degree: int, model_name: str):
 
 
 def attach(model, degree: int, model_name: str):
-    """Route the model's attention through DeepSpeed's Ulysses over the sequence-parallel group, the model then
-    taking position ids (each rank's slice of the positions) as its second input."""
+    """Route the model's attention through DeepSpeed's Ulysses over the sequence-parallel group (the model, built
+    for the JSON, takes each rank's slice of the positions as its second input: app/core/models.py build_hf)."""
     check_model(model, degree, model_name)
     from deepspeed.runtime.sequence_parallel.ulysses_sp import UlyssesSPAttentionHF
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
@@ -94,70 +84,6 @@ def attach(model, degree: int, model_name: str):
         return by_batch[batch](module, query, key, value, None, *args, **kwargs)
     ulysses.app_core = core
     ALL_ATTENTION_FUNCTIONS[attention] = ulysses
-    model.second = "position_ids"
-
-
-def sliced(inputs: list, labels: torch.Tensor, degree: int, rank: int) -> tuple:
-    """(ids, positions, next-token targets) of this rank's slice of the micro batch; the sequence padded at its end
-    to a multiple of degree with untrained positions."""
-    ids = inputs[0]
-    length = -(-ids.shape[1] // degree) * degree
-    pad = length - ids.shape[1]
-    targets = F.pad(labels[:, 1:], (0, pad + 1), value=IGNORE)
-    ids = F.pad(ids, (0, pad), value=0)
-    positions = torch.arange(length, device=ids.device).expand(ids.shape[0], -1)
-    part = slice(rank * length // degree, (rank + 1) * length // degree)
-    return ids[:, part], positions[:, part], targets[:, part]
-
-
-class SequenceStep(TrainStep):
-    """The step of a sequence-parallel rank: the model on its slice, the loss its share of each sample's mean;
-    only the group's first rank counts the samples for the meters (the others add their losses' shares alone)."""
-
-    def __init__(self, engine, task, compile_model: bool, board=None):
-        self.degree, self.rank = engine.mpu.get_sequence_parallel_world_size(), engine.mpu.get_sequence_parallel_rank()
-        # DeepSpeed 0.19.8's ZeRO-3 reduce-scatter averages gradients over every rank, where ZeRO 0-2 (and its own
-        # all-reduce path) divide by the data-parallel replicas alone: its gradients come out 1/degree of the
-        # sequence's, which Adam hides but clipping does not. The loss is scaled to make up for it.
-        self.scale = self.degree if engine.zero_optimization_stage() == 3 else 1
-        super().__init__(engine, task, compile_model, board)
-        if self.compiler is not None:
-            self.compiler.forward = self.forward
-
-    def forward(self, engine, loss, inputs: list, labels: torch.Tensor) -> tuple:
-        """(this slice's logits, or their TokenSums where the task fuses them with the loss; each sample's share of
-        its mean next-token loss)."""
-        ids, positions, targets = sliced(inputs, labels, self.degree, self.rank)
-        if self.task.fused_logits:
-            sums = engine(ids, positions, targets)
-            return sums, sums.loss / counted(labels)
-        logits = engine(ids, positions)
-        losses = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), reduction="none",
-                                 ignore_index=IGNORE)
-        return logits, losses.view(len(ids), -1).sum(1) / counted(labels)
-
-    def batch_loss(self, batch) -> tuple:
-        loss, sums, weights = super().batch_loss(batch)
-        return loss * self.scale, sums, weights
-
-    def logits_and_losses(self, inputs: list, labels: torch.Tensor) -> tuple:
-        if self.compiler is not None:
-            return self.compiler(inputs, labels)
-        return self.forward(self.engine, None, inputs, labels)
-
-    def with_targets(self, inputs: list, labels: torch.Tensor) -> list:
-        return inputs  # forward slices the targets with the sequence
-
-    def correct(self, logits, labels: torch.Tensor) -> torch.Tensor:
-        """Each sample's share of its next tokens predicted right, on this slice."""
-        if isinstance(logits, TokenSums):
-            return logits.right / counted(labels)
-        targets = sliced([labels], labels, self.degree, self.rank)[2]
-        right = (logits.argmax(-1) == targets) & (targets != IGNORE)
-        return right.sum(1) / counted(labels)
-
-    def meter_weights(self, weights: torch.Tensor) -> torch.Tensor:
-        return weights if self.rank == 0 else torch.zeros_like(weights)
 
 
 def describe(degree: int, replicas: int) -> str:

@@ -103,7 +103,7 @@ def for_run(model: nn.Module, task, sequence: int, model_name: str):
     choice = task.settings.tiled
     wanted = choice == "on" or (choice == "auto" and sequence > 1)
     transformers_model = hasattr(model, "hf")  # else no blocks of MLPs, no output layer of its own
-    task.fused_logits = wanted and transformers_model and task.splits_sequences and not _own_logits(model)
+    task.fused_logits = wanted and transformers_model and task.tiled_loss and not _own_logits(model)
     if choice == "on" and not transformers_model:
         raise UserError(f"--tiled on: {model_name} is not a transformers model; pass --tiled off")
     if not (wanted and transformers_model):

@@ -1,5 +1,6 @@
 """Run time inside the process group: who this rank is, printing from rank 0, and the app's collectives, which
-travel on the host group (gloo, CPU tensors) beside the device group, tested across real gloo ranks."""
+travel on the host group (gloo, CPU tensors) beside the device group, and the sum over a group of the device group's
+ranks that passes each its gradient once, tested across real gloo ranks."""
 import datetime
 import os
 import signal
@@ -36,6 +37,7 @@ def _collectives(rank, world, tmp):
     assert dist.host_max([rank, -rank]) == [world - 1, 0]
     assert dist.host_sum([1, rank]) == [world, sum(range(world))]
     assert dist.gather_objects(["rank", rank]) == [["rank", r] for r in range(world)]
+    _group_sum(rank, world)
     _stop_step(rank, world)
     marker = tmp / "first"
     with dist.main_process_first():
@@ -47,6 +49,16 @@ def _collectives(rank, world, tmp):
     _store_takes_no_pickle(rank, tmp)
     _outcomes(rank, world)
     dist.teardown()
+
+
+def _group_sum(rank, world):
+    """Every rank takes the same loss of the sum, and its part the loss's gradient once: the ranks' gradients then
+    add up to the sum's (sequence parallelism's per-sequence sums: app/core/sequence_step.py)."""
+    part = torch.tensor([1.0 + rank, 10.0 * (rank + 1)], requires_grad=True)
+    whole = dist.group_sum(part, None)  # None: the default group, every rank
+    (whole ** 2).sum().backward()
+    expected = [sum(1.0 + r for r in range(world)), sum(10.0 * (r + 1) for r in range(world))]
+    assert whole.tolist() == expected and part.grad.tolist() == [2 * e for e in expected]
 
 
 # What a third process writes under a run's key of the store (the default group's prefixes, then the Board's): a

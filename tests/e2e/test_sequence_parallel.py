@@ -1,6 +1,6 @@
 """Sequence parallelism through DeepSpeed's Ulysses for real: llama-tiny with each sequence split over 2 gloo ranks
-against one process on the same global batch, under ZeRO 0-3 and with ZeRO-2 and ZeRO-3 offload; resume on one
-rank; the one-line refusals."""
+against one process on the same global batch, under ZeRO 0-3 and with ZeRO-2 and ZeRO-3 offload; instruction chats
+and preference pairs alike; resume on one rank; the one-line refusals."""
 import pytest
 import torch
 
@@ -9,6 +9,9 @@ from conftest import config_variant, read_metrics, read_summary, run, train_comm
 SHORT = ["--block_size", 32, "--max_steps", 8, "--log_interval", 1, "--seed", 3, "--save_interval", 4]
 LLAMA = ["--model", "llama-tiny", *SHORT]
 STAGES = (0, 1, 2, 3)
+BRISK = {"type": "WarmupCosineLR", "params": {"warmup_num_steps": 1, "warmup_type": "linear", "cos_min_ratio": 0.5}}
+"""The preference runs' schedule: the JSON's peak rate from the third step on (DeepSpeed's first two steps take a
+rate of 0 after any warmup), so that the pairs' rewards move within 8 steps."""
 
 
 def variant(folder, name: str, stage: int, **changes):
@@ -30,27 +33,38 @@ def offloaded(folder, stage: int, sequence: int):
 def runs(tmp_path_factory):
     """tag -> (output_dir, rank 0's output): llama-tiny in one process under ZeRO 0 and 3 (zero.Init draws other
     initial weights) and at sequence_parallel_size 2 on 2 ranks under ZeRO 0-3; instruction chats (answer tokens
-    only, padded rows) on a saved model, with and without LoRA, in one process and at SP=2 under ZeRO-3."""
-    from app.tools.instructions import write, write_model
+    only, padded rows) on a saved model, with and without LoRA, in one process and at SP=2 under ZeRO-3; preference
+    pairs on it, in one process and at SP=2 under ZeRO 0 and 3 (a frozen copy partitioned over both ranks), and with
+    LoRA (the reference computed live with the adapters off in one process, precomputed at SP=2)."""
+    from app.tools.instructions import write, write_model, write_pairs
     root = tmp_path_factory.mktemp("sequence-parallel")
     corpus = write_text_rows(root / "corpus.txt", 600)
     text = [*LLAMA, "--dataset", corpus]
-    chats = ["--model", write_model(root, seed=0), "--dataset", write(root, 300, seed=0), "--packing", "off",
-             *SHORT[2:], "--block_size", 96]
+    model = write_model(root, seed=0)
+    chats = ["--model", model, "--dataset", write(root, 300, seed=0), "--packing", "off", *SHORT[2:],
+             "--block_size", 96]
+    pair_rows = write_pairs(root, 64, seed=3)
+    pairs = ["--model", model, "--dataset", pair_rows, *SHORT[2:], "--block_size", 96, "--eval_answers", 0]
     ones = {**{f"one{s}": (variant(root / f"one{s}", "dp", s), text) for s in (0, 3)},
             "chats-one": (variant(root / "chats-one", "dp", 0), chats),
             "lora-one": (variant(root / "lora-one", "dp", 0), [*chats, "--lora"]),
-            **{f"offload{s}-one": (offloaded(root / f"offload{s}-one", s, 1), text) for s in (2, 3)}}
+            **{f"offload{s}-one": (offloaded(root / f"offload{s}-one", s, 1), text) for s in (2, 3)},
+            "pairs-one": (variant(root / "pairs-one", "dp", 0, scheduler=BRISK), pairs),
+            "pairs-lora-one": (variant(root / "pairs-lora-one", "dp", 0, scheduler=BRISK), [*pairs, "--lora"])}
     twos = {**{f"sp{s}": (variant(root / f"sp{s}", "sequence_parallel", s), text) for s in STAGES},
             "chats-sp": (variant(root / "chats-sp", "sequence_parallel", 3), chats),
             "lora-sp": (variant(root / "lora-sp", "sequence_parallel", 3), [*chats, "--lora"]),
-            **{f"offload{s}-sp": (offloaded(root / f"offload{s}-sp", s, 2), text) for s in (2, 3)}}
+            **{f"offload{s}-sp": (offloaded(root / f"offload{s}-sp", s, 2), text) for s in (2, 3)},
+            **{f"pairs-sp{s}": (variant(root / f"pairs-sp{s}", "sequence_parallel", s, scheduler=BRISK), pairs)
+               for s in (0, 3)},
+            "pairs-lora-sp": (variant(root / "pairs-lora-sp", "sequence_parallel", 3, scheduler=BRISK),
+                              [*pairs, "--lora", "--reference", "precompute"])}
     made = {}
     for launcher, nproc, jobs in (("python", 1, ones), ("ranks", 2, twos)):
         outputs = train_jobs(launcher, nproc, [["--deepspeed_config", config, *args, "--output_dir", root / tag]
                                                for tag, (config, args) in jobs.items()])
         made.update({tag: (root / tag, out) for tag, out in zip(jobs, outputs)})
-    return {"corpus": corpus, **made}
+    return {"corpus": corpus, "pairs": pair_rows, **made}
 
 
 def losses(folder) -> list:
@@ -102,6 +116,36 @@ def test_instruction_chats_split_over_two_ranks_train_as_in_one_process(kind, ru
     assert "answers: not generated under sequence parallelism" in stdout
 
 
+PAIR_METRICS = ("loss", "rewards_chosen", "rewards_rejected", "reward_accuracy")
+
+
+@pytest.mark.parametrize("tag, one, reference", [("pairs-sp0", "pairs-one", "frozen copy"),
+                                                 ("pairs-sp3", "pairs-one", "frozen copy"),
+                                                 ("pairs-lora-sp", "pairs-lora-one", "precomputed")])
+def test_preference_pairs_split_over_two_ranks_train_as_in_one_process(tag, one, reference, runs):
+    """Each answer's log-probability is the sum of its two slices' (the group's sum, each rank backpropagating the
+    pair's loss through its own slice), for the policy and the reference alike: the losses, rewards and evaluation
+    of one process. The precomputed reference is computed at SP=2 by each group's ranks together, and matches the
+    live one (the adapters off) of the one-process run. At SP=2 (--tiled auto) the output layer runs with the
+    log-probabilities, the policy's and the reference's alike (one tile of a slice's 48 positions here; more:
+    test_tiled_pairs_train_as_whole_ones)."""
+    out, stdout = runs[tag]
+    train, held = read_metrics(out)
+    alone, alone_held = read_metrics(runs[one][0])
+    assert len(train) == len(alone) == 8
+    assert max(abs(r["reward_margin"]) for r in train) > 1e-3, "the policy moved away from the reference"
+    for name in PAIR_METRICS:
+        pairs = [(a[name], b[name]) for a, b in zip(alone, train)]
+        assert max(abs(a - b) for a, b in pairs) < 1e-5, (name, pairs)
+    assert abs(held[-1]["eval_loss"] - alone_held[-1]["eval_loss"]) < 1e-5, (held, alone_held)
+    assert held[-1]["eval_reward_accuracy"] == alone_held[-1]["eval_reward_accuracy"]
+    assert "DeepSpeed Ulysses splits each sequence over 2 ranks" in stdout
+    assert "the output layer with the loss (never the whole logits)" in stdout
+    assert f"reference: {reference}" in stdout
+    if reference == "precomputed":
+        assert "log-probabilities of 64 pairs computed once" in stdout
+
+
 @pytest.mark.parametrize("stage", [0, 3])
 def test_a_sequence_parallel_checkpoint_resumes_in_one_process(stage, runs, tmp_path):
     """Step 4 of the SP=2 run, resumed on one rank without sequence parallelism, trains on to SP=2's losses."""
@@ -135,7 +179,8 @@ def tied_gpt2(folder):
 def tiled_runs(runs, tmp_path_factory):
     """tag -> (output_dir, rank 0's output), tiled and whole: llama-tiny-long at 1,024 tokens (512 per rank: 2 tiles
     of its width 256), SP=2 under ZeRO-3; a tied GPT-2 at 512 tokens (8 tiles of width 64) in one process under
-    ZeRO-2, whose tied output layer must get its gradient once."""
+    ZeRO-2, whose tied output layer must get its gradient once; preference pairs on that GPT-2 at 96 tokens (2
+    tiles)."""
     root = tmp_path_factory.mktemp("tiled")
     long = ["--deepspeed_config", config_variant(root, "sequence_parallel", train_micro_batch_size_per_gpu=1,
                                                  gradient_accumulation_steps=2, zero_optimization={"stage": 3}),
@@ -145,8 +190,13 @@ def tiled_runs(runs, tmp_path_factory):
                                                  gradient_accumulation_steps=2),
             "--dataset", runs["corpus"], "--model", tied_gpt2(root / "gpt2"), "--block_size", 512, "--max_steps", 3,
             "--log_interval", 1, "--seed", 3]
+    pairs = ["--deepspeed_config", config_variant(root, "zero2", train_micro_batch_size_per_gpu=2,
+                                                  gradient_accumulation_steps=2, scheduler=BRISK),
+             "--dataset", runs["pairs"], "--model", root / "gpt2", "--block_size", 96, "--max_steps", 6,
+             "--log_interval", 1, "--seed", 3, "--eval_answers", 0]
     made = {}
-    for launcher, nproc, name, args in (("ranks", 2, "long", long), ("python", 1, "tied", tied)):
+    for launcher, nproc, name, args in (("ranks", 2, "long", long), ("python", 1, "tied", tied),
+                                        ("python", 1, "pairs", pairs)):
         outputs = train_jobs(launcher, nproc, [[*args, "--tiled", choice, "--output_dir", root / f"{name}-{choice}"]
                                                for choice in ("on", "off")])
         made.update({f"{name}-{choice}": (root / f"{name}-{choice}", out) for choice, out in zip(("on", "off"),
@@ -168,9 +218,25 @@ def test_tiles_train_as_the_whole_model(name, mlps, tiled_runs):
     assert evals[0] and abs(evals[0][-1] - evals[1][-1]) < 1e-5, evals
 
 
+def test_tiled_pairs_train_as_whole_ones(tiled_runs):
+    """Preference pairs with --tiled on: the policy's and the reference's output layers run over 2 tiles with the
+    answers' log-probabilities, the tied one's gradient reduced once under ZeRO-2: the whole model's losses and
+    rewards, the reference's log-probabilities the policy's own at the start (rewards of 0)."""
+    (on, said), (off, plain) = tiled_runs["pairs-on"], tiled_runs["pairs-off"]
+    assert "tiled: 2 MLPs (DeepSpeed TiledMLP) and the output layer with the loss (never the whole logits)" in said
+    assert "tiled:" not in plain
+    tiled, whole = read_metrics(on)[0], read_metrics(off)[0]
+    assert len(tiled) == 6 and tiled[0]["rewards_chosen"] == tiled[0]["rewards_rejected"] == 0
+    assert max(abs(r["reward_margin"]) for r in tiled) > 1e-3, "the policy moved away from the reference"
+    for name in PAIR_METRICS:
+        pairs = [(a[name], b[name]) for a, b in zip(tiled, whole)]
+        assert max(abs(a - b) for a, b in pairs) < 1e-5, (name, pairs)
+
+
 @pytest.mark.parametrize("args, said", [
     (["--model", "gpt2-tiny", "--attention", "eager"], "runs attention 'eager', which the app does not split"),
-    (["--task", "sequence_classification"], "splits next-token losses (--task causal_lm or instruction)"),
+    (["--task", "sequence_classification"], "splits the losses of --task causal_lm, instruction and preference, "
+                                            "not sequence_classification's"),
 ])
 def test_what_ulysses_cannot_split_is_one_line(args, said, runs, tmp_path):
     config = variant(tmp_path, "sequence_parallel", 0)

@@ -46,7 +46,10 @@ def test_the_file_sits_beside_the_cached_pairs_else_in_the_output_folder(tmp_pat
 
 
 class TinyReference:
-    """A fixed random bigram model's log-probabilities of the answers, as app.core.reference.Reference gives."""
+    """A fixed random bigram model's log-probabilities of the answers, as app.core.reference.Reference gives; each
+    rank its own share of the pairs, as a Reference without sequence parallelism."""
+    share = reference.Reference.share
+    group = None
 
     def __init__(self):
         self.engine = types.SimpleNamespace(device=torch.device("cpu"))

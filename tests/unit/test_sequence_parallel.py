@@ -1,12 +1,10 @@
-"""Sequence parallelism's checks and slices (app/parallel/sequence_parallel.py) in one process; the runs on 2 gloo
-ranks are tests/e2e/test_sequence_parallel.py."""
+"""Sequence parallelism's checks (app/parallel/sequence_parallel.py) in one process; the slices and their losses are
+tests/unit/test_sequence_step.py's, the runs on 2 gloo ranks tests/e2e/test_sequence_parallel.py's."""
 import pytest
 import torch
 from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
 
 from app.core.models import HFLogits
-from app.core.tasks import next_token_correct, next_token_loss
-from app.data.chat import IGNORE
 from app.errors import UserError
 from app.parallel import sequence_parallel
 from app.parallel.layout import rank_layout
@@ -68,33 +66,3 @@ def test_gpt2_and_grouped_key_value_heads_split():
     sequence_parallel.check_model(_llama(heads=8, kv=2), 4, "llama")
     with pytest.raises(UserError, match="has 12 attention heads \\(3 key/value heads\\), which do not split"):
         sequence_parallel.check_model(_llama(heads=12, kv=3), 4, "llama")
-
-
-def test_the_slices_cover_the_sequence_each_token_predicting_the_next_across_the_cut():
-    ids = torch.arange(1, 8).repeat(2, 1)  # 7 tokens: padded to 8 for 2 ranks
-    labels = ids.clone()
-    labels[1, :3] = IGNORE  # a prompt
-    parts = [sequence_parallel.sliced([ids, None], labels, 2, rank) for rank in (0, 1)]
-    assert parts[0][0].tolist()[0] == [1, 2, 3, 4] and parts[1][0].tolist()[0] == [5, 6, 7, 0]
-    assert parts[0][1].tolist()[0] == [0, 1, 2, 3] and parts[1][1].tolist()[0] == [4, 5, 6, 7]
-    assert parts[0][2].tolist()[0] == [2, 3, 4, 5], "the slice's last token predicts the next slice's first"
-    assert parts[1][2].tolist()[0] == [6, 7, IGNORE, IGNORE], "the last token and the padding predict nothing"
-    assert parts[0][2].tolist()[1] == [IGNORE, IGNORE, 4, 5]
-    assert sequence_parallel.counted(labels).tolist() == [6, 4]
-
-
-def test_the_slices_losses_and_right_answers_add_up_to_the_whole_sequences():
-    torch.manual_seed(0)
-    logits, labels = torch.randn(2, 7, 11), torch.randint(0, 11, (2, 7))
-    labels[0, :2] = IGNORE
-    whole_logits = torch.nn.functional.pad(logits, (0, 0, 0, 1))  # the padded position's logits are never counted
-    shares, right = torch.zeros(2), torch.zeros(2)
-    for rank in (0, 1):
-        _, _, targets = sequence_parallel.sliced([labels, None], labels, 2, rank)
-        part = whole_logits[:, rank * 4:(rank + 1) * 4]
-        losses = torch.nn.functional.cross_entropy(part.flatten(0, 1), targets.flatten(), reduction="none",
-                                                   ignore_index=IGNORE)
-        shares += losses.view(2, -1).sum(1) / sequence_parallel.counted(labels)
-        right += ((part.argmax(-1) == targets) & (targets != IGNORE)).sum(1) / sequence_parallel.counted(labels)
-    assert torch.allclose(shares, next_token_loss(logits, labels), atol=1e-6)
-    assert torch.allclose(right, next_token_correct(logits, labels), atol=1e-6)

@@ -189,9 +189,9 @@ def test_tiled_mlps_hold_less_for_the_backward_pass_at_a_long_sequence():
 
 
 class _Task:
-    """What for_run reads of a task: its settings' --tiled, whether its loss is next-token."""
-    def __init__(self, choice: str, splits_sequences: bool = True):
-        self.settings, self.splits_sequences, self.fused_logits = Settings(tiled=choice), splits_sequences, False
+    """What for_run reads of a task: its settings' --tiled, whether its loss takes a tiled output layer's sums."""
+    def __init__(self, choice: str, tiled_loss: bool = True):
+        self.settings, self.tiled_loss, self.fused_logits = Settings(tiled=choice), tiled_loss, False
 
 
 def test_for_run_tiles_on_asked_and_under_sequence_parallelism_alone_on_auto():
@@ -201,7 +201,7 @@ def test_for_run_tiles_on_asked_and_under_sequence_parallelism_alone_on_auto():
         assert sum(hasattr(block.mlp, "tiles") for block in named_blocks(model)) == tiled_count, (choice, sequence)
         assert task.fused_logits == bool(tiled_count)
         assert bool(tiled.describe(model, task.fused_logits)) == bool(tiled_count)
-    task = _Task("on", splits_sequences=False)  # a preference pair's loss is not next-token: its MLPs alone
+    task = _Task("on", tiled_loss=False)  # a preference pair's loss is not next-token: its MLPs alone
     tiled.for_run(HFLogits(_llama()), task, 1, "llama")
     assert not task.fused_logits
 
