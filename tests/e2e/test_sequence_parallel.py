@@ -35,7 +35,8 @@ def runs(tmp_path_factory):
     initial weights) and at sequence_parallel_size 2 on 2 ranks under ZeRO 0-3; instruction chats (answer tokens
     only, padded rows) on a saved model, with and without LoRA, in one process and at SP=2 under ZeRO-3; preference
     pairs on it, in one process and at SP=2 under ZeRO 0 and 3 (a frozen copy partitioned over both ranks), and with
-    LoRA (the reference computed live with the adapters off in one process, precomputed at SP=2)."""
+    LoRA (the reference computed live with the adapters off in one process, precomputed at SP=2); text and pairs at
+    SP=2 compiled."""
     from app.tools.instructions import write, write_model, write_pairs
     root = tmp_path_factory.mktemp("sequence-parallel")
     corpus = write_text_rows(root / "corpus.txt", 600)
@@ -57,6 +58,9 @@ def runs(tmp_path_factory):
             **{f"offload{s}-sp": (offloaded(root / f"offload{s}-sp", s, 2), text) for s in (2, 3)},
             **{f"pairs-sp{s}": (variant(root / f"pairs-sp{s}", "sequence_parallel", s, scheduler=BRISK), pairs)
                for s in (0, 3)},
+            "sp0-compiled": (variant(root / "sp0-compiled", "sequence_parallel", 0), [*text, "--compile", "on"]),
+            "pairs-sp0-compiled": (variant(root / "pairs-sp0-compiled", "sequence_parallel", 0, scheduler=BRISK),
+                                   [*pairs, "--compile", "on"]),
             "pairs-lora-sp": (variant(root / "pairs-lora-sp", "sequence_parallel", 3, scheduler=BRISK),
                               [*pairs, "--lora", "--reference", "precompute"])}
     made = {}
@@ -144,6 +148,22 @@ def test_preference_pairs_split_over_two_ranks_train_as_in_one_process(tag, one,
     assert f"reference: {reference}" in stdout
     if reference == "precomputed":
         assert "log-probabilities of 64 pairs computed once" in stdout
+
+
+@pytest.mark.parametrize("tag, metrics", [("sp0", ("loss",)),
+                                          ("pairs-sp0", ("loss", "rewards_chosen", "rewards_rejected"))])
+def test_a_compiled_sequence_parallel_step_trains_as_the_eager_one(tag, metrics, runs):
+    """torch.compile (inductor on CPU) over each rank's slice: Ulysses' all-to-alls inside the compiled model (their
+    group registered before it), the pairs' group sums after it: the eager run's losses and rewards within 1e-5.
+    Not the reward accuracy: while the policy is the reference, the compiled policy's rewards are rounding (2e-8)
+    against the eager reference, and their signs count."""
+    (out, stdout), (eager, _) = runs[f"{tag}-compiled"], runs[tag]
+    assert "compile: compiling the model and its loss with torch.compile" in stdout
+    compiled, plain = read_metrics(out)[0], read_metrics(eager)[0]
+    assert len(compiled) == len(plain) == 8
+    for name in metrics:
+        pairs = [(a[name], b[name]) for a, b in zip(compiled, plain)]
+        assert max(abs(a - b) for a, b in pairs) < 1e-5, (name, pairs)
 
 
 @pytest.mark.parametrize("stage", [0, 3])

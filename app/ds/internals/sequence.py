@@ -4,13 +4,20 @@ per process) and the Ulysses attention the app puts in transformers' registry (a
 
 def sequence_groups(ds: dict):
     """The mpu deepspeed.initialize takes for the JSON's "sequence_parallel_size" > 1 (DeepSpeed's
-    parallel_state_sp, its groups made once per process), or None without it."""
+    parallel_state_sp, its groups made once per process), or None without it.
+
+    DeepSpeed's all-to-all (deepspeed/sequence/layer.py) finds its group by name in a registry each Ulysses module
+    writes when it is made. The app makes them at the first forward of each batch size, which may run inside a
+    compiled region, where the write lands after the all-to-all reads it (a KeyError of the group's name): the
+    group is registered here, once made, outside any compiled region."""
     degree = ds.get("sequence_parallel_size", 1)
     if degree == 1:
         return None
     from deepspeed.runtime.sequence_parallel import parallel_state_sp as mpu
+    from deepspeed.sequence.layer import register_all_to_all_group
     if mpu._SEQUENCE_PARALLEL_GROUP is None:
         mpu.initialize_sequence_parallel(sequence_parallel_size=degree)
+    register_all_to_all_group(mpu.get_sequence_parallel_group())
     return mpu
 
 
