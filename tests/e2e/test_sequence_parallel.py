@@ -68,7 +68,7 @@ def runs(tmp_path_factory):
         outputs = train_jobs(launcher, nproc, [["--deepspeed_config", config, *args, "--output_dir", root / tag]
                                                for tag, (config, args) in jobs.items()])
         made.update({tag: (root / tag, out) for tag, out in zip(jobs, outputs)})
-    return {"corpus": corpus, "pairs": pair_rows, **made}
+    return {"corpus": corpus, "pairs": pair_rows, "pair args": pairs, **made}
 
 
 def losses(folder) -> list:
@@ -166,21 +166,25 @@ def test_a_compiled_sequence_parallel_step_trains_as_the_eager_one(tag, metrics,
         assert max(abs(a - b) for a, b in pairs) < 1e-5, (name, pairs)
 
 
-@pytest.mark.parametrize("stage", [0, 3])
-def test_a_sequence_parallel_checkpoint_resumes_in_one_process(stage, runs, tmp_path):
-    """Step 4 of the SP=2 run, resumed on one rank without sequence parallelism, trains on to SP=2's losses."""
+@pytest.mark.parametrize("tag, stage", [("sp0", 0), ("sp3", 3), ("pairs-sp3", 3)])
+def test_a_sequence_parallel_checkpoint_resumes_in_one_process(tag, stage, runs, tmp_path):
+    """Step 4 of the SP=2 run, resumed on one rank without sequence parallelism, trains on to SP=2's losses (pairs:
+    and rewards, the frozen copy built again from the base model)."""
     import shutil
     folder = tmp_path / "resumed"
-    shutil.copytree(runs[f"sp{stage}"][0], folder)
+    shutil.copytree(runs[tag][0], folder)
     shutil.rmtree(folder / "checkpoints" / "step00000008")
-    config = variant(tmp_path / "cfg", "dp", stage)
-    result = run(train_command("python", 1, "--deepspeed_config", config, "--dataset", runs["corpus"], *LLAMA,
-                               "--output_dir", folder, "--resume", "auto"))
+    pairs = tag.startswith("pairs")
+    config = variant(tmp_path / "cfg", "dp", stage, **({"scheduler": BRISK} if pairs else {}))
+    args = runs["pair args"] if pairs else ["--dataset", runs["corpus"], *LLAMA]
+    result = run(train_command("python", 1, "--deepspeed_config", config, *args, "--output_dir", folder,
+                               "--resume", "auto"))
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     resumed = [r for r in read_metrics(folder)[0] if r["step"] > 4]
     assert [r["step"] for r in resumed] == [5, 6, 7, 8]
-    whole = losses(runs[f"sp{stage}"][0])[4:]
-    assert max(abs(r["loss"] - b) for r, b in zip(resumed, whole)) < 1e-5, (resumed, whole)
+    whole = read_metrics(runs[tag][0])[0][4:]
+    for name in ("loss", "rewards_chosen", "rewards_rejected") if pairs else ("loss",):
+        assert max(abs(r[name] - b[name]) for r, b in zip(resumed, whole)) < 1e-5, (name, resumed, whole)
 
 
 def tied_gpt2(folder):
