@@ -10,7 +10,8 @@ head tied to the input embedding gets its gradient twice (ZeRO 1-2 refuse that),
 on the host at every step.
 
 The model returns TokenSums, the per-sample sums the task's loss and accuracy turn into means
-(app/core/tasks.py): the same values as from whole logits, to rounding.
+(app/core/tasks.py), or preference tuning into its answers' log-probabilities (target_logps, which takes whole
+logits alike): the same values as from whole logits, to rounding.
 """
 import math
 from typing import NamedTuple
@@ -37,6 +38,17 @@ def next_token_targets(labels: torch.Tensor) -> torch.Tensor:
 def counted_next_tokens(labels: torch.Tensor) -> torch.Tensor:
     """How many next tokens each sample predicts (labels of IGNORE, prompts and padding, are left out), at least 1."""
     return (labels[:, 1:] != IGNORE).sum(1).clamp(min=1)
+
+
+def target_logps(logits, targets: torch.Tensor) -> torch.Tensor:
+    """(sequences, 2): each sequence's summed log-probability (fp32) of the targets its positions predict, and how
+    many are counted (a slice of a sequence: its share of both); logits: the positions' logits, or their
+    TokenSums."""
+    counted = (targets != IGNORE).sum(1).float()
+    if isinstance(logits, TokenSums):  # the summed cross entropy of the counted targets
+        return torch.stack([-logits.loss, counted], 1)
+    logp = -F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), reduction="none", ignore_index=IGNORE)
+    return torch.stack([logp.view(len(targets), -1).sum(1), counted], 1)
 
 
 def tiles_for(tokens: int, hidden: int) -> int:

@@ -157,7 +157,7 @@ class HFLogits(nn.Module):
     def __init__(self, hf, real_vocab: int = 0, second: str = "attention_mask"):
         super().__init__()
         self.hf, self.real_vocab = hf, real_vocab  # a padded vocabulary (language models): the tokens past it masked
-        self.second = second  # what the second input is: an attention mask (classification) or position ids (packed)
+        self.second = second  # the second input: an attention mask (classification) or position ids (packed, SP)
 
     @property
     def config(self):

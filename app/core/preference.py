@@ -14,7 +14,8 @@ from torch import nn
 
 from app.core import lora, models, reference
 from app.core.step import TrainStep
-from app.core.reference import AgainstReference, Reference, answer_logps, counted_at_least_one, target_logps
+from app.core.fused_loss import target_logps
+from app.core.reference import AgainstReference, Reference, answer_logps, counted_at_least_one
 from app.core.sequence_step import Group, Sliced
 from app.core.tasks import answer_prompts, without_dropout
 from app.distributed import dist
@@ -119,8 +120,7 @@ class SequencePairStep(Sliced, PreferenceStep):
     def batch_loss(self, batch) -> tuple:
         """Every rank of the group holds the pairs' whole loss: the meters take the first rank's sums."""
         loss, sums, w = super().batch_loss(batch)
-        first = float(self.group.rank == 0)
-        return loss, {name: value * first for name, value in sums.items()}, w
+        return loss, {name: self.group.counted(value) for name, value in sums.items()}, w
 
 
 class Preference(AgainstReference):
@@ -167,7 +167,8 @@ class Preference(AgainstReference):
         """While the engine holds the base model's weights: the precomputed log-probabilities; says which reference
         the run trains against."""
         if self.reference_kind == "precomputed":
-            reference.precompute(lambda: Reference(engine, self.settings.lora, Group.of(engine), self.fused_logits),
+            reference.precompute(lambda: Reference(engine, adapters_off=self.settings.lora, group=Group.of(engine),
+                                                   fused=self.fused_logits),
                                  [self.data.train, self.data.held_out], self.base(), compute_dtype(engine),
                                  ds["train_micro_batch_size_per_gpu"], output_dir)
         dist.print0(f"preference: {self.loss_kind} loss, beta {self.beta:g}"

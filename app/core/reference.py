@@ -12,7 +12,7 @@ import torch.nn.functional as F
 
 from app.checkpoint.save import atomic_write
 from app.distributed import dist
-from app.core.fused_loss import TokenSums, next_token_targets
+from app.core.fused_loss import TokenSums, next_token_targets, target_logps
 from app.core.tasks import TextTask
 from app.data.chat import IGNORE
 from app.ds import internals as ds_internals
@@ -27,17 +27,6 @@ def answer_logps(logits, labels: torch.Tensor) -> torch.Tensor:
     (app/core/fused_loss.py)."""
     shifted = logits if isinstance(logits, TokenSums) else logits[:, :-1]  # TokenSums: of next-token targets
     return counted_at_least_one(target_logps(shifted, labels[:, 1:]))
-
-
-def target_logps(logits, targets: torch.Tensor) -> torch.Tensor:
-    """(sequences, 2): each sequence's summed log-probability (fp32) of the targets its positions predict, and how
-    many are counted (a slice of a sequence: its share of both); logits: the positions' logits, or their
-    TokenSums."""
-    counted = (targets != IGNORE).sum(1).float()
-    if isinstance(logits, TokenSums):  # the summed cross entropy of the counted targets
-        return torch.stack([-logits.loss, counted], 1)
-    logp = -F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), reduction="none", ignore_index=IGNORE)
-    return torch.stack([logp.view(len(targets), -1).sum(1), counted], 1)
 
 
 def counted_at_least_one(logps: torch.Tensor) -> torch.Tensor:
@@ -160,8 +149,9 @@ class AgainstReference(TextTask):
         """The Reference a step asks for each micro batch: the adapters off, the frozen copy, or None (none, or one
         the batch brings, or before before_search(): a tool's steps); group: as Reference's."""
         if self.reference_kind == "adapters off":
-            return Reference(engine, True, group, self.fused_logits)
-        return Reference(self.frozen, False, group, self.fused_logits) if self.frozen is not None else None
+            return Reference(engine, adapters_off=True, group=group, fused=self.fused_logits)
+        return Reference(self.frozen, adapters_off=False, group=group, fused=self.fused_logits) \
+            if self.frozen is not None else None
 
     def before_search(self, ds: dict, replicas: int):
         """The frozen copy, when the run trains against one, so the search's trial steps carry it as the run will."""

@@ -18,7 +18,7 @@ on the same global batch.
 import torch
 import torch.nn.functional as F
 
-from app.core.fused_loss import TokenSums
+from app.core.fused_loss import TokenSums, target_logps
 from app.core.fused_loss import counted_next_tokens as counted  # over each sample's whole sequence
 from app.core.step import TrainStep
 from app.data.chat import IGNORE
@@ -63,9 +63,10 @@ class Group:
         """Each sequence's sums (rows) over the whole sequence, from this rank's slice's."""
         return dist.group_sum(sums, self.group)
 
-    def counted(self, weights: torch.Tensor) -> torch.Tensor:
-        """The weights the meters count: the group's first rank's alone (the others hold the same samples)."""
-        return weights if self.rank == 0 else torch.zeros_like(weights)
+    def counted(self, values: torch.Tensor) -> torch.Tensor:
+        """What the meters count (weights, or sums every rank of the group holds whole): the group's first rank's
+        alone (the others hold the same samples)."""
+        return values if self.rank == 0 else torch.zeros_like(values)
 
 
 class Sliced:
@@ -115,11 +116,7 @@ class SequenceStep(Sliced, TrainStep):
         """(this slice's logits, or their TokenSums where the task fuses them with the loss; each sample's share of
         its mean next-token loss)."""
         logits, targets = self.on_slice(engine, inputs, labels)
-        if self.task.fused_logits:
-            return logits, logits.loss / counted(labels)
-        losses = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), reduction="none",
-                                 ignore_index=IGNORE)
-        return logits, losses.view(len(targets), -1).sum(1) / counted(labels)
+        return logits, -target_logps(logits, targets)[:, 0] / counted(labels)
 
     def correct(self, logits, labels: torch.Tensor) -> torch.Tensor:
         """Each sample's share of its next tokens predicted right, on this slice."""

@@ -38,7 +38,7 @@ class Task:
     counts."""
     tiled_loss = False
     """Whether the loss can take, in place of the logits, the TokenSums of an output layer tiled with it
-    (next_token_loss can): --tiled then runs them tile by tile."""
+    (next_token_loss and answer_logps can): --tiled then runs them tile by tile."""
     fused_logits = False
     """Whether the step hands the model each micro batch's next-token targets, for the output layer and the loss to
     run tile by tile (--tiled: app/core/fused_loss.py); set by the layout on a task with a tiled_loss."""

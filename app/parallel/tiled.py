@@ -97,9 +97,9 @@ def check_layout(choice: str, ranks):
 
 
 def for_run(model: nn.Module, task, sequence: int, model_name: str):
-    """--tiled on the run's model: on tiles every block's MLP and, where the loss is next-token, the output layer
-    with the loss (app/core/fused_loss.py); auto does so under sequence parallelism where the model allows it (else
-    says why not); off leaves them whole."""
+    """--tiled on the run's model: on tiles every block's MLP and, where the task's loss takes them
+    (task.tiled_loss), the output layer with the loss (app/core/fused_loss.py); auto does so under sequence
+    parallelism where the model allows it (else says why not); off leaves them whole."""
     choice = task.settings.tiled
     wanted = choice == "on" or (choice == "auto" and sequence > 1)
     transformers_model = hasattr(model, "hf")  # else no blocks of MLPs, no output layer of its own

@@ -35,8 +35,8 @@ def runs(tmp_path_factory):
     initial weights) and at sequence_parallel_size 2 on 2 ranks under ZeRO 0-3; instruction chats (answer tokens
     only, padded rows) on a saved model, with and without LoRA, in one process and at SP=2 under ZeRO-3; preference
     pairs on it, in one process and at SP=2 under ZeRO 0 and 3 (a frozen copy partitioned over both ranks), and with
-    LoRA (the reference computed live with the adapters off in one process, precomputed at SP=2); text and pairs at
-    SP=2 compiled."""
+    LoRA (the reference the adapters off, live, and precomputed at SP=2), and SimPO (no reference, each answer's mean
+    over its tokens); text and pairs at SP=2 compiled."""
     from app.tools.instructions import write, write_model, write_pairs
     root = tmp_path_factory.mktemp("sequence-parallel")
     corpus = write_text_rows(root / "corpus.txt", 600)
@@ -51,7 +51,9 @@ def runs(tmp_path_factory):
             "lora-one": (variant(root / "lora-one", "dp", 0), [*chats, "--lora"]),
             **{f"offload{s}-one": (offloaded(root / f"offload{s}-one", s, 1), text) for s in (2, 3)},
             "pairs-one": (variant(root / "pairs-one", "dp", 0, scheduler=BRISK), pairs),
-            "pairs-lora-one": (variant(root / "pairs-lora-one", "dp", 0, scheduler=BRISK), [*pairs, "--lora"])}
+            "pairs-lora-one": (variant(root / "pairs-lora-one", "dp", 0, scheduler=BRISK), [*pairs, "--lora"]),
+            "pairs-simpo-one": (variant(root / "pairs-simpo-one", "dp", 0, scheduler=BRISK),
+                                [*pairs, "--preference_loss", "simpo"])}
     twos = {**{f"sp{s}": (variant(root / f"sp{s}", "sequence_parallel", s), text) for s in STAGES},
             "chats-sp": (variant(root / "chats-sp", "sequence_parallel", 3), chats),
             "lora-sp": (variant(root / "lora-sp", "sequence_parallel", 3), [*chats, "--lora"]),
@@ -62,7 +64,11 @@ def runs(tmp_path_factory):
             "pairs-sp0-compiled": (variant(root / "pairs-sp0-compiled", "sequence_parallel", 0, scheduler=BRISK),
                                    [*pairs, "--compile", "on"]),
             "pairs-lora-sp": (variant(root / "pairs-lora-sp", "sequence_parallel", 3, scheduler=BRISK),
-                              [*pairs, "--lora", "--reference", "precompute"])}
+                              [*pairs, "--lora", "--reference", "precompute"]),
+            "pairs-lora-live-sp": (variant(root / "pairs-lora-live-sp", "sequence_parallel", 3, scheduler=BRISK),
+                                   [*pairs, "--lora"]),
+            "pairs-simpo-sp": (variant(root / "pairs-simpo-sp", "sequence_parallel", 0, scheduler=BRISK),
+                               [*pairs, "--preference_loss", "simpo"])}
     made = {}
     for launcher, nproc, jobs in (("python", 1, ones), ("ranks", 2, twos)):
         outputs = train_jobs(launcher, nproc, [["--deepspeed_config", config, *args, "--output_dir", root / tag]
@@ -125,12 +131,15 @@ PAIR_METRICS = ("loss", "rewards_chosen", "rewards_rejected", "reward_accuracy")
 
 @pytest.mark.parametrize("tag, one, reference", [("pairs-sp0", "pairs-one", "frozen copy"),
                                                  ("pairs-sp3", "pairs-one", "frozen copy"),
-                                                 ("pairs-lora-sp", "pairs-lora-one", "precomputed")])
+                                                 ("pairs-lora-sp", "pairs-lora-one", "precomputed"),
+                                                 ("pairs-lora-live-sp", "pairs-lora-one", "adapters off"),
+                                                 ("pairs-simpo-sp", "pairs-simpo-one", "none (SimPO)")])
 def test_preference_pairs_split_over_two_ranks_train_as_in_one_process(tag, one, reference, runs):
     """Each answer's log-probability is the sum of its two slices' (the group's sum, each rank backpropagating the
     pair's loss through its own slice), for the policy and the reference alike: the losses, rewards and evaluation
     of one process. The precomputed reference is computed at SP=2 by each group's ranks together, and matches the
-    live one (the adapters off) of the one-process run. At SP=2 (--tiled auto) the output layer runs with the
+    live one (the adapters off) of the one-process run; the adapters off at SP=2 run the policy's own engine on
+    the slice; SimPO's means divide by the answers' tokens summed over the group. At SP=2 (--tiled auto) the output layer runs with the
     log-probabilities, the policy's and the reference's alike (one tile of a slice's 48 positions here; more:
     test_tiled_pairs_train_as_whole_ones)."""
     out, stdout = runs[tag]
@@ -148,6 +157,27 @@ def test_preference_pairs_split_over_two_ranks_train_as_in_one_process(tag, one,
     assert f"reference: {reference}" in stdout
     if reference == "precomputed":
         assert "log-probabilities of 64 pairs computed once" in stdout
+
+
+def test_two_groups_of_two_ranks_share_the_pairs_and_their_precomputed_reference(runs, tmp_path):
+    """4 ranks at SP=2: 2 data-parallel replicas, each a group of 2 ranks. The precompute pass gives each group every
+    other pair (both ranks of a group the same pairs, the first rank's results counted), and training splits the
+    global batch of 8 over the groups: the losses and rewards of one process with the live reference (LoRA, the
+    adapters off) on the same pairs."""
+    import shutil
+    rows = tmp_path / "pairs.jsonl"  # a file of its own: its reference is computed here, not read
+    shutil.copy(runs["pairs"], rows)
+    config = config_variant(tmp_path, "sequence_parallel", train_micro_batch_size_per_gpu=2,
+                            gradient_accumulation_steps=2, zero_optimization={"stage": 0}, scheduler=BRISK)
+    args = [rows if a == runs["pairs"] else a for a in runs["pair args"]] + ["--lora", "--reference", "precompute"]
+    stdout, = train_jobs("ranks", 4, [["--deepspeed_config", config, *args, "--output_dir", tmp_path / "out"]])
+    assert "splits each sequence over 2 ranks x 2 data-parallel replica(s)" in stdout and "global batch 8," in stdout
+    assert "log-probabilities of 64 pairs computed once" in stdout
+    four, one = read_metrics(tmp_path / "out")[0], read_metrics(runs["pairs-lora-one"][0])[0]
+    assert len(four) == len(one) == 8
+    for name in ("loss", "rewards_chosen", "rewards_rejected"):
+        pairs = [(a[name], b[name]) for a, b in zip(four, one)]
+        assert max(abs(a - b) for a, b in pairs) < 1e-5, (name, pairs)
 
 
 @pytest.mark.parametrize("tag, metrics", [("sp0", ("loss",)),

@@ -1,10 +1,11 @@
 """The slices of sequence parallelism (app/core/sequence_step.py): each slice's targets, and the slices' shares of
 next-token losses and of answers' log-probabilities adding up to the whole sequence's. The group's sum is
-tests/unit/test_dist.py's; the runs are tests/e2e/test_sequence_parallel.py's."""
+tests/e2e/test_dist.py's; the runs are tests/e2e/test_sequence_parallel.py's."""
 import torch
 
 from app.core import sequence_step
-from app.core.reference import answer_logps, counted_at_least_one, target_logps
+from app.core.fused_loss import target_logps
+from app.core.reference import answer_logps, counted_at_least_one
 from app.core.tasks import next_token_correct, next_token_loss
 from app.data.chat import IGNORE
 
