@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 from app.core import grpo_kept, lora, models, rewards, rollout
+from app.core.grpo_sequence import SequenceGrpoStep
 from app.core.grpo_step import GrpoStep
 from app.core.reference import AgainstReference
 from app.core.step import TrainStep
@@ -24,6 +25,7 @@ class Grpo(AgainstReference):
     name = "grpo"
     loss = staticmethod(next_token_loss)  # the memory plan's stand-in: the logits of whole sequences and their softmax
     summary_metrics = ("eval_reward",)
+    splits_sequences = True
 
     def __init__(self, settings: Settings, spec, data=None, tokenizer=None):
         self.sequences = self.group = self.sampled = settings.num_generations
@@ -71,8 +73,9 @@ class Grpo(AgainstReference):
                             "parallelism: pick a ds_config without a pipeline or tensor_parallel section")
 
     def synced(self, engine) -> bool:
-        """Whether sampling must keep every rank stepping until all have ended: ZeRO-3 on several ranks."""
-        return engine.zero_optimization_stage() == 3 and engine.dp_world_size > 1
+        """Whether sampling must keep every rank stepping until all have ended: ZeRO-3 on several ranks (replicas,
+        or the ranks of a sequence-parallel group, which sample shares of their completions)."""
+        return engine.zero_optimization_stage() == 3 and dist.world_size() > 1
 
     def gathering(self, engine) -> bool:
         """Whether sampling gathers the whole model once under ZeRO-3 (--gather_for_generation; auto: where, on
@@ -123,6 +126,9 @@ class Grpo(AgainstReference):
 
     def make_step(self, engine, compile_model: bool, board=None) -> TrainStep:
         return GrpoStep(engine, self, compile_model, board)
+
+    def make_sequence_step(self, engine, compile_model: bool, board=None) -> TrainStep:
+        return SequenceGrpoStep(engine, self, compile_model, board)
 
     def answer_prompts(self, count: int) -> list:
         held = self.data.held_out

@@ -40,9 +40,10 @@ def advantages(rewards: torch.Tensor, group: int, scale: str, batch_std: float) 
 def token_logps(logits: torch.Tensor, completions: torch.Tensor, starts: torch.Tensor,
                 temperature: float) -> torch.Tensor:
     """(rows, length) log-probabilities, in fp32, of each completion's tokens under logits of the whole sequences
-    (prompt of starts[r] tokens, then the completion), at the sampling temperature."""
+    (prompt of starts[r] tokens, then the completion), at the sampling temperature. Positions outside the logits
+    (a slice of the sequences: starts counted from its first) take the nearest one's; the caller masks them."""
     length = completions.shape[1]
-    at = (starts[:, None] - 1 + torch.arange(length, device=starts.device)[None]).clamp(max=logits.shape[1] - 1)
+    at = (starts[:, None] - 1 + torch.arange(length, device=starts.device)[None]).clamp(0, logits.shape[1] - 1)
     picked = logits.gather(1, at[..., None].expand(-1, -1, logits.shape[-1]))
     return (picked.float() / temperature).log_softmax(-1).gather(-1, completions[..., None]).squeeze(-1)
 

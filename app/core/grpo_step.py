@@ -72,6 +72,8 @@ class GrpoStep(TrainStep):
         self.metrics, self.window = task.metrics, []
         self.reference = task.live_reference(engine)
         self.gather = task.gathering(engine)
+        self.replicas = dist.world_size()  # DeepSpeed's mean over them gives the step's gradient
+        self.counts = True  # whether this rank's completions count in the step's totals
 
     def micro_step(self, batch, meter: Meter):
         """Gather the window's micro batches; at its last, sample, then train on each in turn."""
@@ -83,12 +85,13 @@ class GrpoStep(TrainStep):
         parts, totals = self.cycle_parts(window)  # its last act reads the host: the device has finished
         totals["sampling_s"] = time.perf_counter() - started
         if self.task.settings.log_completions:
-            write_completions(self.task.output_dir, self.engine.global_steps + 1, parts, self.task)
+            write_completions(self.task.output_dir, self.engine.global_steps + 1, parts if self.counts else [],
+                              self.task)
         for part in parts:
             loss, sums, weight = self.part_loss(part, totals)
             self.engine.backward(loss)
             self.engine.step()
-            meter.add((part.share > 0).sum() / self.task.group, weight, **sums)
+            meter.add(self.meter_weights((part.share > 0).sum() / self.task.group), weight, **sums)
 
     def trial_parts(self, batch) -> list:
         """The micro batch search's step: sampling and the forward, then the backward and the engine step."""
@@ -106,9 +109,7 @@ class GrpoStep(TrainStep):
         rows, lengths = y[:, 0].tolist(), y[:, 1].repeat_interleave(group)
         u = rollout.draws(task.settings.seed, self.engine.global_steps, rows, group, how.max_new)
         tokenizer = task.tokenizer
-        completions, mask, truncated = rollout.sample(
-            self.engine, x.repeat_interleave(group, 0), lengths, u, how, len(tokenizer), tokenizer.eos_token_id,
-            tokenizer.pad_token_id, task.synced(self.engine), self.gather)
+        completions, mask, truncated = self.sample(x.repeat_interleave(group, 0), lengths, u, how)
         kept = [c[m].tolist() for c, m in zip(completions, mask)]
         texts = tokenizer.batch_decode(kept, skip_special_tokens=True)
         prompts = [p for p in held.prompts(rows) for _ in range(group)]
@@ -121,6 +122,12 @@ class GrpoStep(TrainStep):
             mask = mask & ~truncated[:, None]
         return part_of(batch, group, tokenizer.pad_token_id, texts, completions=completions, mask=mask.float(),
                        rewards=scored, truncated=truncated, length=length)
+
+    def sample(self, prompts: torch.Tensor, lengths: torch.Tensor, u: torch.Tensor, how: rollout.Sampling) -> tuple:
+        """(completions, mask, truncated) of the prompts (rows, left-padded) with their draws u: app/core/rollout.py."""
+        tokenizer = self.task.tokenizer
+        return rollout.sample(self.engine, prompts, lengths, u, how, len(tokenizer), tokenizer.eos_token_id,
+                              tokenizer.pad_token_id, self.task.synced(self.engine), self.gather)
 
     def cycle_parts(self, window: list) -> tuple:
         """(Parts, totals) of the window: sampled at the first step of each cycle of --num_iterations, which keeps
@@ -139,14 +146,14 @@ class GrpoStep(TrainStep):
         """The window's Parts, their advantages set, and its totals over every rank."""
         task = self.task
         parts = [self.sampled(batch, task.how, task.data.train, task.group) for batch in window]
-        totals = window_totals(parts, task.group, task.rewards)
+        totals = window_totals(parts, task.group, task.rewards, self.counts)
         for part in parts:
             reward = grpo_loss.combined(part.rewards, [r.weight for r in task.rewards])
             part.advantages = grpo_loss.advantages(reward, task.group, task.settings.scale_rewards,
                                                    totals["batch_std"])
             if task.settings.num_iterations > 1:  # the policy that sampled: the ratio's base through the cycle
                 with torch.no_grad():
-                    within = lambda ids: ds_internals.forward_within_the_step(self.engine, ids)  # noqa: E731
+                    within = lambda *inputs: ds_internals.forward_within_the_step(self.engine, *inputs)  # noqa: E731
                     part.old = self.log_probs(self.on_device(part), within).cpu()
         return parts, totals
 
@@ -160,6 +167,10 @@ class GrpoStep(TrainStep):
         ids, completions, starts = on_device
         return grpo_loss.token_logps(logits(ids), completions, starts, self.task.how.temperature)
 
+    def mine(self, on_device: tuple):
+        """Which completion tokens' losses this rank takes (log_probs gives theirs): all of them."""
+        return 1.0
+
     def part_loss(self, part: Part, totals: dict) -> tuple:
         """(the micro batch's loss, its sums for the meter, its weight): app/core/grpo_loss.py's normalisation."""
         task, device = self.task, self.engine.device
@@ -169,15 +180,17 @@ class GrpoStep(TrainStep):
         old = logp.detach() if part.old is None else part.old.to(device)
         losses, kl, below, above = grpo_loss.token_losses(logp, old, part.advantages.to(device).float(),
                                                           task.epsilon, task.epsilon_high, task.beta, reference)
-        scale = dist.world_size() * self.engine.gradient_accumulation_steps()
+        mine = self.mine(on_device)
+        scale = self.replicas * self.engine.gradient_accumulation_steps()
         per_token = scale / max(totals["tokens"], 1.0)
-        loss = grpo_loss.normalised(task.loss_kind, losses, mask, share, per_token, task.how.max_new)
-        weight = share.sum()  # the prompts' loader weights: share is each one's over its group
+        loss = grpo_loss.normalised(task.loss_kind, losses * mine, mask, share, per_token, task.how.max_new)
+        whole = self.meter_weights  # what every rank holding the completions holds whole: counted once
+        weight = whole(share.sum())  # the prompts' loader weights: share is each one's over its group
         real = (share > 0).float()[:, None]
-        token_mean = lambda x: (x * mask * real).sum() * per_token  # noqa: E731
+        token_mean = lambda x: (x * mask * mine * real).sum() * per_token  # noqa: E731
         sums = {"loss": loss.detach(), **{k: v * weight for k, v in totals["shown"].items()},
-                "completions/mean_length": (share * part.length.to(device)).sum(),
-                "completions/clipped_ratio": (share * part.truncated.to(device).float()).sum(),
+                "completions/mean_length": whole((share * part.length.to(device)).sum()),
+                "completions/clipped_ratio": whole((share * part.truncated.to(device).float()).sum()),
                 "clip_ratio/low_mean": token_mean(below), "clip_ratio/high_mean": token_mean(above),
                 "clip_ratio/region_mean": token_mean(((below + above) > 0).float())}
         if kl is not None:
@@ -199,14 +212,16 @@ class GrpoStep(TrainStep):
             reward = grpo_loss.combined(found, [r.weight for r in task.rewards])
             sums = {"reward": (reward * w).sum(), "completions/mean_length": (part.length * w).sum(),
                     **{f"rewards/{r.name}/mean": (found[:, i] * w).sum() for i, r in enumerate(task.rewards)}}
-            meter.add((w > 0).sum(), w.sum(), **{k: v.to(engine.device) for k, v in sums.items()})
+            meter.add(*map(self.meter_weights, ((w > 0).sum(), w.sum())),
+                      **{k: self.meter_weights(v.to(engine.device)) for k, v in sums.items()})
         result = meter.reduce()
         return {f"eval_{name}": result[name] for name in names}
 
 
-def window_totals(parts: list, group: int, functions: list) -> dict:
+def window_totals(parts: list, group: int, functions: list, counts: bool = True) -> dict:
     """What the window's loss and metrics need from every rank, in one host sum: its completion tokens, the reward
-    sums for the step's std and the means shown (reward, reward_std, frac_reward_zero_std, rewards/<f>/mean)."""
+    sums for the step's std and the means shown (reward, reward_std, frac_reward_zero_std, rewards/<f>/mean);
+    counts: whether this rank's parts count (not where another rank holds the same)."""
     real = [(p.share > 0) for p in parts]
     reward = [grpo_loss.combined(p.rewards, [f.weight for f in functions]) for p in parts]
     local = [sum(float((p.mask.sum(1) * r).sum()) for p, r in zip(parts, real))]
@@ -222,6 +237,7 @@ def window_totals(parts: list, group: int, functions: list) -> dict:
         values = [(p.rewards[:, f], r) for p, r in zip(parts, real)]
         local += [sum(float(torch.nansum(torch.where(r, v, 0.0))) for v, r in values),
                   sum(float((r & ~v.isnan()).sum()) for v, r in values)]
+    local = local if counts else [0.0] * len(local)
     tokens, n, total, square, std_sum, zero, count, *per_function = dist.host_sum(local)
     shown = {"reward": total / max(n, 1), "reward_std": std_sum / max(count, 1),
              "frac_reward_zero_std": zero / max(count, 1),

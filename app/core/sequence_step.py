@@ -63,6 +63,10 @@ class Group:
         """Each sequence's sums (rows) over the whole sequence, from this rank's slice's."""
         return dist.group_sum(sums, self.group)
 
+    def gather(self, rows: torch.Tensor) -> torch.Tensor:
+        """Every rank of the group's rows (one shape on each), in rank order."""
+        return dist.group_gather(rows, self.group)
+
     def counted(self, values: torch.Tensor) -> torch.Tensor:
         """What the meters count (weights, or sums every rank of the group holds whole): the group's first rank's
         alone (the others hold the same samples)."""

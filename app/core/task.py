@@ -79,7 +79,7 @@ class Task:
                             "keep packed rows apart; pass --packing off")
         if ranks.sequence > 1 and not self.splits_sequences:
             raise UserError(f"sequence parallelism (sequence_parallel_size {ranks.sequence}) splits the losses of "
-                            f"--task causal_lm, instruction and preference, not {self.name}'s; pick a ds_config "
+                            f"--task causal_lm, instruction, preference and grpo, not {self.name}'s; pick a ds_config "
                             f"without sequence_parallel_size")
         if self.data is not None and self.data.info.packed and ranks.sequence > 1:
             raise UserError("packing and sequence parallelism: DeepSpeed's Ulysses drops the attention mask, and sdpa "

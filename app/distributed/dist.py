@@ -131,6 +131,13 @@ class _GroupSum(torch.autograd.Function):
         return grad, None
 
 
+def group_gather(part: torch.Tensor, group) -> torch.Tensor:
+    """Every rank of group's part (one shape on each), concatenated along the first dimension in rank order."""
+    parts = [torch.empty_like(part) for _ in range(torch_dist.get_world_size(group))]
+    torch_dist.all_gather(parts, part.contiguous(), group=group)
+    return torch.cat(parts)
+
+
 def broadcast_object(obj):
     """rank 0's obj (a JSON value) on every rank, over the host group."""
     return gather_objects(obj if is_main() else None)[0] if many() else obj

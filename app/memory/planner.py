@@ -70,7 +70,8 @@ def sampling_of(task, seq_len: int = 0):
     """For a task that samples (online RL), sampling(ds, parameters, ranks) -> MemoryPlan.sampling of a rank under
     the DeepSpeed dict ds: the whole weights gathered under ZeRO-3 (unless --gather_for_generation off), less the
     rank's partition, and per sample its group's key-value cache over the whole sequence (seq_len, else the data's
-    prompt and completion) with a decoding step's scores (fp32 logits and the sampler's fp64 copies); else None."""
+    prompt and completion) with a decoding step's scores (fp32 logits and the sampler's fp64 copies), under sequence
+    parallelism a rank's share of the group's; else None."""
     if not task.sampled:
         return None
     seq = seq_len or (task.data.info.seq_len if task.data is not None else 0) or min(task.spec.max_positions or 1024,
@@ -80,7 +81,8 @@ def sampling_of(task, seq_len: int = 0):
     def sampling(ds: dict, parameters: int, ranks: int) -> tuple:
         sixteen = any((ds.get(s) or {}).get("enabled") is True for s in ("bf16", "fp16"))
         compute = 2 if sixteen or (ds.get("torch_autocast") or {}).get("enabled") is True else 4
-        each = rollout.cache_bytes(config, rows, seq, compute) + rows * models.vocab_size(config) * 28
+        share = ds.get("sequence_parallel_size", 1)  # each rank of a group samples its share of the rows whole
+        each = (rollout.cache_bytes(config, rows, seq, compute) + rows * models.vocab_size(config) * 28) // share
         gathered = zero_stage(ds) == 3 and task.settings.gather_for_generation != "off"
         whole = parameters * (2 if sixteen else 4)
         return (whole - whole // ranks if gathered else 0), each

@@ -38,6 +38,7 @@ def _collectives(rank, world, tmp):
     assert dist.host_sum([1, rank]) == [world, sum(range(world))]
     assert dist.gather_objects(["rank", rank]) == [["rank", r] for r in range(world)]
     _group_sum(rank, world)
+    _group_gather(rank, world)
     _stop_step(rank, world)
     marker = tmp / "first"
     with dist.main_process_first():
@@ -59,6 +60,14 @@ def _group_sum(rank, world):
     (whole ** 2).sum().backward()
     expected = [sum(1.0 + r for r in range(world)), sum(10.0 * (r + 1) for r in range(world))]
     assert whole.tolist() == expected and part.grad.tolist() == [2 * e for e in expected]
+
+
+def _group_gather(rank, world):
+    """Each rank's rows, one shape on every rank, stacked in rank order on every rank (GRPO's completions sampled
+    a share a rank of a sequence-parallel group)."""
+    part = torch.tensor([[rank, 10 * rank], [rank + 100, 0]])
+    whole = dist.group_gather(part, None)
+    assert whole.tolist() == [row for r in range(world) for row in ([r, 10 * r], [r + 100, 0])]
 
 
 # What a third process writes under a run's key of the store (the default group's prefixes, then the Board's): a

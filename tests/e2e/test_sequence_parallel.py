@@ -1,10 +1,14 @@
 """Sequence parallelism through DeepSpeed's Ulysses for real: llama-tiny with each sequence split over 2 gloo ranks
 against one process on the same global batch, under ZeRO 0-3 and with ZeRO-2 and ZeRO-3 offload; instruction chats
 and preference pairs alike; resume on one rank; the one-line refusals."""
+import json
+
 import pytest
 import torch
 
 from conftest import config_variant, read_metrics, read_summary, run, train_command, train_jobs, write_text_rows
+from e2e.test_grpo import REWARDS, evaluations
+from e2e.test_preference import sgd, weights
 
 SHORT = ["--block_size", 32, "--max_steps", 8, "--log_interval", 1, "--seed", 3, "--save_interval", 4]
 LLAMA = ["--model", "llama-tiny", *SHORT]
@@ -29,6 +33,41 @@ def offloaded(folder, stage: int, sequence: int):
                           gradient_accumulation_steps=2, sequence_parallel_size=sequence)
 
 
+def sgd_split(folder, stage: int, sequence: int):
+    """fp32 SGD at lr 1, micro batch 4 x 2 accumulation steps (the weights after a step are those before less its
+    gradient), with sequence_parallel_size `sequence`."""
+    folder.mkdir(exist_ok=True)
+    path = folder / "sgd-split.json"
+    path.write_text(json.dumps({**json.loads(sgd(folder, 4, 2, stage).read_text()),
+                                "sequence_parallel_size": sequence}))
+    return path
+
+
+def grpo_jobs(root) -> tuple:
+    """(one-process jobs, 2-rank jobs) of GRPO at SP=2 against one process: one SGD step under ZeRO 0 (dapo) and
+    ZeRO 3 (grpo's loss, a KL term against a frozen copy; sampled gathered once or layer by layer), and 4 Adam steps
+    with LoRA, --num_iterations 2 and the adapters-off reference."""
+    from app.tools.instructions import write_prompts
+    prompts = write_prompts(root / "prompts", 12, seed=3)
+    (root / "rewards.py").write_text(REWARDS)
+    grpo = ["--model", "llama-tiny", "--tokenizer", "bytes", "--task", "grpo", "--eval_answers", 0, "--reward",
+            f"{root / 'rewards.py'}:length,{root / 'rewards.py'}:has_e", "--num_generations", 2,
+            "--max_completion_length", 6, "--eval_fraction", 0.25, "--dataset", prompts, "--log_completions"]
+    dapo, kl = [*grpo, "--max_steps", 1, "--grpo_loss", "dapo"], [*grpo, "--max_steps", 1, "--beta", 0.05]
+    cycle = [*grpo, "--max_steps", 4, "--log_interval", 1, "--eval_interval", 2, "--num_iterations", 2, "--beta",
+             0.05, "--lora"]
+    adam = {"optimizer": {"type": "AdamW", "params": {"lr": 0.01}}, "scheduler": BRISK}
+    ones = {"grpo-one0": (sgd_split(root / "grpo-one0", 0, 1), dapo),
+            "grpo-one3": (sgd_split(root / "grpo-one3", 3, 1), kl),
+            "grpo-cycle-one": (variant(root / "grpo-cycle-one", "dp", 3, **adam), cycle)}
+    twos = {"grpo-sp0": (sgd_split(root / "grpo-sp0", 0, 2), dapo),
+            "grpo-sp3": (sgd_split(root / "grpo-sp3", 3, 2), kl),
+            "grpo-sp3-layered": (sgd_split(root / "grpo-sp3-layered", 3, 2),
+                                 [*kl, "--gather_for_generation", "off"]),
+            "grpo-cycle-sp": (variant(root / "grpo-cycle-sp", "sequence_parallel", 3, **adam), cycle)}
+    return ones, twos
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     """tag -> (output_dir, rank 0's output): llama-tiny in one process under ZeRO 0 and 3 (zero.Init draws other
@@ -36,7 +75,7 @@ def runs(tmp_path_factory):
     only, padded rows) on a saved model, with and without LoRA, in one process and at SP=2 under ZeRO-3; preference
     pairs on it, in one process and at SP=2 under ZeRO 0 and 3 (a frozen copy partitioned over both ranks), and with
     LoRA (the reference the adapters off, live, and precomputed at SP=2), and SimPO (no reference, each answer's mean
-    over its tokens); text and pairs at SP=2 compiled."""
+    over its tokens); text and pairs at SP=2 compiled; GRPO (grpo_jobs)."""
     from app.tools.instructions import write, write_model, write_pairs
     root = tmp_path_factory.mktemp("sequence-parallel")
     corpus = write_text_rows(root / "corpus.txt", 600)
@@ -69,6 +108,8 @@ def runs(tmp_path_factory):
                                    [*pairs, "--lora"]),
             "pairs-simpo-sp": (variant(root / "pairs-simpo-sp", "sequence_parallel", 0, scheduler=BRISK),
                                [*pairs, "--preference_loss", "simpo"])}
+    rl_ones, rl_twos = grpo_jobs(root)
+    ones, twos = {**ones, **rl_ones}, {**twos, **rl_twos}
     made = {}
     for launcher, nproc, jobs in (("python", 1, ones), ("ranks", 2, twos)):
         outputs = train_jobs(launcher, nproc, [["--deepspeed_config", config, *args, "--output_dir", root / tag]
@@ -196,6 +237,45 @@ def test_a_compiled_sequence_parallel_step_trains_as_the_eager_one(tag, metrics,
         assert max(abs(a - b) for a, b in pairs) < 1e-5, (name, pairs)
 
 
+@pytest.mark.parametrize("tag, one", [("grpo-sp0", "grpo-one0"), ("grpo-sp3", "grpo-one3"),
+                                      ("grpo-sp3-layered", "grpo-one3")])
+def test_a_grpo_step_split_over_two_ranks_is_the_step_of_one_process(tag, one, runs):
+    """Each rank of the group samples half the completions whole (transformers' own attention) and the group
+    gathers them: the completions of one process, token for token. Each rank then takes the losses of the
+    completion tokens its slice predicts, weighed by the whole completions' counts: one SGD step's weights are
+    one process's within 1e-6, under ZeRO 0 (dapo) and ZeRO-3 (grpo's loss, a KL term against a frozen copy
+    partitioned over both ranks), sampled with the whole model gathered once and layer by layer."""
+    (out, stdout), (alone, _) = runs[tag], runs[one]
+    assert "DeepSpeed Ulysses splits each sequence over 2 ranks" in stdout
+    if "layered" in tag:
+        assert "sampling gathers the model layer by layer" in stdout
+    step = "completions/step00000001.jsonl"
+    assert (out / step).read_text() == (alone / step).read_text()
+    assert len((out / step).read_text().splitlines()) == 8 * 2
+    split, whole = weights(out), weights(alone)
+    worst = max((split[k] - whole[k]).abs().max().item() for k in whole)
+    assert worst < 1e-6, worst
+    row, alone_row = read_metrics(out)[0][0], read_metrics(alone)[0][0]
+    assert row["reward_std"] > 0 and row["frac_reward_zero_std"] < 1, "advantages, so a gradient"
+    assert row["reward"] == alone_row["reward"] and row["completions/mean_length"] == alone_row[
+        "completions/mean_length"]
+
+
+def test_grpo_cycles_with_lora_at_sp2_train_as_in_one_process(runs):
+    """4 Adam steps with LoRA, --num_iterations 2 (step 2 and 4 clipped against the policy that sampled, run on
+    the slices), a KL term against the adapters off: the losses, KL, clipped shares and held-out rewards of one
+    process within 1e-5."""
+    (out, stdout), (alone, _) = runs["grpo-cycle-sp"], runs["grpo-cycle-one"]
+    split, whole = read_metrics(out)[0], read_metrics(alone)[0]
+    assert len(split) == len(whole) == 4 and whole[-1]["kl"] > 1e-3
+    for name in ("loss", "reward", "kl", "clip_ratio/region_mean", "completions/mean_length"):
+        pairs = [(a[name], b[name]) for a, b in zip(split, whole)]
+        assert max(abs(a - b) for a, b in pairs) < 1e-5, (name, pairs)
+    held = [[r["eval_reward"] for r in evaluations(folder)] for folder in (out, alone)]
+    assert len(held[0]) == 2 and held[0] == held[1], held
+    assert "reference: adapters off" in stdout
+
+
 @pytest.mark.parametrize("tag, stage", [("sp0", 0), ("sp3", 3), ("pairs-sp3", 3)])
 def test_a_sequence_parallel_checkpoint_resumes_in_one_process(tag, stage, runs, tmp_path):
     """Step 4 of the SP=2 run, resumed on one rank without sequence parallelism, trains on to SP=2's losses (pairs:
@@ -289,8 +369,8 @@ def test_tiled_pairs_train_as_whole_ones(tiled_runs):
 
 @pytest.mark.parametrize("args, said", [
     (["--model", "gpt2-tiny", "--attention", "eager"], "runs attention 'eager', which the app does not split"),
-    (["--task", "sequence_classification"], "splits the losses of --task causal_lm, instruction and preference, "
-                                            "not sequence_classification's"),
+    (["--task", "sequence_classification"], "splits the losses of --task causal_lm, instruction, preference and "
+                                            "grpo, not sequence_classification's"),
 ])
 def test_what_ulysses_cannot_split_is_one_line(args, said, runs, tmp_path):
     config = variant(tmp_path, "sequence_parallel", 0)

@@ -106,7 +106,8 @@ def test_a_grpo_prompt_is_planned_as_its_group_of_sequences(tmp_path):
 
 def test_a_grpo_plan_counts_the_sampling_cache_and_under_zero3_the_gathered_weights(tmp_path):
     """Before the group's training forward, sampling holds each completion's key-value cache, and under ZeRO-3 the
-    whole weights gathered once; a task that samples nothing plans none."""
+    whole weights gathered once; a task that samples nothing plans none; under sequence parallelism a rank samples
+    its share of the group's completions."""
     reward = tmp_path / "r.py"
     reward.write_text("def one(completions, **kwargs):\n    return [1.0] * len(completions)\n")
     settings = Settings(model="gpt2-tiny", task="grpo", reward=f"{reward}:one", num_generations=4)
@@ -121,6 +122,8 @@ def test_a_grpo_plan_counts_the_sampling_cache_and_under_zero3_the_gathered_weig
     assert sampling(zero3, 1000, 4) == (2000 - 500, cache + scores), "bf16 weights, a quarter of them held already"
     grpo.settings.gather_for_generation = "off"
     assert sampling(zero3, 1000, 4)[0] == 0, "sampled layer by layer: nothing gathered whole"
+    split = {**autocast, "sequence_parallel_size": 2}
+    assert sampling(split, 1000, 2) == (0, (cache + scores) // 2), "a rank of 2 sharing the sequences samples half"
     ds, _ = on_a_gpu(8)
     plan = planner.plans(planner.workload(grpo, 128), {"autocast": ds}, 1, sampling=planner.sampling_of(grpo, 128))
     assert plan["autocast"].sampling[1] == cache + scores

@@ -13,7 +13,7 @@ from app.ds.internals.engine import (autocast_of, config_saved_as, count_every_s
                                      step_bf16_weights_on_device, uncompile)
 from app.ds.internals.device_constants import constants_on_device
 from app.ds.internals.gather import whole_bytes, whole_weights
-from app.ds.internals.sequence import sequence_groups
+from app.ds.internals.sequence import sequence_groups, whole_sequences
 from app.ds.internals.launcher import (cpu_info_once, drop_shm_names, launcher_world_info, node_shell_line,
                                       op_loads_quiet, pdsh_exports, pdsh_words, pin_device, quiet_deepspeed,
                                       started_by_pdsh)
@@ -26,7 +26,7 @@ __all__ = ["autocast_of", "Recorder", "parse_config", "scalar_defaults", "sectio
            "engine_hooks_eager", "forget_parallel_groups", "forget_unfinished_forward", "forward_within_the_step",
            "gathered_state_dict",
            "lighten_plain_step", "note_clip_norms", "replay_cpu_adam_steps", "restore_torch_linear",
-           "sequence_groups", "skip_bad_steps_on_device",
+           "sequence_groups", "whole_sequences", "skip_bad_steps_on_device",
            "step_bf16_weights_on_device", "constants_on_device", "uncompile", "cpu_info_once", "drop_shm_names",
            "launcher_world_info", "node_shell_line", "pdsh_exports", "pdsh_words", "started_by_pdsh", "op_loads_quiet",
            "pin_device", "quiet_deepspeed", "deepspeed_estimate", "held_weights", "module_states", "state_bytes",

@@ -1,5 +1,6 @@
 """DeepSpeed's sequence-parallel groups (deepspeed.runtime.sequence_parallel.parallel_state_sp, an mpu made once
 per process) and the Ulysses attention the app puts in transformers' registry (app/parallel/sequence_parallel.py)."""
+import contextlib
 
 
 def sequence_groups(ds: dict):
@@ -19,6 +20,27 @@ def sequence_groups(ds: dict):
         mpu.initialize_sequence_parallel(sequence_parallel_size=degree)
     register_all_to_all_group(mpu.get_sequence_parallel_group())
     return mpu
+
+
+@contextlib.contextmanager
+def whole_sequences():
+    """Inside: the models attend as transformers does, over whatever sequences they are given (online RL samples
+    each completion whole on one rank), each Ulysses attention's core put back in the registry, and the Ulysses
+    attention after."""
+    import sys
+    if "transformers.modeling_utils" not in sys.modules:
+        yield
+        return
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+    wrapped = {name: ALL_ATTENTION_FUNCTIONS[name] for name in list(ALL_ATTENTION_FUNCTIONS.keys())
+               if getattr(ALL_ATTENTION_FUNCTIONS[name], "app_core", None) is not None}
+    try:
+        for name, ulysses in wrapped.items():
+            ALL_ATTENTION_FUNCTIONS[name] = ulysses.app_core
+        yield
+    finally:
+        for name, ulysses in wrapped.items():
+            ALL_ATTENTION_FUNCTIONS[name] = ulysses
 
 
 def forget_sequence_groups():

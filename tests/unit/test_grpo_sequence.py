@@ -1,0 +1,42 @@
+"""GRPO's step on a sequence-parallel rank (app/core/grpo_sequence.py), without ranks: each slice's completion
+tokens and their log-probabilities add up to the whole sequences'. The runs against one process are
+tests/e2e/test_sequence_parallel.py's."""
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from app.core import grpo_loss
+from app.core.grpo_sequence import SequenceGrpoStep
+from app.core.sequence_step import Group
+
+
+def step_of(rank: int, degree: int, temperature: float) -> SequenceGrpoStep:
+    """The step of `rank` of a group of `degree`, as far as its slice's arithmetic goes (no engine)."""
+    step = object.__new__(SequenceGrpoStep)
+    step.group = object.__new__(Group)
+    step.group.degree, step.group.rank = degree, rank
+    step.task = SimpleNamespace(how=SimpleNamespace(temperature=temperature))
+    return step
+
+
+@pytest.mark.parametrize("degree", [2, 3])
+def test_the_slices_take_each_completion_token_once_and_its_log_probability_as_the_whole_sequence_gives_it(degree):
+    """A model whose logits at each position depend on that position's token and place alone (as a slice's do on
+    what it holds): 3 sequences of 11 tokens (padded for the slices), prompts of 2, 4 and 7 tokens, completions
+    of 4; one completion's first token predicted by the last position of a slice."""
+    torch.manual_seed(0)
+    vocab, width = 17, 11
+    table, places = torch.randn(vocab, vocab), torch.randn(16, vocab)
+    logits = lambda ids, positions: table[ids] + places[positions]  # noqa: E731
+    ids = torch.randint(0, vocab, (3, width))
+    starts, completions = torch.tensor([2, 4, 7]), torch.randint(0, vocab, (3, 4))
+    whole = grpo_loss.token_logps(logits(ids, torch.arange(width).expand(3, -1)), completions, starts, 0.7)
+    taken, summed = torch.zeros(3, 4), torch.zeros(3, 4)
+    for rank in range(degree):
+        step = step_of(rank, degree, 0.7)
+        mine = step.mine((ids, completions, starts))
+        taken += mine
+        summed += step.log_probs((ids, completions, starts), logits) * mine
+    assert taken.tolist() == [[1.0] * 4] * 3, "every completion token on one slice alone"
+    assert torch.allclose(summed, whole, atol=1e-6)
