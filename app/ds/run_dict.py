@@ -55,8 +55,9 @@ def for_benchmark(ds: dict, micro: int, facts: ds_auto.Facts, replicas: int, ste
 
 
 def trainable(model) -> int:
-    """The parameters of model that train (with LoRA, the adapters alone)."""
-    return sum(p.numel() for p in model.parameters() if p.requires_grad)
+    """The parameters of model that train (with LoRA, the adapters alone), whole where ZeRO-3 has partitioned
+    them as they were made (a partitioned parameter's own numel is 0: its ds_numel is the whole's)."""
+    return sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters() if p.requires_grad)
 
 
 def for_engine(ds: dict, trainable: int, tensor: int) -> dict:

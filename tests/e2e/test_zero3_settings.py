@@ -23,7 +23,7 @@ def stock_zero3(tmp_path):
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     """name -> (losses, output) of 8 steps of gpt2-tiny on 2 ranks under stock and shipped ZeRO-3, eager and
-    compiled, in one launch."""
+    compiled, in one launch; "folder": where they ran."""
     tmp = tmp_path_factory.mktemp("zero3")
     corpus = write_text_rows(tmp / "corpus.txt", 400)
     configs = {"stock": stock_zero3(tmp), "shipped": REPO / "ds_configs" / "zero3.json"}
@@ -32,8 +32,8 @@ def runs(tmp_path_factory):
                                "--output_dir", tmp / f"{name}-{mode}"]
             for mode in ("off", "on") for name, config in configs.items()}
     outputs = train_jobs("ranks", 2, list(jobs.values()))
-    return {name: ([row["loss"] for row in read_metrics(tmp / name)[0]], output)
-            for name, output in zip(jobs, outputs)}
+    return {"folder": tmp, **{name: ([row["loss"] for row in read_metrics(tmp / name)[0]], output)
+                              for name, output in zip(jobs, outputs)}}
 
 
 @pytest.mark.parametrize("mode", ["off", "on"])
@@ -44,3 +44,14 @@ def test_the_shipped_zero3_settings_train_the_losses_of_stock_zero3(runs, mode):
     assert ("compile: compiling" in output) == (mode == "on")
     assert len(stock) == len(shipped) == 8 and shipped[-1] < shipped[0]
     assert max(abs(a - b) for a, b in zip(stock, shipped)) < 1e-6, list(zip(stock, shipped))
+
+
+def test_zero3s_reduce_bucket_holds_the_whole_model_where_the_json_sets_none(runs):
+    """The app caps an unset reduce_bucket_size at the trainable parameters (DeepSpeed allocates whole buckets):
+    counted whole, not as the empty tensors zero.Init leaves in a partitioned model, which made a bucket of one
+    element and a reduce-scatter per parameter. gpt2-tiny: 8,192 x 256 token and 128 x 256 position embeddings,
+    4 blocks of 789,760 and the last norm's 512."""
+    state = json.loads(next((runs["folder"] / "shipped-off" / "checkpoints").glob("step*/trainer_state.json"))
+                       .read_text())
+    assert state["deepspeed_config"]["zero_optimization"]["reduce_bucket_size"] == \
+        8192 * 256 + 128 * 256 + 4 * 789_760 + 512
