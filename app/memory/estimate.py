@@ -158,8 +158,9 @@ def bucket_bytes(total: int, ds: dict, kinds: tuple = (True, True)) -> int:
 def working_bytes(sizes: list, ds: dict, ranks: int, largest_block: int, kinds: tuple = (True, True),
                   learnt: int = None) -> int:
     """The transient buffers of a step: the flat gradient all-reduce (ZeRO 0 on several ranks), ZeRO's reduce
-    buckets, ZeRO-3's gathered layers (the largest block and the next prefetched) and its parameters too small
-    to partition (kept whole on every rank). learnt: the elements that train (None: all)."""
+    buckets (under ZeRO-3's reduce-scatter also the flat copy DeepSpeed's reduce_scatter_coalesced makes of a
+    bucket as it flushes it), ZeRO-3's gathered layers (the largest block and the next prefetched) and its
+    parameters too small to partition (kept whole on every rank). learnt: the elements that train (None: all)."""
     stage, total = zero_stage(ds), sum(sizes)
     learnt = total if learnt is None else learnt
     zero = ds.get("zero_optimization") or {}
@@ -170,7 +171,8 @@ def working_bytes(sizes: list, ds: dict, ranks: int, largest_block: int, kinds: 
         return bucket
     persistent = sum(size for size in sizes if size < int(zero.get("stage3_param_persistence_threshold", 1e5)))
     prefetch = int(zero.get("stage3_prefetch_bucket_size", 5e7))
-    return bucket + FP32 * (min(total, 2 * largest_block + prefetch) + persistent)
+    flat = bucket if zero.get("reduce_scatter", True) is not False else 0  # a flushed bucket's flat copy
+    return bucket + flat + FP32 * (min(total, 2 * largest_block + prefetch) + persistent)
 
 
 class LiveBytes(torch_private.TorchDispatchMode):
