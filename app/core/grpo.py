@@ -79,14 +79,15 @@ class Grpo(AgainstReference):
 
     def gathering(self, engine) -> bool:
         """Whether sampling gathers the whole model once under ZeRO-3 (--gather_for_generation; auto: where, on
-        every rank, the whole weights and the key-value cache of a micro batch's completions fit in the memory
-        free now, beside the partitions). A collective under auto."""
+        every rank, the whole weights and the key-value cache of a micro batch's completions (under sequence
+        parallelism, the rank's share) fit in the memory free now, beside the partitions). A collective under
+        auto."""
         if not hasattr(engine, "app_gathers_for_sampling"):  # decided once an engine
             setting = self.settings.gather_for_generation
             gathers = engine.zero_optimization_stage() == 3 and setting != "off"
             if gathers and setting == "auto":
                 element = torch.empty((), dtype=precision.compute_dtype(engine)).element_size()
-                rows = engine.train_micro_batch_size_per_gpu() * self.group
+                rows = -(-engine.train_micro_batch_size_per_gpu() * self.group // engine.sequence_parallel_size)
                 need = ds_internals.whole_bytes(engine) + rollout.cache_bytes(self.spec.config, rows,
                                                                               self.data.info.seq_len, element)
                 gathers = dist.host_max([int(need > metrics.free_memory_bytes(engine.device))])[0] == 0

@@ -40,12 +40,17 @@ def advantages(rewards: torch.Tensor, group: int, scale: str, batch_std: float) 
 def token_logps(logits: torch.Tensor, completions: torch.Tensor, starts: torch.Tensor,
                 temperature: float) -> torch.Tensor:
     """(rows, length) log-probabilities, in fp32, of each completion's tokens under logits of the whole sequences
-    (prompt of starts[r] tokens, then the completion), at the sampling temperature. Positions outside the logits
-    (a slice of the sequences: starts counted from its first) take the nearest one's; the caller masks them."""
+    (prompt of starts[r] tokens, then the completion), at the sampling temperature."""
     length = completions.shape[1]
-    at = (starts[:, None] - 1 + torch.arange(length, device=starts.device)[None]).clamp(0, logits.shape[1] - 1)
+    at = (starts[:, None] - 1 + torch.arange(length, device=starts.device)[None]).clamp(max=logits.shape[1] - 1)
+    return picked_logps(logits, at, completions, temperature)
+
+
+def picked_logps(logits: torch.Tensor, at: torch.Tensor, tokens: torch.Tensor, temperature: float) -> torch.Tensor:
+    """(rows, k) log-probabilities, in fp32, of tokens (rows, k) under the logits (rows, positions, vocab) at
+    positions at (rows, k), at the sampling temperature: only those positions go through the softmax."""
     picked = logits.gather(1, at[..., None].expand(-1, -1, logits.shape[-1]))
-    return (picked.float() / temperature).log_softmax(-1).gather(-1, completions[..., None]).squeeze(-1)
+    return (picked.float() / temperature).log_softmax(-1).gather(-1, tokens[..., None]).squeeze(-1)
 
 
 def token_losses(logp: torch.Tensor, old: torch.Tensor, advantage: torch.Tensor, low: float, high: float,
@@ -68,8 +73,8 @@ def normalised(kind: str, loss: torch.Tensor, mask: torch.Tensor, share: torch.T
                length: int) -> torch.Tensor:
     """The micro batch's part of an optimizer step's loss, scaled so that DeepSpeed's mean over its ranks and
     accumulation gives the step's loss however it is split. share: each completion's weight (its prompt's loader
-    weight over the group size; 0 for padding); per_token: dapo's weight of one token, ranks x accumulation over
-    the step's tokens on every rank.
+    weight over the group size; 0 for padding); per_token: dapo's weight of one token, data-parallel replicas
+    x accumulation over the step's tokens on every replica.
 
     dapo: the sum over every completion token of the step / those tokens; grpo: the mean over completions of
     their token means; dr_grpo: the sum over completion tokens / (completions x --max_completion_length)."""

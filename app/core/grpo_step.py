@@ -22,6 +22,20 @@ from app.observe.metrics import Meter
 
 
 @dataclass
+class Asked:
+    """What the reward functions are given beside each completion: its prompt, the dataset's other columns of its
+    row, and its name in their messages."""
+    prompts: list
+    columns: dict
+    names: list
+
+    def rows(self, picked: list) -> "Asked":
+        """The same of the completions picked (their indices)."""
+        return Asked([self.prompts[i] for i in picked], {k: [v[i] for i in picked] for k, v in self.columns.items()},
+                     [self.names[i] for i in picked])
+
+
+@dataclass
 class Part:
     """One micro batch of the window, its completions sampled: rows x group sequences."""
     ids: torch.Tensor
@@ -108,26 +122,34 @@ class GrpoStep(TrainStep):
         x, y, w = batch
         rows, lengths = y[:, 0].tolist(), y[:, 1].repeat_interleave(group)
         u = rollout.draws(task.settings.seed, self.engine.global_steps, rows, group, how.max_new)
-        tokenizer = task.tokenizer
-        completions, mask, truncated = self.sample(x.repeat_interleave(group, 0), lengths, u, how)
-        kept = [c[m].tolist() for c, m in zip(completions, mask)]
-        texts = tokenizer.batch_decode(kept, skip_special_tokens=True)
-        prompts = [p for p in held.prompts(rows) for _ in range(group)]
-        said = [[{"role": "assistant", "content": t}] for t in texts] if isinstance(prompts[0], list) else texts
-        columns = {k: [v for v in values for _ in range(group)] for k, values in held.columns(rows).items()}
-        names = [f"row {r} (completion {j})" for r in rows for j in range(group)]
-        scored = rewards.score(task.rewards, prompts, said, kept, columns, self.engine.global_steps, names)
+        asked = Asked([p for p in held.prompts(rows) for _ in range(group)],
+                      {k: [v for v in values for _ in range(group)] for k, values in held.columns(rows).items()},
+                      [f"row {r} (completion {j})" for r in rows for j in range(group)])
+        completions, mask, truncated, scored, texts = self.roll(x.repeat_interleave(group, 0), lengths, u, how, asked)
         length = mask.sum(1)
         if task.mask_truncated:
             mask = mask & ~truncated[:, None]
-        return part_of(batch, group, tokenizer.pad_token_id, texts, completions=completions, mask=mask.float(),
+        return part_of(batch, group, task.tokenizer.pad_token_id, texts, completions=completions, mask=mask.float(),
                        rewards=scored, truncated=truncated, length=length)
 
-    def sample(self, prompts: torch.Tensor, lengths: torch.Tensor, u: torch.Tensor, how: rollout.Sampling) -> tuple:
-        """(completions, mask, truncated) of the prompts (rows, left-padded) with their draws u: app/core/rollout.py."""
+    def roll(self, prompts: torch.Tensor, lengths: torch.Tensor, u: torch.Tensor, how: rollout.Sampling,
+             asked: "Asked") -> tuple:
+        """(completions, mask, truncated, rewards, texts) of the prompts (rows, left-padded) with their draws u
+        (app/core/rollout.py), scored by the task's functions (app/core/rewards.py)."""
         tokenizer = self.task.tokenizer
-        return rollout.sample(self.engine, prompts, lengths, u, how, len(tokenizer), tokenizer.eos_token_id,
-                              tokenizer.pad_token_id, self.task.synced(self.engine), self.gather)
+        completions, mask, truncated = rollout.sample(
+            self.engine, prompts, lengths, u, how, len(tokenizer), tokenizer.eos_token_id, tokenizer.pad_token_id,
+            self.task.synced(self.engine), self.gather)
+        kept, texts = self.decoded(completions, mask)
+        said = [[{"role": "assistant", "content": t}] for t in texts] if isinstance(asked.prompts[0], list) else texts
+        scored = rewards.score(self.task.rewards, asked.prompts, said, kept, asked.columns, self.engine.global_steps,
+                               asked.names)
+        return completions, mask, truncated, scored, texts
+
+    def decoded(self, completions: torch.Tensor, mask: torch.Tensor) -> tuple:
+        """(each completion's token ids up to and with its end, its text)."""
+        kept = [c[m].tolist() for c, m in zip(completions, mask)]
+        return kept, self.task.tokenizer.batch_decode(kept, skip_special_tokens=True)
 
     def cycle_parts(self, window: list) -> tuple:
         """(Parts, totals) of the window: sampled at the first step of each cycle of --num_iterations, which keeps
@@ -154,7 +176,7 @@ class GrpoStep(TrainStep):
             if task.settings.num_iterations > 1:  # the policy that sampled: the ratio's base through the cycle
                 with torch.no_grad():
                     within = lambda *inputs: ds_internals.forward_within_the_step(self.engine, *inputs)  # noqa: E731
-                    part.old = self.log_probs(self.on_device(part), within).cpu()
+                    part.old = self.every_logp(self.on_device(part), within).cpu()
         return parts, totals
 
     def on_device(self, part: Part) -> tuple:
@@ -167,9 +189,15 @@ class GrpoStep(TrainStep):
         ids, completions, starts = on_device
         return grpo_loss.token_logps(logits(ids), completions, starts, self.task.how.temperature)
 
-    def mine(self, on_device: tuple):
-        """Which completion tokens' losses this rank takes (log_probs gives theirs): all of them."""
-        return 1.0
+    def every_logp(self, on_device: tuple, logits) -> torch.Tensor:
+        """(n, max_new) every completion token's log-probability, whichever rank's slice predicts it (kept by a
+        cycle of --num_iterations, which a resume on any layout reads)."""
+        return self.log_probs(on_device, logits)
+
+    def my_tokens(self, on_device: tuple, logp: torch.Tensor, old: torch.Tensor, reference) -> tuple:
+        """(old, reference, taken): what the ratio and the KL term compare logp with, and which completion tokens'
+        losses this rank takes (1.0: all of them)."""
+        return old, reference, 1.0
 
     def part_loss(self, part: Part, totals: dict) -> tuple:
         """(the micro batch's loss, its sums for the meter, its weight): app/core/grpo_loss.py's normalisation."""
@@ -178,16 +206,16 @@ class GrpoStep(TrainStep):
         logp = self.log_probs(on_device, self.engine)
         reference = self.log_probs(on_device, self.reference.logits) if task.beta else None
         old = logp.detach() if part.old is None else part.old.to(device)
+        old, reference, taken = self.my_tokens(on_device, logp, old, reference)
         losses, kl, below, above = grpo_loss.token_losses(logp, old, part.advantages.to(device).float(),
                                                           task.epsilon, task.epsilon_high, task.beta, reference)
-        mine = self.mine(on_device)
         scale = self.replicas * self.engine.gradient_accumulation_steps()
         per_token = scale / max(totals["tokens"], 1.0)
-        loss = grpo_loss.normalised(task.loss_kind, losses * mine, mask, share, per_token, task.how.max_new)
+        loss = grpo_loss.normalised(task.loss_kind, losses * taken, mask, share, per_token, task.how.max_new)
         whole = self.meter_weights  # what every rank holding the completions holds whole: counted once
         weight = whole(share.sum())  # the prompts' loader weights: share is each one's over its group
         real = (share > 0).float()[:, None]
-        token_mean = lambda x: (x * mask * mine * real).sum() * per_token  # noqa: E731
+        token_mean = lambda x: (x * mask * taken * real).sum() * per_token  # noqa: E731
         sums = {"loss": loss.detach(), **{k: v * weight for k, v in totals["shown"].items()},
                 "completions/mean_length": whole((share * part.length.to(device)).sum()),
                 "completions/clipped_ratio": whole((share * part.truncated.to(device).float()).sum()),

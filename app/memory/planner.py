@@ -81,8 +81,8 @@ def sampling_of(task, seq_len: int = 0):
     def sampling(ds: dict, parameters: int, ranks: int) -> tuple:
         sixteen = any((ds.get(s) or {}).get("enabled") is True for s in ("bf16", "fp16"))
         compute = 2 if sixteen or (ds.get("torch_autocast") or {}).get("enabled") is True else 4
-        share = ds.get("sequence_parallel_size", 1)  # each rank of a group samples its share of the rows whole
-        each = (rollout.cache_bytes(config, rows, seq, compute) + rows * models.vocab_size(config) * 28) // share
+        mine = -(-rows // ds.get("sequence_parallel_size", 1))  # a group's ranks each sample a share whole
+        each = rollout.cache_bytes(config, mine, seq, compute) + mine * models.vocab_size(config) * 28
         gathered = zero_stage(ds) == 3 and task.settings.gather_for_generation != "off"
         whole = parameters * (2 if sixteen else 4)
         return (whole - whole // ranks if gathered else 0), each

@@ -46,7 +46,7 @@ def sgd_split(folder, stage: int, sequence: int):
 def grpo_jobs(root) -> tuple:
     """(one-process jobs, 2-rank jobs) of GRPO at SP=2 against one process: one SGD step under ZeRO 0 (dapo) and
     ZeRO 3 (grpo's loss, a KL term against a frozen copy; sampled gathered once or layer by layer), and 4 Adam steps
-    with LoRA, --num_iterations 2 and the adapters-off reference."""
+    with LoRA, --num_iterations 2 and the adapters-off reference, and those resumed inside a cycle."""
     from app.tools.instructions import write_prompts
     prompts = write_prompts(root / "prompts", 12, seed=3)
     (root / "rewards.py").write_text(REWARDS)
@@ -55,7 +55,7 @@ def grpo_jobs(root) -> tuple:
             "--max_completion_length", 6, "--eval_fraction", 0.25, "--dataset", prompts, "--log_completions"]
     dapo, kl = [*grpo, "--max_steps", 1, "--grpo_loss", "dapo"], [*grpo, "--max_steps", 1, "--beta", 0.05]
     cycle = [*grpo, "--max_steps", 4, "--log_interval", 1, "--eval_interval", 2, "--num_iterations", 2, "--beta",
-             0.05, "--lora"]
+             0.05, "--lora", "--save_interval", 1]
     adam = {"optimizer": {"type": "AdamW", "params": {"lr": 0.01}}, "scheduler": BRISK}
     ones = {"grpo-one0": (sgd_split(root / "grpo-one0", 0, 1), dapo),
             "grpo-one3": (sgd_split(root / "grpo-one3", 3, 1), kl),
@@ -65,6 +65,8 @@ def grpo_jobs(root) -> tuple:
             "grpo-sp3-layered": (sgd_split(root / "grpo-sp3-layered", 3, 2),
                                  [*kl, "--gather_for_generation", "off"]),
             "grpo-cycle-sp": (variant(root / "grpo-cycle-sp", "sequence_parallel", 3, **adam), cycle)}
+    inside = ["--resume", root / "grpo-cycle-sp" / "checkpoints" / "step00000003"]  # a cycle's first step
+    twos["grpo-cycle-sp-resumed"] = (twos["grpo-cycle-sp"][0], [*cycle, *inside])
     return ones, twos
 
 
@@ -274,6 +276,16 @@ def test_grpo_cycles_with_lora_at_sp2_train_as_in_one_process(runs):
     held = [[r["eval_reward"] for r in evaluations(folder)] for folder in (out, alone)]
     assert len(held[0]) == 2 and held[0] == held[1], held
     assert "reference: adapters off" in stdout
+
+
+def test_a_grpo_run_at_sp2_resumed_inside_a_cycle_ends_it_as_the_unbroken_run(runs):
+    """Resumed from step 3, a cycle's first step: step 4 trains on the completions step 3 kept, clipped against
+    the policy that sampled them. Each rank kept that policy's log-probabilities of every token (its group's
+    sums), so whichever rank's file the resume reads, step 4 is the unbroken run's."""
+    resumed, unbroken = read_metrics(runs["grpo-cycle-sp-resumed"][0])[0], read_metrics(runs["grpo-cycle-sp"][0])[0]
+    assert resumed[-1]["step"] == unbroken[-1]["step"] == 4 and unbroken[-1]["clip_ratio/region_mean"] > 0
+    for name in ("loss", "kl", "clip_ratio/region_mean"):
+        assert abs(resumed[-1][name] - unbroken[-1][name]) < 1e-6, (name, resumed[-1], unbroken[-1])
 
 
 @pytest.mark.parametrize("tag, stage", [("sp0", 0), ("sp3", 3), ("pairs-sp3", 3)])

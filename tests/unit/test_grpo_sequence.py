@@ -20,11 +20,12 @@ def step_of(rank: int, degree: int, temperature: float) -> SequenceGrpoStep:
     return step
 
 
-@pytest.mark.parametrize("degree", [2, 3])
+@pytest.mark.parametrize("degree", [2, 3, 4])
 def test_the_slices_take_each_completion_token_once_and_its_log_probability_as_the_whole_sequence_gives_it(degree):
     """A model whose logits at each position depend on that position's token and place alone (as a slice's do on
     what it holds): 3 sequences of 11 tokens (padded for the slices), prompts of 2, 4 and 7 tokens, completions
-    of 4; one completion's first token predicted by the last position of a slice."""
+    of 4; one completion's first token predicted by the last position of a slice. Each rank's softmax runs over a
+    window of its slice, 0 for the tokens it does not predict."""
     torch.manual_seed(0)
     vocab, width = 17, 11
     table, places = torch.randn(vocab, vocab), torch.randn(16, vocab)
@@ -36,7 +37,9 @@ def test_the_slices_take_each_completion_token_once_and_its_log_probability_as_t
     for rank in range(degree):
         step = step_of(rank, degree, 0.7)
         mine = step.mine((ids, completions, starts))
+        found = step.log_probs((ids, completions, starts), logits)
+        assert (found[~mine] == 0).all(), "nothing for the tokens another slice predicts"
         taken += mine
-        summed += step.log_probs((ids, completions, starts), logits) * mine
+        summed += found
     assert taken.tolist() == [[1.0] * 4] * 3, "every completion token on one slice alone"
     assert torch.allclose(summed, whole, atol=1e-6)
