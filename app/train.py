@@ -141,7 +141,7 @@ def settle(settings: Settings, world: World, ds: dict, board: endings.Board) -> 
     seed_everything(settings.seed)
     task = resolver.resolve(settings, spec, output_dir)
     task.check_layout(ranks)
-    ds, note = weighed_for_run(ds, note, task, settings, ranks, world.device)
+    ds, note = weighed_for_run(ds, note, task, settings, ranks, world)
     task.before_search(ds, ranks.replicas)
 
     def trial_model(trial: dict):  # a fresh model laid out for an engine of the micro batch search's trial dict

@@ -11,6 +11,7 @@ written (the check's own plumbing).
 import argparse
 import json
 import os
+import shlex
 import subprocess
 import sys
 import time
@@ -39,6 +40,11 @@ def cuda_test(expression: str) -> list:
 def bench(out: Path, name: str, *argv) -> list:
     """python -m app.tools.bench with argv, its bench.json and profiles in out/name."""
     return [sys.executable, "-m", "app.tools.bench", *map(str, argv), "--output_dir", str(out / name)]
+
+
+def chain(*commands) -> list:
+    """One command that runs each of commands in turn, whatever the one before gave."""
+    return ["bash", "-c", "; ".join(shlex.join(map(str, command)) for command in commands)]
 
 
 def zero3_variants(out: Path) -> dict:
@@ -79,6 +85,13 @@ def parts(out: Path) -> list:
                                      "--ranks", 1, "--modes", "raw-compile,app", "--configs", "dp,zero1,zero2,zero3",
                                      "--compile", "on,off", "--steps", 3, "--warmup", 1),
              "gpt2-124m, micro 32 x 1,024: the app at ZeRO 0-3 compiled and eager, the plan's peak beside each"),
+        Part("offload", 240, chain([sys.executable, "-m", "app.tools.plan", "--model", "llama-8b", "--micro_batch", 1,
+                                    "--seq_len", 2048, "--deepspeed_config", "ds_configs/zero3_offload.json"],
+                                   bench(out, "llama-3b", "--model", "llama-3b", "--batch", 1, "--seq_len", 2048,
+                                         "--ranks", 1, "--modes", "app", "--configs", "zero3_offload", "--steps", 2,
+                                         "--warmup", 1)),
+             "the plan of llama-8b under zero3_offload on this GPU and this machine's memory; llama-3b (Llama 3.2 "
+             "3B's shape) fully fine-tuned under it, micro 1 x 2,048: tokens/s, GPU and host peaks against the plan"),
         Part("sync_debug", 90, cuda_test("synchronises"),
              'the step under torch.cuda.set_sync_debug_mode("error"), ZeRO 0 and 2, eager and compiled'),
         Part("stock_steps", 60, cuda_test("stock_deepspeed_on_two_ranks"),
@@ -155,13 +168,13 @@ def outcomes(text: str) -> dict:
 
 def figures(text: str, figures_file: Path) -> dict:
     """The figures a part's tests wrote (`name value` lines), and the benchmark's headlines, plan, profile and
-    failure lines where it printed them."""
+    failure lines where it printed them, and the plan's recommendation."""
     found = {}
     for line in figures_file.read_text().splitlines() if figures_file.is_file() else []:
         name, _, value = line.partition(" ")
         found[name] = value
     found.update({line.split(":")[0]: line for line in text.splitlines()  # the benchmark's summary lines
-                  if line.startswith(("headline", "plan ", "profile ", "failed "))})
+                  if line.startswith(("headline", "plan ", "profile ", "failed ", "recommended"))})
     return found
 
 

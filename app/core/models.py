@@ -53,26 +53,26 @@ def _replace_first_conv(model: nn.Module, in_channels: int):
 BUILTIN = {"cnn": _cnn, "mlp": _mlp}
 LLAMA_TINY = dict(num_hidden_layers=4, hidden_size=256, intermediate_size=512, num_attention_heads=4,
                   num_key_value_heads=2, max_position_embeddings=128, vocab_size=8192, tie_word_embeddings=False)
+LLAMA3 = dict(num_key_value_heads=8, vocab_size=128256, rope_theta=500000.0)  # Llama 3's, with its tokenizer's vocab
 # Randomly initialised transformers built from a config, no download. No dropout, as in from-scratch pretraining.
 PRESETS = {
     "gpt2-tiny": ("gpt2", dict(n_layer=4, n_embd=256, n_head=4, n_positions=128, vocab_size=8192)),
     "gpt2-124m": ("gpt2", dict(n_layer=12, n_embd=768, n_head=12, n_positions=1024, vocab_size=50257)),
-    # a Llama-family model for tensor parallelism (AutoTP follows the plan transformers ships for llama); at 32,768
-    # positions, for long sequences (sequence parallelism, tiling) on a CPU
+    # a Llama for tensor parallelism (AutoTP follows transformers' plan for llama); at 32,768 positions, long sequences
     "llama-tiny": ("llama", LLAMA_TINY),
     "llama-tiny-long": ("llama", {**LLAMA_TINY, "max_position_embeddings": 32768}),
     "bert-tiny": ("bert", dict(num_hidden_layers=2, hidden_size=128, num_attention_heads=2, intermediate_size=512,
                                max_position_embeddings=512, vocab_size=8192)),
     # the ZeRO paper's 7.5B GPT-2 shape (7.46B parameters), for the memory plan at scale
     "gpt2-7b": ("gpt2", dict(n_layer=36, n_embd=4096, n_head=32, n_positions=1024, vocab_size=50257)),
-    # a 1B-class shape (Llama 3.2 1B's: 1.24B parameters, tied embeddings), for the memory plan and for real runs
-    "llama-1b": ("llama", dict(num_hidden_layers=16, hidden_size=2048, intermediate_size=8192, num_attention_heads=32,
-                               num_key_value_heads=8, max_position_embeddings=131072, vocab_size=128256,
-                               tie_word_embeddings=True, rope_theta=500000.0)),
+    # Llama 3.2 1B's and 3B's shapes (1.24B and 3.21B parameters, tied embeddings), for the memory plan and real runs
+    "llama-1b": ("llama", dict(LLAMA3, num_hidden_layers=16, hidden_size=2048, intermediate_size=8192,
+                               num_attention_heads=32, max_position_embeddings=131072, tie_word_embeddings=True)),
+    "llama-3b": ("llama", dict(LLAMA3, num_hidden_layers=28, hidden_size=3072, intermediate_size=8192,
+                               num_attention_heads=24, max_position_embeddings=131072, tie_word_embeddings=True)),
     # Llama 3.1 8B's shape (8.03B parameters), at its original 8,192 positions: what people fine-tune with LoRA
-    "llama-8b": ("llama", dict(num_hidden_layers=32, hidden_size=4096, intermediate_size=14336, num_attention_heads=32,
-                               num_key_value_heads=8, max_position_embeddings=8192, vocab_size=128256,
-                               tie_word_embeddings=False, rope_theta=500000.0)),
+    "llama-8b": ("llama", dict(LLAMA3, num_hidden_layers=32, hidden_size=4096, intermediate_size=14336,
+                               num_attention_heads=32, max_position_embeddings=8192, tie_word_embeddings=False)),
 }
 # Vocabularies are padded to a multiple of this for the matmul kernels, as nanoGPT and llm.c do (50,257 ->
 # 50,304 for GPT-2); the padded rows' logits are -inf, so they never win nor take probability.

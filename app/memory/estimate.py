@@ -87,6 +87,13 @@ def _reduced_as_they_arrive(ds: dict, stage: int) -> bool:
     return stage == 2 or zero.get("overlap_comm") is True and accumulation in (1, "auto")
 
 
+def offloads(ds: dict) -> tuple:
+    """(whether ZeRO offloads the optimizer, whether it offloads the weights) to the host under ds."""
+    zero = ds.get("zero_optimization") or {}
+    return tuple(((zero.get(section) or {}).get("device") or "none") != "none"
+                 for section in ("offload_optimizer", "offload_param"))
+
+
 def model_states(sizes: list, ds: dict, ranks: int, trainable: list = None) -> tuple:
     """({what: bytes} on the device, {what: bytes} on the host) of the largest rank's model states at the moment
     its gradients peak.
@@ -98,9 +105,7 @@ def model_states(sizes: list, ds: dict, ranks: int, trainable: list = None) -> t
     width = 2 if any((ds.get(name) or {}).get("enabled") is True for name in ("bf16", "fp16")) else FP32
     learnt = [size for size, trains in zip(sizes, trainable or [True] * len(sizes)) if trains]
     stage, total, learnt_total = zero_stage(ds), sum(sizes), sum(learnt)
-    zero = ds.get("zero_optimization") or {}
-    offload = ((zero.get("offload_optimizer") or {}).get("device") or "none") != "none"
-    offload_params = ((zero.get("offload_param") or {}).get("device") or "none") != "none"
+    offload, offload_params = offloads(ds)
     if stage == 0:
         return {"weights": width * total, "gradients": width * learnt_total, "optimizer": 2 * FP32 * learnt_total,
                 "masters": FP32 * learnt_total if width == 2 else 0}, {}
@@ -119,7 +124,7 @@ def model_states(sizes: list, ds: dict, ranks: int, trainable: list = None) -> t
         device["gradients"] = 0
     else:
         device.update(optimizer)
-    if offload_params:
+    if offload_params and stage == 3:  # DeepSpeed offloads weights under ZeRO-3 only
         host["weights"] = device.pop("weights")
     return device, host
 

@@ -12,7 +12,7 @@ from app.ds import run_dict
 from app.ds.config import zero_stage
 from app.ds.internals import torch_private
 from app.errors import UserError
-from app.memory import estimate
+from app.memory import estimate, host
 from app.core.fused_loss import next_token_targets
 from app.parallel import activations, tiled
 
@@ -97,14 +97,7 @@ def plans(work, named: dict, ranks: int, adapters=None, reference: bool = False,
     its no_grad forward's transients, freed before the policy's forward, stay below the policy's own peak;
     sampling: sampling_of(task), online RL's sampling, or None."""
     build, inputs, loss = work
-    with torch_private.fake_tensor_mode():
-        model = build()
-        sizes, kinds = [p.numel() for p in model.parameters()], estimate.comm_kinds(model)
-        trainable = None
-        if adapters:  # the frozen base, then the adapters (whose activations, r values a token, are left out)
-            added = lora.adapter_sizes(model.hf, adapters[1], adapters[0])
-            sizes, trainable = sizes + added, [False] * len(sizes) + [True] * len(added)
-        largest = max((sum(p.numel() for p in b.parameters()) for b in activations.blocks(model)), default=0)
+    sizes, trainable, kinds, largest = parameters_of(build, adapters)
     cache, found = {}, {}
     for name, ds in named.items():
         dtype = torch.bfloat16 if any((ds.get(s) or {}).get("enabled") is True
@@ -125,6 +118,20 @@ def plans(work, named: dict, ranks: int, adapters=None, reference: bool = False,
             if "weights" in host:  # ZeRO-3 with offload_param: the copy's partition waits on the host
                 found[name].host["reference"] = host["weights"]
     return found
+
+
+def parameters_of(build, adapters=None) -> tuple:
+    """(parameter sizes in order, whether each trains (None: all), estimate.comm_kinds, the largest block's
+    parameters) of the model build() makes, built on fake tensors; adapters: (rank, targets) of LoRA, or None."""
+    with torch_private.fake_tensor_mode():
+        model = build()
+        sizes, kinds = [p.numel() for p in model.parameters()], estimate.comm_kinds(model)
+        trainable = None
+        if adapters:  # the frozen base, then the adapters (whose activations, r values a token, are left out)
+            added = lora.adapter_sizes(model.hf, adapters[1], adapters[0])
+            sizes, trainable = sizes + added, [False] * len(sizes) + [True] * len(added)
+        largest = max((sum(p.numel() for p in b.parameters()) for b in activations.blocks(model)), default=0)
+    return sizes, trainable, kinds, largest
 
 
 def with_bf16_weights(ds: dict) -> dict:
@@ -165,12 +172,36 @@ def _weighed(ds: dict, note: str, task, settings, ranks: int, memory: int, micro
                   f"{bf16_peak / 1e9:.1f} GB with bf16 weights, of {usable / 1e9:.1f} GB this GPU gives a run)")
 
 
-def weighed_for_run(ds: dict, note: str, task, settings, ranks, device) -> tuple:
-    """(ds, note) of a run once its data has settled the task: on a GPU, with data parallel, weighed by rank 0 (one
-    decision, however the GPUs differ); else as they were (a split model's bytes are its stages'). Under sequence
-    parallelism ZeRO partitions over every rank and a rank holds its part of each sequence."""
-    if device.type != "cuda" or ranks.split or ranks.tensor > 1:
+def weighed_for_run(ds: dict, note: str, task, settings, ranks, world) -> tuple:
+    """(ds, note) of a run once its data has settled the task, weighed by rank 0 (one decision, however the machines
+    differ): on a GPU precision "auto" (weigh); then a UserError on every rank where the host of rank 0's machine
+    cannot hold what the config offloads there for its ranks. A split model (pipeline, tensor parallel) as it was:
+    its bytes are its stages'. Under sequence parallelism ZeRO partitions over every rank and a rank holds its part
+    of each sequence."""
+    if ranks.split or ranks.tensor > 1:
         return ds, note
-    gpu = torch.cuda.get_device_properties(device).total_memory
-    return dist.broadcast_object(weigh(ds, note, task, settings, ranks.replicas, gpu, ranks.sequence)
-                                 if dist.is_main() else None)
+    found = dist.broadcast_object(_weighed_here(ds, note, task, settings, ranks, world) if dist.is_main() else None)
+    if isinstance(found, str):
+        raise UserError(found)
+    return found
+
+
+def _weighed_here(ds: dict, note: str, task, settings, ranks, world):
+    """weighed_for_run's answer on rank 0: (ds, note), or the line of a host too small."""
+    if world.device.type == "cuda":
+        gpu = torch.cuda.get_device_properties(world.device).total_memory
+        ds, note = weigh(ds, note, task, settings, ranks.replicas, gpu, ranks.sequence)
+    if not any(estimate.offloads(ds)):
+        return ds, note
+    adapters = (settings.lora_rank, lora.targets_of(settings)) if settings.lora else None
+    try:
+        sizes, trainable, _, _ = parameters_of(workload(task, settings.block_size, frozen=bool(adapters))[0], adapters)
+    except Exception:  # the plan advises: a model it cannot build on fake tensors goes on unchecked
+        return ds, note
+    plan = estimate.MemoryPlan(settings.deepspeed_config, sum(sizes), *estimate.model_states(
+        sizes, ds, ranks.replicas * ranks.sequence, trainable))
+    try:
+        host.check(plan, world.local_world_size, host.host_memory(), settings.deepspeed_config)
+    except UserError as e:
+        return str(e)
+    return ds, note

@@ -31,7 +31,7 @@ FIELDS = ("mode", "ranks", "threads_per_rank", "micro_batch", "global_batch", "d
           "tensor_parallel", "activation_checkpointing", "step_time_s", "samples_per_s", "tokens_per_s", "ratio_to_raw",
           "ratio_to_torch", "speed_vs_raw_compile", "speed_vs_fsdp2", "speed_vs_one_device", "mfu", "peak_flops",
           "mfu_datasheet", "datasheet_flops", "data_wait_share", "time_to_first_step_s", "peak_memory_bytes",
-          "param_bytes", "scaling_efficiency", "zero_state", "plan_peak_bytes", "plan_over_peak",
+          "param_bytes", "scaling_efficiency", "zero_state", "plan_peak_bytes", "plan_over_peak", "plan_host_bytes",
           "host_peak_bytes", "graphs")
 
 

@@ -2,17 +2,17 @@
 micro batch, against the peak the device reached in that mode (CUDA's max_memory_allocated on a GPU)."""
 from app.core import resolver
 from app.ds import auto as ds_auto
-from app.memory import planner
+from app.memory import host, planner
 from app.tools.bench_report import TORCH_MODES
 
 
 def add_planned_peaks(rows: list, configs: dict, work) -> list:
-    """Set plan_peak_bytes and plan_over_peak on each app row the plan covers (LoRA modes left out); the lines that
-    say them. On a CPU the measured peak is the process's resident set, which the plan does not predict."""
+    """Set plan_peak_bytes, plan_over_peak and plan_host_bytes (what the rank offloads to the host) on each app row
+    the plan covers (LoRA modes left out); the lines that say them. On a CPU the measured peak is the process's resident set, which the plan does not predict."""
     build = planner.workload(work.task, work.info.seq_len, work.info.image_size)
     plans, lines = {}, []
     for row in rows:
-        row["plan_peak_bytes"] = row["plan_over_peak"] = None
+        row["plan_peak_bytes"] = row["plan_over_peak"] = row["plan_host_bytes"] = None
         name = row["mode"].split("+")[0]
         if row["mode"] in TORCH_MODES or row["mode"].endswith("+lora") or name not in configs:
             continue
@@ -22,6 +22,10 @@ def add_planned_peaks(rows: list, configs: dict, work) -> list:
             plans[key] = planner.plans(build, {name: ds}, row["ranks"])[name]
         planned, measured = plans[key].peak(row["micro_batch"]), max(row["peak_memory_bytes"])
         row["plan_peak_bytes"], row["plan_over_peak"] = planned, planned / measured if measured else None
+        row["plan_host_bytes"] = offloaded = host.offloaded(plans[key])
         lines.append(f"plan {row['mode']} x{row['ranks']}: {planned / 2**20:.0f} MB planned, {measured / 2**20:.0f} "
                      f"MB measured, plan/peak {row['plan_over_peak']:.3f}" if measured else "")
+        if offloaded and row.get("host_peak_bytes"):  # beside the whole process's: the offloaded states are part
+            lines.append(f"plan host {row['mode']} x{row['ranks']}: {offloaded / 2**20:.0f} MB offloaded planned, "
+                         f"host peak {max(row['host_peak_bytes']) / 2**20:.0f} MB measured")
     return [line for line in lines if line]

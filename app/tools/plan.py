@@ -22,7 +22,7 @@ from app.ds import auto as ds_auto
 from app.ds import config as ds_config
 from app.ds import internals as ds_internals
 from app.core import lora, preference
-from app.memory import estimate, planner
+from app.memory import estimate, host, planner
 from app.tools.plan_notes import sequence_notes, task_notes
 from app.core import resolver
 from app.settings import Settings
@@ -44,11 +44,11 @@ UNITS = {"": 1e9, "b": 1, "kb": 1e3, "mb": 1e6, "gb": 1e9, "tb": 1e12, "kib": 2*
          "tib": 2**40, "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40}
 
 
-def memory_size(text: str) -> int:
+def memory_size(text: str, flag: str = "--gpu_memory") -> int:
     """Bytes of '80GB', '80GiB', '81920MiB', '80' (GB)."""
     match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", text or "")
     if not match or match.group(2).lower() not in UNITS or float(match.group(1)) <= 0:
-        raise UserError(f"--gpu_memory {text!r} is not a memory size; write it like 80GB, 80GiB or 81920MiB")
+        raise UserError(f"{flag} {text!r} is not a memory size; write it like 80GB, 80GiB or 81920MiB")
     return int(float(match.group(1)) * UNITS[match.group(2).lower()])
 
 
@@ -86,6 +86,10 @@ def _parser() -> argparse.ArgumentParser:
     for flag, kind in (("num_generations", int), ("beta", str), ("gather_for_generation", str)):
         parser.add_argument(f"--{flag}", type=kind, default=getattr(Settings, flag), help="grpo: train.py's")
     parser.add_argument("--gpu_memory", default="", help="memory of one GPU, e.g. 80GB (default: this GPU's)")
+    parser.add_argument("--host_memory", default="", help="memory of one machine, which holds what its ranks "
+                        "offload, e.g. 512GB (default: this machine's, or its cgroup's limit where lower)")
+    parser.add_argument("--ranks_per_node", type=int, default=0, help="ranks on each machine, whose offloaded "
+                        "states share its memory (default: --world_size, all on one machine)")
     return parser
 
 
@@ -102,8 +106,8 @@ def parse(argv=None):
         raise UserError("--num_generations, --beta and --gather_for_generation plan online RL: add --grpo")
     if args.grpo and args.preference:
         raise UserError("--grpo and --preference plan two kinds of training: pick one")
-    if min(args.world_size, args.micro_batch, args.seq_len, args.image_size) < 0:
-        raise UserError("--world_size, --micro_batch, --seq_len and --image_size must be 1 or more")
+    if min(args.world_size, args.micro_batch, args.seq_len, args.image_size, args.ranks_per_node) < 0:
+        raise UserError("--world_size, --micro_batch, --seq_len, --image_size and --ranks_per_node must be 1 or more")
     if args.gpu_memory:
         args.gpu_memory = memory_size(args.gpu_memory)
     elif torch.cuda.is_available():
@@ -111,6 +115,10 @@ def parse(argv=None):
     else:
         raise UserError("no GPU here to read the memory of: pass --gpu_memory, e.g. --gpu_memory 80GB")
     args.world_size = args.world_size or max(1, torch.cuda.device_count())
+    args.host_memory = memory_size(args.host_memory, "--host_memory") if args.host_memory else host.host_memory()
+    args.ranks_per_node = args.ranks_per_node or args.world_size
+    if args.ranks_per_node > args.world_size:
+        raise UserError(f"--ranks_per_node {args.ranks_per_node} is more than --world_size {args.world_size}")
     _check_sequence_parallel(args)
     return args
 
@@ -192,7 +200,8 @@ def _heading(args, first, budget: float, reference: str, notes: list) -> list:
     ranks = f"{args.world_size} data-parallel rank(s)" if degree == 1 else \
         f"{args.world_size} ranks: {args.world_size // degree} data-parallel replica(s) of {degree}"
     return [f"model {args.model}: {first.parameters / 1e6:,.1f}M parameters{trained}; {ranks}; "
-            f"GPU {args.gpu_memory / 1e9:,.1f} GB, of which a run may use {budget / 1e9:,.1f}; in GB per rank",
+            f"GPU {args.gpu_memory / 1e9:,.1f} GB, of which a run may use {budget / 1e9:,.1f}; host "
+            f"{args.host_memory / 1e9:,.1f} GB for {args.ranks_per_node} rank(s); in GB per rank",
             *notes,
             f"{'config':<30}{'weights':>8}{'grads':>8}{'optim':>8}{'masters':>8}{'working':>8}"
             f"{_ref_column('ref', reference)}{'host':>8}"
@@ -209,7 +218,7 @@ def table(args, named: dict, plans: dict, reference: str = "", notes: tuple = ()
     run that holds one ('': none); notes: sequence_notes and task_notes."""
     budget = estimate.USABLE * args.gpu_memory
     lines = _heading(args, next(iter(plans.values())), budget, reference, list(notes))
-    fitting = []
+    fitting, short = [], []  # short: the host would not hold what they offload
     for name, p in plans.items():
         ds = named[name]
         written = ds.get("train_micro_batch_size_per_gpu")
@@ -217,6 +226,7 @@ def table(args, named: dict, plans: dict, reference: str = "", notes: tuple = ()
         largest = p.largest_micro(args.gpu_memory)
         peak = p.peak(micro or largest) if (micro or largest) else None
         fits = peak is not None and peak <= budget
+        held = host.fits(p, args.ranks_per_node, args.host_memory)
         zero = ds.get("zero_optimization") or {}
         theirs = ds_internals.deepspeed_estimate(
             zero.get("stage", 0), bool((zero.get("offload_optimizer") or {}).get("device")),
@@ -225,21 +235,34 @@ def table(args, named: dict, plans: dict, reference: str = "", notes: tuple = ()
         lines.append(f"{name:<30}{_gb(d.get('weights', 0)):>8}{_gb(d['gradients']):>8}{_gb(d.get('optimizer', 0)):>8}"
                      f"{_gb(d.get('masters', 0)):>8}{_gb(d['working']):>8}{_ref_column(_gb(d.get('reference')), reference)}"
                      f"{_gb(sum(p.host.values())):>8}"
-                     f"{_gb(p.per_sample):>11}{micro or f'{largest}*':>6}{_gb(peak):>9}{'yes' if fits else 'no':>6}"
+                     f"{_gb(p.per_sample):>11}{micro or f'{largest}*':>6}{_gb(peak):>9}{verdict(fits, held):>6}"
                      f"{largest:>8}{_gb(theirs):>8}")
         if fits:
-            fitting.append((_speed_rank(name), name, peak))
-    lines.append(recommend(sorted(fitting), plans, budget, args))
+            (fitting if held else short).append((_speed_rank(name), name, peak))
+    lines.append(recommend(sorted(fitting), plans, budget, args, sorted(short)))
     if any(name.endswith(BF16) for name in plans):
         lines.append(f"{BF16}: the config with DeepSpeed's bf16 section (bf16 weights and gradients, fp32 masters) in "
                      f"place of bf16 autocast (fp32 weights and gradients): faster, less precise")
+    if short:
+        lines.append(f"host: the GPU would hold it, the host would not: {args.ranks_per_node} rank(s) offload more "
+                     f"than the {host.USABLE_HOST * args.host_memory / 1e9:,.1f} GB the machine's memory gives them "
+                     f"(--host_memory, --ranks_per_node)")
     if any(not (args.micro_batch or isinstance(named[n].get("train_micro_batch_size_per_gpu"), int)) for n in plans):
         lines.append("* the micro batch is \"auto\": the largest that fits, which the run finds for itself at start")
     return lines
 
 
-def recommend(fitting: list, plans: dict, budget: float, args) -> str:
-    """The fastest config that fits, and why the faster ones do not."""
+def verdict(fits: bool, held: bool) -> str:
+    """The fits column: yes; host (the GPU holds it, the host not what it offloads); no."""
+    return "no" if not fits else "yes" if held else "host"
+
+
+def recommend(fitting: list, plans: dict, budget: float, args, short: list = ()) -> str:
+    """The fastest config that fits, and why the faster ones do not; short: those the GPU would hold and the host
+    not."""
+    if not fitting and short:
+        return (f"recommended: none fits; the GPU would hold {short[0][1]}, but the host would not hold what it "
+                f"offloads: fewer ranks a machine, a machine with more memory, or LoRA adapters (--lora)")
     if not fitting:
         best = max(plans.values(), key=lambda p: p.largest_micro(args.gpu_memory))
         return (f"recommended: none fits this micro batch; {best.config} holds the most, up to "

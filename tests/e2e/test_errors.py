@@ -1,5 +1,6 @@
 """A user's mistake: one clear line on stderr, no traceback, non-zero exit, nothing overwritten."""
 import json
+from pathlib import Path
 
 import pytest
 
@@ -109,3 +110,33 @@ def test_help_describes_every_flag():
                  "--log_interval", "--output_dir", "--seed", "--num_workers", "--deepspeed_config"):
         assert flag in result.stdout
     assert "(default: 'cnn')" in result.stdout and "Passes over the training set" in result.stdout
+
+
+@pytest.fixture
+def memory_cgroup(tmp_path):
+    """A cgroup v1 memory group of 4 GiB for a command's processes (`sh -c 'echo $$ > procs; exec ...'`): a machine
+    (a container, a Slurm job with --mem) that gives a run less than its RAM. Removed after the test."""
+    group = Path("/sys/fs/cgroup/memory") / f"app-test-{tmp_path.name}"
+    try:
+        group.mkdir()
+        (group / "memory.limit_in_bytes").write_text(str(4 * 2**30))
+    except OSError as e:
+        pytest.skip(f"no cgroup v1 memory group can be made here ({e}): the check is held by tests/unit/test_host.py")
+    yield group / "cgroup.procs"
+    group.rmdir()
+
+
+def test_a_host_too_small_for_what_the_ranks_offload_is_one_line_before_any_engine(tmp_path, memory_cgroup):
+    """llama-1b under zero3_offload keeps 20 bytes a parameter on the host: 12.4 GB a rank of 2, more than a machine
+    of 4 GiB (its cgroup's limit, not the RAM) gives them. Every rank stops at once, rank 0 says so, nothing is
+    written."""
+    from conftest import write_text_rows
+    corpus = write_text_rows(tmp_path / "corpus.txt", 50)
+    command = train_command("deepspeed", 2, "--model", "llama-1b", "--tokenizer", "bytes", "--dataset", corpus,
+                            "--deepspeed_config", REPO / "ds_configs" / "zero3_offload.json", "--block_size", 64,
+                            "--output_dir", tmp_path / "run")
+    result = run(["sh", "-c", f'echo $$ > {memory_cgroup} && exec "$@"', "sh", *map(str, command)], timeout=300)
+    _fails_cleanly(result, "ds_configs/zero3_offload.json offloads 12.4 GB a rank to the host (the memory plan), 24.7 "
+                   "GB for the 2 rank(s) on this machine, more than the 3.9 GB its memory gives them (4.3 GB)",
+                   "run fewer ranks a machine")
+    assert not (tmp_path / "run" / "metrics.csv").exists()

@@ -74,3 +74,26 @@ def test_the_zero3_variants_are_configs_the_app_takes_each_one_setting_apart(tmp
     assert variants["zero3-stock"] == {"stage": 3, "overlap_comm": True, "contiguous_gradients": True}
     assert variants["zero3-nomel"] == {**shipped, "memory_efficient_linear": False}
     assert {k: v for k, v in variants["zero3-persist"].items() if "persistence" not in k} == shipped
+
+
+def test_each_parts_benchmark_and_plan_take_their_flags(tmp_path):
+    """A misspelled flag in a part would cost a GPU session that part: each bench and plan command of the check,
+    chained ones included, parses here, and names a model the app builds."""
+    import shlex
+    from app.core import models
+    from app.tools import bench, plan
+    commands = []
+    for part in _driver().parts(tmp_path):
+        chained = part.command[:2] == ["bash", "-c"]
+        commands += [shlex.split(c) for c in part.command[2].split("; ")] if chained else [part.command]
+    checked = {"bench": 0, "plan": 0}
+    for command in commands:
+        if command[1:3] == ["-m", "app.tools.bench"]:
+            args = bench.parse(command[3:])
+        elif command[1:3] == ["-m", "app.tools.plan"]:
+            args = plan._parser().parse_args(command[3:])
+        else:
+            continue
+        checked[command[2].split(".")[-1]] += 1
+        assert args.model in models.PRESETS or args.model in models.BUILTIN, command
+    assert checked["bench"] >= 4 and checked["plan"] >= 1, checked

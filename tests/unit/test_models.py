@@ -83,14 +83,16 @@ def test_padded_vocabulary_rows_never_win():
 
 @pytest.mark.parametrize("name, block, size", [("gpt2-tiny", "GPT2Block", 789_760),
                                                ("llama-1b", "LlamaDecoderLayer", 60_821_504),
+                                               ("llama-3b", "LlamaDecoderLayer", 100_669_440),
                                                ("llama-8b", "LlamaDecoderLayer", 218_112_000),
                                                ("bert-tiny", "BertLayer", 198_272)])
 def test_a_transformers_models_block_is_known_from_its_config(name, block, size):
     """ZeRO-3's leaf module and prefetch bucket (ds "auto"): the block class and its parameters, from the config
-    alone; llama-8b is Llama 3.1 8B's shape."""
+    alone; llama-1b, llama-3b and llama-8b have Llama 3.2 1B's, 3.2 3B's and 3.1 8B's parameter counts."""
     spec = models.hf_spec(name)
     assert models.block_shape(spec) == ((block,), size)
-    if name == "llama-8b":
+    published = {"llama-1b": 1_235_814_400, "llama-3b": 3_212_749_824, "llama-8b": 8_030_261_248}
+    if name in published:
         with torch.device("meta"):
             hf = models.hf_class(spec.task).from_config(spec.config)
-        assert sum(p.numel() for p in hf.parameters()) == 8_030_261_248
+        assert sum(p.numel() for p in hf.parameters()) == published[name]

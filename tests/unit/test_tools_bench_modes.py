@@ -86,7 +86,7 @@ def test_a_raw_mode_measured_in_this_process_gives_every_field_the_report_needs(
     add_ratios([row])
     assert add_planned_peaks([row], args.configs, work) == [], "the plan covers the app modes alone"
     assert set(FIELDS) <= set(row), set(FIELDS) - set(row)
-    assert (row["plan_peak_bytes"], row["plan_over_peak"]) == (None, None)
+    assert (row["plan_peak_bytes"], row["plan_over_peak"], row["plan_host_bytes"]) == (None, None, None)
     assert len(row["host_peak_bytes"]) == 1 and row["host_peak_bytes"][0] > 0, "the process's resident set"
     assert row["graphs"] == [0, 0], "raw runs eager"
     summary = capsys.readouterr().out.strip().splitlines()[-1]

@@ -52,3 +52,17 @@ def test_torch_lora_and_unknown_rows_get_no_plan_and_a_row_without_a_peak_no_rat
     assert [(r["plan_peak_bytes"], r["plan_over_peak"]) for r in rows[:5]] == [(None, None)] * 5
     assert rows[5]["plan_peak_bytes"] == _planned(work, "zero1", 1, 4) and rows[5]["plan_over_peak"] is None
     assert lines == [], "no line for a row measured at 0 bytes"
+
+
+def test_an_offload_row_gets_what_the_plan_offloads_beside_the_hosts_measured_peak():
+    """zero2_offload keeps the optimizer's moments, fp32 masters and gradient partition on the host, 16 bytes a
+    parameter: the row says it beside the process's measured peak; a row that offloads nothing says 0 and no line."""
+    work = bench_modes.build_workload(bench.parse(["--quick", "--model", "gpt2-tiny", "--seq_len", "16",
+                                                   "--modes", "raw"]))
+    rows = [{**_row("zero2_offload", ranks=2), "host_peak_bytes": [900 * MB, 1000 * MB]},
+            {**_row("zero1"), "host_peak_bytes": [900 * MB]}]
+    lines = add_planned_peaks(rows, _configs("zero2_offload", "zero1"), work)
+    parameters = sum(p.numel() for p in bench_modes.build_model(work).parameters())
+    assert rows[0]["plan_host_bytes"] == 16 * parameters // 2 and rows[1]["plan_host_bytes"] == 0
+    assert lines[1] == f"plan host zero2_offload x2: {16 * parameters // 2 / MB:.0f} MB offloaded planned, host peak " \
+                       f"1000 MB measured" and len(lines) == 3

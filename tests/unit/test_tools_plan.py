@@ -30,6 +30,9 @@ def test_memory_sizes(text, count):
                                                                                "sequences; cnn is an image model"),
     (["--gpu_memory", "8GB", "--num_generations", "4"], "--num_generations, --beta and --gather_for_generation plan "
                                                         "online RL: add --grpo"),
+    (["--gpu_memory", "8GB", "--host_memory", "lots"], "--host_memory 'lots' is not a memory size"),
+    (["--gpu_memory", "8GB", "--world_size", "2", "--ranks_per_node", "4"], "--ranks_per_node 4 is more than "
+                                                                              "--world_size 2"),
     (["--gpu_memory", "8GB", "--grpo", "--preference"], "--grpo and --preference plan two kinds of training"),
     (["--gpu_memory", "8GB", "--grpo"], "--task grpo trains a transformers model on text; cnn is an image model"),
     (["--gpu_memory", "8GB", "--grpo", "--model", "gpt2-tiny", "--num_generations", "1"],
@@ -208,3 +211,23 @@ def test_a_grpo_plan_counts_the_groups_sequences_and_their_sampling(gpt2_folder)
     assert layered["zero3"].sampling == (0, grpo["zero3"].sampling[1])
     held = command_plans(gpt2_folder, "--grpo", "--num_generations", "4", "--beta", "0.1")
     assert held["dp"].device["reference"] == 4 * plain["dp"].parameters
+
+
+def test_a_machines_memory_must_hold_what_its_ranks_offload(gpt2_folder, capsys):
+    """zero3_offload keeps 20 bytes a parameter on the host (fp32 weights, gradients, masters, Adam's moments): where
+    the machine's 4 ranks' share is more than its memory gives them, the row says host and nothing is recommended;
+    with 2 ranks a machine it fits."""
+    offload = plan_tool.ds_config.REPO / "ds_configs" / "zero3_offload.json"
+    each = sum(command_plans(gpt2_folder, only=("zero3_offload",))["zero3_offload"].host.values())
+    assert each == pytest.approx(20 * 5.3e6 / 4, rel=0.01)
+    memory = 3 * each / 0.9  # 3 ranks' worth of what a machine may give them
+    argv = ["--model", str(gpt2_folder), "--world_size", "4", "--seq_len", "128", "--micro_batch", "1",
+            "--gpu_memory", "10GB", "--deepspeed_config", str(offload), "--host_memory", f"{memory:.0f}B"]
+    assert plan_tool.main(argv) == 0
+    out = capsys.readouterr().out
+    assert f"host {memory / 1e9:,.1f} GB for 4 rank(s)" in out
+    assert out.splitlines()[2].split()[-3] == "host", out
+    assert f"recommended: none fits; the GPU would hold {offload}, but the host would not hold what it offloads" in out
+    assert plan_tool.main([*argv, "--ranks_per_node", "2"]) == 0
+    out = capsys.readouterr().out
+    assert out.splitlines()[2].split()[-3] == "yes" and f"recommended: {offload}," in out, out

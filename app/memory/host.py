@@ -1,0 +1,74 @@
+"""The host's side of the memory plan: the memory a machine gives a run (its RAM, or less where the process's cgroup
+caps it, as a container or a Slurm job with --mem does), and whether the states offload keeps there fit it, for all
+the ranks of the machine together."""
+import os
+from pathlib import Path
+
+from app.errors import UserError
+
+# What the ranks' offloaded states may take of a machine's memory: the system and each rank's own process (Python,
+# torch and CUDA's libraries, the data) take the rest.
+USABLE_HOST = 0.9
+CGROUPS = Path("/sys/fs/cgroup")
+UNLIMITED = 2**62  # cgroup v1 writes "no limit" as a number near 2**63
+
+
+def physical_memory() -> int:
+    """Bytes of RAM of this machine."""
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def cgroup_limit(proc_cgroup: str = "/proc/self/cgroup", root: Path = CGROUPS) -> int:
+    """The tightest memory limit of this process's cgroup and its ancestors, v2 (memory.max) or v1
+    (memory.limit_in_bytes), in bytes; 0 where none is set or none can be read."""
+    limits = []
+    for line in Path(proc_cgroup).read_text().splitlines() if Path(proc_cgroup).is_file() else ():
+        _, controllers, path = line.split(":", 2)
+        if controllers == "":
+            base, name = root, "memory.max"
+        elif "memory" in controllers.split(","):
+            base, name = root / "memory", "memory.limit_in_bytes"
+        else:
+            continue
+        parts = [part for part in path.split("/") if part]
+        for depth in range(len(parts) + 1):  # a namespaced view may not show the outer levels: each one that is there
+            text = _read(base.joinpath(*parts[:depth], name))
+            if text.isdigit() and 0 < int(text) < UNLIMITED:
+                limits.append(int(text))
+    return min(limits, default=0)
+
+
+def _read(path: Path) -> str:
+    try:
+        return path.read_text().strip()
+    except OSError:
+        return ""
+
+
+def host_memory() -> int:
+    """Bytes of memory this machine gives a run: its RAM, or its cgroup's limit where that is lower."""
+    limit, ram = cgroup_limit(), physical_memory()
+    return min(limit, ram) if limit else ram
+
+
+def offloaded(plan) -> int:
+    """Bytes one rank keeps on the host under the plan: what offload moves there."""
+    return sum(plan.host.values())
+
+
+def fits(plan, ranks_here: int, memory: int) -> bool:
+    """Whether ranks_here ranks' offloaded states fit a machine of memory bytes."""
+    return offloaded(plan) * ranks_here <= USABLE_HOST * memory
+
+
+def check(plan, ranks_here: int, memory: int, config: str):
+    """A UserError where the host of ranks_here ranks cannot hold what the config offloads there."""
+    if fits(plan, ranks_here, memory):
+        return
+    each, usable = offloaded(plan), USABLE_HOST * memory
+    ways = ["run fewer ranks a machine, on more machines"] if ranks_here > 1 else []
+    ways += ["offload the optimizer alone (no offload_param)"] if "weights" in plan.host else []
+    raise UserError(f"{config} offloads {each / 1e9:,.1f} GB a rank to the host (the memory plan), "
+                    f"{each * ranks_here / 1e9:,.1f} GB for the {ranks_here} rank(s) on this machine, more than the "
+                    f"{usable / 1e9:,.1f} GB its memory gives them ({memory / 1e9:,.1f} GB): "
+                    f"{', '.join(ways + ['train LoRA adapters (--lora)', 'or use a machine with more memory'])}")
