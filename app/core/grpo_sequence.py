@@ -16,7 +16,8 @@ The N ranks of a group are one data-parallel replica: they load the same prompts
 import torch
 
 from app.core import grpo_loss, rollout
-from app.core.grpo_step import Asked, GrpoStep, Part
+from app.core.grpo_step import GrpoStep, Part
+from app.core.rewards import Asked
 from app.core.sequence_step import Sliced
 from app.ds import internals as ds_internals
 
@@ -31,11 +32,17 @@ class SequenceGrpoStep(Sliced, GrpoStep):
     def roll(self, prompts: torch.Tensor, lengths: torch.Tensor, u: torch.Tensor, how: rollout.Sampling,
              asked: Asked) -> tuple:
         """This rank's share of the rows sampled whole and scored, then every share gathered (the last share
-        padded with repeats of the last row, dropped) and the texts decoded from the gathered completions."""
+        padded with repeats of the last row, sampled for equal shapes and neither scored nor kept) and the texts
+        decoded from the gathered completions."""
         n, share = len(prompts), -(-len(prompts) // self.group.degree)
-        rows = torch.arange(self.group.rank * share, (self.group.rank + 1) * share).clamp(max=n - 1)
+        wanted = torch.arange(self.group.rank * share, (self.group.rank + 1) * share)
+        rows, real = wanted.clamp(max=n - 1), int((wanted < n).sum())
         with ds_internals.whole_sequences():
-            *rolled, _ = super().roll(prompts[rows], lengths[rows], u[rows], how, asked.rows(rows.tolist()))
+            completions, mask, truncated = self.sample(prompts[rows], lengths[rows], u[rows], how)
+        scored = torch.zeros(share, len(self.task.rewards), dtype=torch.float64)
+        if real:
+            scored[:real] = self.scored(completions[:real], mask[:real], asked.rows(rows[:real].tolist()))[0]
+        rolled = completions, mask, truncated, scored
         device = self.engine.device
         completions, mask, truncated, scored = (
             self.group.gather(x.to(device, torch.float64 if x.is_floating_point() else torch.long)).cpu()[:n]

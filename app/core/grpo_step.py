@@ -15,24 +15,11 @@ import torch
 
 from app.checkpoint.save import atomic_write
 from app.core import grpo_kept, grpo_loss, rewards, rollout
+from app.core.rewards import Asked
 from app.core.step import TrainStep
 from app.distributed import dist
 from app.ds import internals as ds_internals
 from app.observe.metrics import Meter
-
-
-@dataclass
-class Asked:
-    """What the reward functions are given beside each completion: its prompt, the dataset's other columns of its
-    row, and its name in their messages."""
-    prompts: list
-    columns: dict
-    names: list
-
-    def rows(self, picked: list) -> "Asked":
-        """The same of the completions picked (their indices)."""
-        return Asked([self.prompts[i] for i in picked], {k: [v[i] for i in picked] for k, v in self.columns.items()},
-                     [self.names[i] for i in picked])
 
 
 @dataclass
@@ -133,18 +120,23 @@ class GrpoStep(TrainStep):
                        rewards=scored, truncated=truncated, length=length)
 
     def roll(self, prompts: torch.Tensor, lengths: torch.Tensor, u: torch.Tensor, how: rollout.Sampling,
-             asked: "Asked") -> tuple:
-        """(completions, mask, truncated, rewards, texts) of the prompts (rows, left-padded) with their draws u
-        (app/core/rollout.py), scored by the task's functions (app/core/rewards.py)."""
+             asked: Asked) -> tuple:
+        """(completions, mask, truncated, rewards, texts) of the prompts (rows, left-padded) with their draws u."""
+        completions, mask, truncated = self.sample(prompts, lengths, u, how)
+        return (completions, mask, truncated, *self.scored(completions, mask, asked))
+
+    def sample(self, prompts: torch.Tensor, lengths: torch.Tensor, u: torch.Tensor, how: rollout.Sampling) -> tuple:
+        """(completions, mask, truncated) of the prompts with their draws u (app/core/rollout.py)."""
         tokenizer = self.task.tokenizer
-        completions, mask, truncated = rollout.sample(
-            self.engine, prompts, lengths, u, how, len(tokenizer), tokenizer.eos_token_id, tokenizer.pad_token_id,
-            self.task.synced(self.engine), self.gather)
+        return rollout.sample(self.engine, prompts, lengths, u, how, len(tokenizer), tokenizer.eos_token_id,
+                              tokenizer.pad_token_id, self.task.synced(self.engine), self.gather)
+
+    def scored(self, completions: torch.Tensor, mask: torch.Tensor, asked: Asked) -> tuple:
+        """(rewards, texts) of the completions, by the task's functions (app/core/rewards.py)."""
         kept, texts = self.decoded(completions, mask)
         said = [[{"role": "assistant", "content": t}] for t in texts] if isinstance(asked.prompts[0], list) else texts
-        scored = rewards.score(self.task.rewards, asked.prompts, said, kept, asked.columns, self.engine.global_steps,
-                               asked.names)
-        return completions, mask, truncated, scored, texts
+        return rewards.score(self.task.rewards, asked.prompts, said, kept, asked.columns, self.engine.global_steps,
+                             asked.names), texts
 
     def decoded(self, completions: torch.Tensor, mask: torch.Tensor) -> tuple:
         """(each completion's token ids up to and with its end, its text)."""

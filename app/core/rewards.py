@@ -23,6 +23,20 @@ class Reward:
     digest: str
 
 
+@dataclass
+class Asked:
+    """What the reward functions are given beside each completion: its prompt, the dataset's other columns of its
+    row, and its name in their messages."""
+    prompts: list
+    columns: dict
+    names: list
+
+    def rows(self, picked: list) -> "Asked":
+        """The same of the completions picked (their indices)."""
+        return Asked([self.prompts[i] for i in picked], {k: [v[i] for i in picked] for k, v in self.columns.items()},
+                     [self.names[i] for i in picked])
+
+
 def _load_one(item: str, index: int):
     path, _, name = item.rpartition(":")
     if not path or not name:

@@ -8,7 +8,8 @@ from app.tools.bench_report import TORCH_MODES
 
 def add_planned_peaks(rows: list, configs: dict, work) -> list:
     """Set plan_peak_bytes, plan_over_peak and plan_host_bytes (what the rank offloads to the host) on each app row
-    the plan covers (LoRA modes left out); the lines that say them. On a CPU the measured peak is the process's resident set, which the plan does not predict."""
+    the plan covers (LoRA modes left out); the lines that say them. On a CPU the measured peak is the process's
+    resident set, which the plan does not predict."""
     build = planner.workload(work.task, work.info.seq_len, work.info.image_size)
     plans, lines = {}, []
     for row in rows:

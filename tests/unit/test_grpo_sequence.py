@@ -43,3 +43,29 @@ def test_the_slices_take_each_completion_token_once_and_its_log_probability_as_t
         summed += found
     assert taken.tolist() == [[1.0] * 4] * 3, "every completion token on one slice alone"
     assert torch.allclose(summed, whole, atol=1e-6)
+
+
+@pytest.mark.parametrize("n, degree", [(3, 2), (5, 3), (1, 2), (4, 2)])
+def test_the_group_scores_each_completion_once_and_its_padding_never(n, degree):
+    """Each rank samples its share of the rows whole; the last share is padded with repeats of the last row (the
+    group's gather takes one shape), which are sampled but not scored: the reward functions see each completion
+    once over the group, and a rank whose share is all padding calls none."""
+    from app.core.rewards import Asked
+    asked = Asked([f"prompt {i}" for i in range(n)], {"answer": [str(i) for i in range(n)]},
+                  [f"row {i}" for i in range(n)])
+    prompts, lengths, u = torch.arange(n)[:, None].repeat(1, 3), torch.full((n,), 3), torch.rand(n, 4)
+    named, gathered = [], []
+    for rank in range(degree):
+        step = step_of(rank, degree, 1.0)
+        step.task.rewards, step.engine = ["one function"], SimpleNamespace(device=torch.device("cpu"))
+        step.sample = lambda p, lengths, u, how: (p, torch.ones_like(p, dtype=torch.bool),
+                                                  torch.zeros(len(p), dtype=torch.bool))
+        step.scored = lambda c, m, a: (named.extend(a.names) or c[:, :1].double() + 1, [])
+        step.group.gather = lambda x: gathered.append(x) or torch.cat([x] * degree)
+        step.decoded = lambda c, m: ([], [""] * len(c))
+        step.roll(prompts, lengths, u, None, asked)
+        share = -(-n // degree)
+        rows = [min(i, n - 1) for i in range(rank * share, (rank + 1) * share)]
+        assert gathered[-1].squeeze(1).tolist() == [r + 1.0 if i < n else 0.0 for i, r in
+                                                    zip(range(rank * share, (rank + 1) * share), rows)]
+    assert named == [f"row {i}" for i in range(n)], "each completion scored once, in order"
