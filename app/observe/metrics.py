@@ -156,13 +156,13 @@ def free_memory_bytes(device: torch.device) -> int:
 
 
 def reset_peak_memory(device: torch.device):
-    """Start peak_memory_bytes afresh from what this rank holds now (Linux on CPU: clear_refs 5)."""
+    """Start peak_memory_bytes afresh from what this rank holds now, on the device and on the host (Linux:
+    clear_refs 5)."""
     import gc
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)
-        return
     try:
         import ctypes
         ctypes.CDLL("libc.so.6").malloc_trim(0)  # hand freed heap back, so the new peak starts from live memory

@@ -1,6 +1,8 @@
 """The run's summary: summary.json and the plot (app/observe/runlog.py), and the last line saying how it ended."""
 import time
 
+import torch
+
 from app.distributed import dist
 from app.ds import precision
 from app.observe import metrics
@@ -11,7 +13,8 @@ RATES = ("samples_per_s", "tokens_per_s", "mfu")
 def summarise(result: dict, settings, world, engine, task, log, stop, started: float) -> int:
     """Write summary.json and the plot, say how the run ended (result: the loop's totals; task: its name, rates
     per sample and the metrics its last line shows); the exit code."""
-    peak = dist.host_max([metrics.peak_memory_bytes(world.device)])[0]
+    peak, host_peak = dist.host_max([metrics.peak_memory_bytes(world.device),
+                                     metrics.peak_memory_bytes(torch.device("cpu"))])
     summary = {**result, "world_size": world.world_size, "zero_stage": engine.zero_optimization_stage(),
                "pipeline_stages": engine.num_stages if engine.pipeline_parallelism else 0,
                "tensor_parallel_size": engine.autotp_size(),
@@ -19,6 +22,7 @@ def summarise(result: dict, settings, world, engine, task, log, stop, started: f
                "autocast": engine.torch_autocast_enabled(), "model": settings.model,
                "dataset": settings.dataset, "task": task.name, "deepspeed_config_file": settings.deepspeed_config,
                "launcher": world.launcher, "peak_memory_bytes": int(peak),
+               "host_peak_bytes": int(host_peak),
                "wall_s": time.perf_counter() - started}
     per_sample = task.per_sample()  # instruction data: rows and real tokens in each (padded or packed) sample
     summary.update({f"{what}_per_s": summary["samples_per_s"] * n for what, n in per_sample.items()})

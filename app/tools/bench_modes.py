@@ -175,9 +175,7 @@ def _start_mode(world, threads: int):
     torch_private.dynamo_reset()
     if world.device.type == "cuda":
         torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = False, True
-    metrics.reset_peak_memory(world.device)
-    if world.device.type == "cuda":
-        metrics.reset_peak_memory(torch.device("cpu"))  # the host's peak too (offload holds its states there)
+    metrics.reset_peak_memory(world.device)  # the host's peak too (offload holds its states there)
     dist.barrier()
 
 

@@ -26,6 +26,7 @@ def test_config_trains_with_two_ranks(name, two_rank_run):
     assert eval_rows[-1]["eval_loss"] < eval_rows[0]["eval_loss"], "the held-out loss falls from epoch to epoch"
     assert summary["eval_accuracy"] > 0.8, f"held-out accuracy rises from chance (0.1): {summary}"
     assert summary["samples_per_s"] > 0 and summary["peak_memory_bytes"] > 0 and summary["wall_s"] > 0
+    assert summary["host_peak_bytes"] >= summary["peak_memory_bytes"], "on a CPU both are the resident set"
     assert all(r["samples_per_s"] > 0 for r in train_rows)
     assert all(r["lr"] > 0 for r in train_rows[1:]), "the linear warm-up starts from 0 at step 1"
     assert (out / "loss.png").stat().st_size > 1000
