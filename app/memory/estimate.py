@@ -88,9 +88,9 @@ def _reduced_as_they_arrive(ds: dict, stage: int) -> bool:
 
 
 def offloads(ds: dict) -> tuple:
-    """(whether ZeRO offloads the optimizer, whether it offloads the weights) to the host under ds."""
+    """(where ZeRO offloads the optimizer, where it offloads the weights) under ds: "cpu", "nvme" or "" (not)."""
     zero = ds.get("zero_optimization") or {}
-    return tuple(((zero.get(section) or {}).get("device") or "none") != "none"
+    return tuple("" if (where := str((zero.get(section) or {}).get("device") or "none")) == "none" else where
                  for section in ("offload_optimizer", "offload_param"))
 
 
@@ -119,13 +119,14 @@ def model_states(sizes: list, ds: dict, ranks: int, trainable: list = None) -> t
     optimizer = {"optimizer": 2 * FP32 * part, "masters": FP32 * part}
     device = {"weights": width * weights, "gradients": width * grads}
     host = {}
-    if offload:
-        host.update(optimizer, gradients=FP32 * part)
+    if offload:  # NVMe holds the optimizer state and masters; the gradient partition stays in host memory
+        host.update({**(optimizer if offload == "cpu" else {}), "gradients": FP32 * part})
         device["gradients"] = 0
     else:
         device.update(optimizer)
-    if offload_params and stage == 3:  # DeepSpeed offloads weights under ZeRO-3 only
-        host["weights"] = device.pop("weights")
+    if offload_params and stage == 3:  # DeepSpeed offloads weights under ZeRO-3 only, NVMe's to disk
+        weights = device.pop("weights")
+        host.update({"weights": weights} if offload_params == "cpu" else {})
     return device, host
 
 

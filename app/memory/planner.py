@@ -112,12 +112,17 @@ def plans(work, named: dict, ranks: int, adapters=None, reference: bool = False,
         if sampling is not None:
             found[name].sampling = sampling(ds, sum(sizes), ranks)
         if reference:
-            device, host = estimate.model_states(sizes, run_dict.for_reference(ds, ranks), ranks,
-                                                 [False] * len(sizes))
-            found[name].device["reference"] = device.get("weights", 0)
-            if "weights" in host:  # ZeRO-3 with offload_param: the copy's partition waits on the host
-                found[name].host["reference"] = host["weights"]
+            with_reference(found[name], sizes, ds, ranks)
     return found
+
+
+def with_reference(plan, sizes: list, ds: dict, ranks: int):
+    """Add to plan the weights of a frozen copy of the model (preference tuning's reference), as its own engine
+    lays them out (run_dict.for_reference: the config's precision, partitioned and offloaded under ZeRO-3 only)."""
+    device, host = estimate.model_states(sizes, run_dict.for_reference(ds, ranks), ranks, [False] * len(sizes))
+    plan.device["reference"] = device.get("weights", 0)
+    if "weights" in host:  # ZeRO-3 with offload_param: the copy's partition waits on the host
+        plan.host["reference"] = host["weights"]
 
 
 def parameters_of(build, adapters=None) -> tuple:
@@ -198,8 +203,11 @@ def _weighed_here(ds: dict, note: str, task, settings, ranks, world):
         sizes, trainable, _, _ = parameters_of(workload(task, settings.block_size, frozen=bool(adapters))[0], adapters)
     except Exception:  # the plan advises: a model it cannot build on fake tensors goes on unchecked
         return ds, note
+    partitions = ranks.replicas * ranks.sequence
     plan = estimate.MemoryPlan(settings.deepspeed_config, sum(sizes), *estimate.model_states(
-        sizes, ds, ranks.replicas * ranks.sequence, trainable))
+        sizes, ds, partitions, trainable))
+    if task.reference_kind == "frozen copy":
+        with_reference(plan, sizes, ds, partitions)
     try:
         host.check(plan, world.local_world_size, host.host_memory(), settings.deepspeed_config)
     except UserError as e:

@@ -139,3 +139,14 @@ def test_sampling_before_the_training_forward_peaks_on_its_own_and_bounds_the_mi
     assert p.largest_micro(80 * 2**30) == int((0.92 * 80 - 44) // 2)  # the cache at 2 GiB a sample bounds it
     assert estimate.MemoryPlan("z3", 10, {"weights": 40 * 2**30}, per_sample=2**30, fixed=2**30,
                                sampling=(40 * 2**30, 1)).largest_micro(80 * 2**30) == 0, "the gather does not fit"
+
+
+def test_nvme_offload_keeps_the_gradient_partition_in_host_memory_and_the_rest_on_disk():
+    """DeepSpeed swaps the optimizer state and fp32 masters to NVMe (and ZeRO-3's weights with offload_param on
+    NVMe); its fp32 gradient partition stays in host memory. Neither stays on the GPU."""
+    nvme = {"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "nvme", "nvme_path": "/local"},
+                                  "offload_param": {"device": "nvme", "nvme_path": "/local"}}}
+    device, host = estimate.model_states(CNN, nvme, ranks=2)
+    part = sum(-(-size // 2) for size in CNN)
+    assert device == {"gradients": 0} and host == {"gradients": 4 * part}
+    assert estimate.offloads(nvme) == ("nvme", "nvme") and estimate.offloads({}) == ("", "")
