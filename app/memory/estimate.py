@@ -119,15 +119,44 @@ def model_states(sizes: list, ds: dict, ranks: int, trainable: list = None) -> t
     optimizer = {"optimizer": 2 * FP32 * part, "masters": FP32 * part}
     device = {"weights": width * weights, "gradients": width * grads}
     host = {}
-    if offload:  # NVMe holds the optimizer state and masters; the gradient partition stays in host memory
-        host.update({**(optimizer if offload == "cpu" else {}), "gradients": FP32 * part})
-        device["gradients"] = 0
+    if offload:
+        host = _offloaded(ds, stage, width, part, learnt, ranks)
+        device["gradients"] = 0 if stage == 3 else width * max(learnt, default=0)  # ZeRO 1-2: a gradient's staging
+        kept = part - host.get("masters", FP32 * part) // FP32  # ZeRO-3's sub-groups offload_optimizer's ratio keeps
+        device.update({"optimizer": 2 * FP32 * kept, "masters": FP32 * kept} if kept else {})
     else:
         device.update(optimizer)
     if offload_params and stage == 3:  # DeepSpeed offloads weights under ZeRO-3 only, NVMe's to disk
         weights = device.pop("weights")
         host.update({"weights": weights} if offload_params == "cpu" else {})
     return device, host
+
+
+def offloaded_share(zero: dict, part: int) -> int:
+    """Elements of a ZeRO-3 partition of part elements whose optimizer offload_optimizer's ratio moves to the host:
+    the last of its sub-groups of sub_group_size elements, as many as the ratio gives (all of them at 1)."""
+    groups = max(1, math.ceil(part / int(zero.get("sub_group_size", 1e9))))
+    ratio = float((zero.get("offload_optimizer") or {}).get("ratio", 1.0))
+    return part * (groups - int((1 - ratio) * groups)) // groups
+
+
+def _offloaded(ds: dict, stage: int, width: int, part: int, learnt: list, ranks: int) -> dict:
+    """{what: bytes} the host keeps of a rank's states under offload_optimizer, as DeepSpeed 0.19.8 holds them (a
+    real engine's tensors: tests/e2e/test_plan.py): the fp32 masters and Adam's moments (on NVMe: on disk) and the
+    masters' fp32 gradient (on NVMe, ZeRO-3 holds one sub-group's at a time); ZeRO-3 also its flat gradient partition
+    in the weights' dtype; ZeRO 1-2 a copy of the weights' partition, a staging buffer of the largest parameter and,
+    with gradient accumulation, the gradients of the parameters the partition touches, whole, in the weights'
+    dtype."""
+    zero, where = ds.get("zero_optimization") or {}, offloads(ds)[0]
+    moved = part if stage < 3 else offloaded_share(zero, part)
+    host = {"optimizer": 2 * FP32 * moved, "masters": FP32 * moved} if where == "cpu" else {}
+    master_grads = FP32 * (moved if where == "cpu" else min(part, int(zero.get("sub_group_size", 1e9))))
+    if stage == 3:
+        return {**host, "gradients": master_grads + width * part}
+    accumulation = ds.get("gradient_accumulation_steps", 1)
+    touched = max(_touched(learnt, rank, part) for rank in range(ranks)) \
+        if isinstance(accumulation, int) and accumulation > 1 else 0
+    return {**host, "gradients": master_grads, "copies": width * (part + max(learnt, default=0) + touched)}
 
 
 # The modules whose weights DeepSpeed's torch_autocast communicates in the autocast dtype by default

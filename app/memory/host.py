@@ -2,9 +2,8 @@
 caps it, as a container or a Slurm job with --mem does), and whether the states offload keeps there fit it, for all
 the ranks of the machine together."""
 import os
+import socket
 from pathlib import Path
-
-from app.errors import UserError
 
 # What the ranks' offloaded states may take of a machine's memory: the system and each rank's own process (Python,
 # torch and CUDA's libraries, the data) take the rest.
@@ -56,19 +55,20 @@ def offloaded(plan) -> int:
     return sum(plan.host.values())
 
 
-def fits(plan, ranks_here: int, memory: int) -> bool:
-    """Whether ranks_here ranks' offloaded states fit a machine of memory bytes."""
-    return offloaded(plan) * ranks_here <= USABLE_HOST * memory
+def fits(each: int, ranks_here: int, memory: int) -> bool:
+    """Whether ranks_here ranks that each offload `each` bytes fit a machine of memory bytes."""
+    return each * ranks_here <= USABLE_HOST * memory
 
 
-def check(plan, ranks_here: int, memory: int, config: str):
-    """A UserError where the host of ranks_here ranks cannot hold what the config offloads there."""
-    if fits(plan, ranks_here, memory):
-        return
-    each, usable = offloaded(plan), USABLE_HOST * memory
+def shortfall(each: int, ranks_here: int, memory: int, config: str, weights: bool, lora: bool) -> str:
+    """'' where ranks_here ranks that each offload `each` bytes fit this machine's memory, else the line that says
+    so and what to change; weights: whether the weights are among them (offload_param); lora: trains adapters."""
+    if fits(each, ranks_here, memory):
+        return ""
     ways = ["run fewer ranks a machine, on more machines"] if ranks_here > 1 else []
-    ways += ["offload the optimizer alone (no offload_param)"] if "weights" in plan.host else []
-    raise UserError(f"{config} offloads {each / 1e9:,.1f} GB a rank to the host (the memory plan), "
-                    f"{each * ranks_here / 1e9:,.1f} GB for the {ranks_here} rank(s) on this machine, more than the "
-                    f"{usable / 1e9:,.1f} GB its memory gives them ({memory / 1e9:,.1f} GB): "
-                    f"{', '.join(ways + ['train LoRA adapters (--lora)', 'or use a machine with more memory'])}")
+    ways += ["offload the optimizer alone (no offload_param)"] if weights else []
+    ways += ['offload to NVMe ("device": "nvme")'] + ([] if lora else ["train LoRA adapters (--lora)"])
+    return (f"{config} offloads {each / 1e9:,.1f} GB a rank to the host (the memory plan), "
+            f"{each * ranks_here / 1e9:,.1f} GB for the {ranks_here} rank(s) on {socket.gethostname()}, more than "
+            f"the {USABLE_HOST * memory / 1e9:,.1f} GB its memory gives them ({memory / 1e9:,.1f} GB): "
+            f"{', '.join(ways)}, or use a machine with more memory")

@@ -179,37 +179,38 @@ def _weighed(ds: dict, note: str, task, settings, ranks: int, memory: int, micro
 
 def weighed_for_run(ds: dict, note: str, task, settings, ranks, world) -> tuple:
     """(ds, note) of a run once its data has settled the task, weighed by rank 0 (one decision, however the machines
-    differ): on a GPU precision "auto" (weigh); then a UserError on every rank where the host of rank 0's machine
-    cannot hold what the config offloads there for its ranks. A split model (pipeline, tensor parallel) as it was:
-    its bytes are its stages'. Under sequence parallelism ZeRO partitions over every rank and a rank holds its part
-    of each sequence."""
+    differ): on a GPU precision "auto" (weigh), and what a rank offloads to the host, which every rank then holds to
+    its own machine's memory for the ranks there: a UserError on every rank where one machine cannot hold it. A
+    split model (pipeline, tensor parallel) as it was: its bytes are its stages'. Under sequence parallelism ZeRO
+    partitions over every rank and a rank holds its part of each sequence."""
     if ranks.split or ranks.tensor > 1:
         return ds, note
-    found = dist.broadcast_object(_weighed_here(ds, note, task, settings, ranks, world) if dist.is_main() else None)
-    if isinstance(found, str):
-        raise UserError(found)
-    return found
+    ds, note, each, weights = dist.broadcast_object(list(_weighed_here(ds, note, task, settings, ranks, world))
+                                                    if dist.is_main() else None)
+    if each:
+        lines = dist.gather_objects(host.shortfall(each, world.local_world_size, host.host_memory(),
+                                                   settings.deepspeed_config, weights, settings.lora))
+        if any(lines):
+            raise UserError(next(line for line in lines if line))
+    return ds, note
 
 
-def _weighed_here(ds: dict, note: str, task, settings, ranks, world):
-    """weighed_for_run's answer on rank 0: (ds, note), or the line of a host too small."""
+def _weighed_here(ds: dict, note: str, task, settings, ranks, world) -> tuple:
+    """weighed_for_run's answer on rank 0: (ds, note, the bytes a rank offloads to the host (0: none, or a model the
+    plan cannot build on fake tensors, which goes on unchecked), whether the weights are among them)."""
     if world.device.type == "cuda":
         gpu = torch.cuda.get_device_properties(world.device).total_memory
         ds, note = weigh(ds, note, task, settings, ranks.replicas, gpu, ranks.sequence)
     if not any(estimate.offloads(ds)):
-        return ds, note
+        return ds, note, 0, False
     adapters = (settings.lora_rank, lora.targets_of(settings)) if settings.lora else None
     try:
         sizes, trainable, _, _ = parameters_of(workload(task, settings.block_size, frozen=bool(adapters))[0], adapters)
+        partitions = ranks.replicas * ranks.sequence
+        plan = estimate.MemoryPlan(settings.deepspeed_config, sum(sizes), *estimate.model_states(
+            sizes, ds, partitions, trainable))
+        if task.reference_kind == "frozen copy":
+            with_reference(plan, sizes, ds, partitions)
     except Exception:  # the plan advises: a model it cannot build on fake tensors goes on unchecked
-        return ds, note
-    partitions = ranks.replicas * ranks.sequence
-    plan = estimate.MemoryPlan(settings.deepspeed_config, sum(sizes), *estimate.model_states(
-        sizes, ds, partitions, trainable))
-    if task.reference_kind == "frozen copy":
-        with_reference(plan, sizes, ds, partitions)
-    try:
-        host.check(plan, world.local_world_size, host.host_memory(), settings.deepspeed_config)
-    except UserError as e:
-        return str(e)
-    return ds, note
+        return ds, note, 0, False
+    return ds, note, host.offloaded(plan), "weights" in plan.host

@@ -226,7 +226,7 @@ def table(args, named: dict, plans: dict, reference: str = "", notes: tuple = ()
         largest = p.largest_micro(args.gpu_memory)
         peak = p.peak(micro or largest) if (micro or largest) else None
         fits = peak is not None and peak <= budget
-        held = host.fits(p, args.ranks_per_node, args.host_memory)
+        held = host.fits(host.offloaded(p), args.ranks_per_node, args.host_memory)
         zero = ds.get("zero_optimization") or {}
         theirs = ds_internals.deepspeed_estimate(
             zero.get("stage", 0), bool((zero.get("offload_optimizer") or {}).get("device")),

@@ -70,7 +70,8 @@ def test_zero_3_partitions_each_parameter_and_offload_moves_state_to_the_host():
                                      "offload_param": {"device": "cpu"}}}
     device, host = estimate.model_states(CNN, offload, ranks=2)
     assert device == {"gradients": 0} and host == {"optimizer": 8 * part, "masters": 4 * part,
-                                                    "gradients": 4 * part, "weights": 4 * part}
+                                                    "gradients": (4 + 4) * part, "weights": 4 * part}, \
+        "24 bytes a parameter: the masters' fp32 gradient and the flat partition in the weights' dtype"
 
 
 def test_zero_0_holds_everything_and_bf16_weights_add_an_fp32_master():
@@ -143,10 +144,22 @@ def test_sampling_before_the_training_forward_peaks_on_its_own_and_bounds_the_mi
 
 def test_nvme_offload_keeps_the_gradient_partition_in_host_memory_and_the_rest_on_disk():
     """DeepSpeed swaps the optimizer state and fp32 masters to NVMe (and ZeRO-3's weights with offload_param on
-    NVMe); its fp32 gradient partition stays in host memory. Neither stays on the GPU."""
+    NVMe); its flat gradient partition stays in host memory, and one sub-group's fp32 gradient at a time. Neither
+    stays on the GPU."""
     nvme = {"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "nvme", "nvme_path": "/local"},
-                                  "offload_param": {"device": "nvme", "nvme_path": "/local"}}}
+                                  "offload_param": {"device": "nvme", "nvme_path": "/local"}, "sub_group_size": 1000}}
     device, host = estimate.model_states(CNN, nvme, ranks=2)
     part = sum(-(-size // 2) for size in CNN)
-    assert device == {"gradients": 0} and host == {"gradients": 4 * part}
+    assert device == {"gradients": 0} and host == {"gradients": 4 * 1000 + 4 * part}
     assert estimate.offloads(nvme) == ("nvme", "nvme") and estimate.offloads({}) == ("", "")
+
+
+def test_zero3s_partial_offload_moves_the_last_sub_groups_optimizer_to_the_host():
+    """offload_optimizer's ratio (ZeRO-3) offloads the last of the partition's sub-groups, as many as it gives: at
+    0.5 of 4 sub-groups, 2 on the host and 2 on the GPU; one sub-group goes whole at any ratio above 0."""
+    ds = {"zero_optimization": {"stage": 3, "sub_group_size": 100, "offload_optimizer": {"device": "cpu",
+                                                                                         "ratio": 0.5}}}
+    device, host = estimate.model_states([400], ds, ranks=1)
+    assert (host["optimizer"], host["masters"]) == (8 * 200, 4 * 200)
+    assert (device["optimizer"], device["masters"]) == (8 * 200, 4 * 200)
+    assert estimate.offloaded_share({"offload_optimizer": {"ratio": 0.1}}, 400) == 400

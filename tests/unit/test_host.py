@@ -1,8 +1,7 @@
 """The host's side of the memory plan: the memory a machine gives a run (its RAM, or its cgroup's limit), and the
 check that the states a config offloads fit it for the machine's ranks."""
-import pytest
+import socket
 
-from app.errors import UserError
 from app.memory import estimate, host
 
 
@@ -38,18 +37,17 @@ def test_this_machines_memory_is_at_most_its_ram():
 
 
 def test_the_check_counts_every_rank_of_the_machine_and_says_what_to_change():
-    sizes = [1000, 24]  # zero3_offload keeps 20 bytes a parameter there: fp32 weights, gradients, masters, moments
+    sizes = [1000, 24]  # zero3_offload keeps 24 bytes a parameter there: fp32 weights, 2 gradients, masters, moments
     ds = {"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu"}, "offload_param": {"device": "cpu"}}}
-    plan = estimate.MemoryPlan("zero3_offload.json", 1024, *estimate.model_states(sizes, ds, 2))
-    assert host.offloaded(plan) == 20 * 512
-    assert host.fits(plan, 2, int(2 * 20 * 512 / host.USABLE_HOST) + 1)
-    with pytest.raises(UserError) as error:
-        host.check(plan, 4, int(2 * 20 * 512 / host.USABLE_HOST) + 1, "zero3_offload.json")
-    assert "for the 4 rank(s) on this machine" in str(error.value) and "run fewer ranks a machine" in str(error.value)
-    with pytest.raises(UserError) as alone:
-        host.check(plan, 1, 20 * 512, "zero3_offload.json")
-    assert str(alone.value).endswith(": offload the optimizer alone (no offload_param), train LoRA adapters (--lora), "
-                                     "or use a machine with more memory"), "one rank: no fewer ranks to run"
-    nothing = estimate.MemoryPlan("zero3.json", 1024, *estimate.model_states(sizes, {**ds, "zero_optimization": {
-        "stage": 3}}, 2))
-    host.check(nothing, 8, 1, "zero3.json")  # nothing offloaded: any host holds it
+    each = host.offloaded(estimate.MemoryPlan("zero3_offload.json", 1024, *estimate.model_states(sizes, ds, 2)))
+    assert each == 24 * 512
+    memory = int(2 * each / host.USABLE_HOST) + 1
+    assert host.fits(each, 2, memory) and host.shortfall(each, 2, memory, "zero3_offload.json", True, False) == ""
+    line = host.shortfall(each, 4, memory, "zero3_offload.json", True, False)
+    assert f"for the 4 rank(s) on {socket.gethostname()}, more than" in line
+    assert line.endswith(": run fewer ranks a machine, on more machines, offload the optimizer alone (no offload_param), "
+                         'offload to NVMe ("device": "nvme"), train LoRA adapters (--lora), or use a machine with more '
+                         "memory")
+    alone = host.shortfall(each, 1, each, "zero2_offload.json", False, True)
+    assert alone.endswith(': offload to NVMe ("device": "nvme"), or use a machine with more memory'), \
+        "one rank, no weights offloaded, LoRA already: none of those to offer"

@@ -55,14 +55,16 @@ def test_torch_lora_and_unknown_rows_get_no_plan_and_a_row_without_a_peak_no_rat
 
 
 def test_an_offload_row_gets_what_the_plan_offloads_beside_the_hosts_measured_peak():
-    """zero2_offload keeps the optimizer's moments, fp32 masters and gradient partition on the host, 16 bytes a
-    parameter: the row says it beside the process's measured peak; a row that offloads nothing says 0 and no line."""
+    """zero2_offload keeps on the host the optimizer's moments, the fp32 masters and their gradient, a copy of the
+    weights' partition (20 bytes a parameter of the partition) and a staging buffer of the largest parameter: the
+    row says it beside the process's measured peak; a row that offloads nothing says 0 and no line."""
     work = bench_modes.build_workload(bench.parse(["--quick", "--model", "gpt2-tiny", "--seq_len", "16",
                                                    "--modes", "raw"]))
     rows = [{**_row("zero2_offload", ranks=2), "host_peak_bytes": [900 * MB, 1000 * MB]},
             {**_row("zero1"), "host_peak_bytes": [900 * MB]}]
     lines = add_planned_peaks(rows, _configs("zero2_offload", "zero1"), work)
-    parameters = sum(p.numel() for p in bench_modes.build_model(work).parameters())
-    assert rows[0]["plan_host_bytes"] == 16 * parameters // 2 and rows[1]["plan_host_bytes"] == 0
-    assert lines[1] == f"plan host zero2_offload x2: {16 * parameters // 2 / MB:.0f} MB offloaded planned, host peak " \
+    sizes = [p.numel() for p in bench_modes.build_model(work).parameters()]
+    expected = 20 * sum(sizes) // 2 + 4 * max(sizes)
+    assert rows[0]["plan_host_bytes"] == expected and rows[1]["plan_host_bytes"] == 0
+    assert lines[1] == f"plan host zero2_offload x2: {expected / MB:.0f} MB offloaded planned, host peak " \
                        f"1000 MB measured" and len(lines) == 3
