@@ -122,8 +122,8 @@ def model_states(sizes: list, ds: dict, ranks: int, trainable: list = None) -> t
     if offload:
         host = _offloaded(ds, stage, width, part, learnt, ranks)
         device["gradients"] = 0 if stage == 3 else width * max(learnt, default=0)  # ZeRO 1-2: a gradient's staging
-        kept = part - host.get("masters", FP32 * part) // FP32  # ZeRO-3's sub-groups offload_optimizer's ratio keeps
-        device.update({"optimizer": 2 * FP32 * kept, "masters": FP32 * kept} if kept else {})
+        kept = part - host["masters"] // FP32 if offload == "cpu" else 0  # the sub-groups ZeRO-3's ratio keeps
+        device.update({"optimizer": 2 * FP32 * kept, "masters": FP32 * kept, "gradients": FP32 * kept} if kept else {})
     else:
         device.update(optimizer)
     if offload_params and stage == 3:  # DeepSpeed offloads weights under ZeRO-3 only, NVMe's to disk
@@ -132,31 +132,35 @@ def model_states(sizes: list, ds: dict, ranks: int, trainable: list = None) -> t
     return device, host
 
 
-def offloaded_share(zero: dict, part: int) -> int:
-    """Elements of a ZeRO-3 partition of part elements whose optimizer offload_optimizer's ratio moves to the host:
-    the last of its sub-groups of sub_group_size elements, as many as the ratio gives (all of them at 1)."""
-    groups = max(1, math.ceil(part / int(zero.get("sub_group_size", 1e9))))
+def offloaded_share(zero: dict, parts: list) -> int:
+    """Elements of a ZeRO-3 rank's partitions (parts: each trained parameter's, in order) whose optimizer
+    offload_optimizer moves to the host: DeepSpeed's sub-groups close at the parameter that brings them to
+    sub_group_size elements, and its ratio offloads the last of them, as many as it gives (all of them at 1)."""
+    limit, groups, size = int(zero.get("sub_group_size", 1e9)), [], 0
+    for index, part in enumerate(parts):
+        size += part
+        if size >= limit or index == len(parts) - 1:
+            groups, size = groups + [size], 0
     ratio = float((zero.get("offload_optimizer") or {}).get("ratio", 1.0))
-    return part * (groups - int((1 - ratio) * groups)) // groups
+    return sum(groups[int((1 - ratio) * len(groups)):])
 
 
 def _offloaded(ds: dict, stage: int, width: int, part: int, learnt: list, ranks: int) -> dict:
     """{what: bytes} the host keeps of a rank's states under offload_optimizer, as DeepSpeed 0.19.8 holds them (a
-    real engine's tensors: tests/e2e/test_plan.py): the fp32 masters and Adam's moments (on NVMe: on disk) and the
-    masters' fp32 gradient (on NVMe, ZeRO-3 holds one sub-group's at a time); ZeRO-3 also its flat gradient partition
-    in the weights' dtype; ZeRO 1-2 a copy of the weights' partition, a staging buffer of the largest parameter and,
-    with gradient accumulation, the gradients of the parameters the partition touches, whole, in the weights'
-    dtype."""
-    zero, where = ds.get("zero_optimization") or {}, offloads(ds)[0]
-    moved = part if stage < 3 else offloaded_share(zero, part)
-    host = {"optimizer": 2 * FP32 * moved, "masters": FP32 * moved} if where == "cpu" else {}
-    master_grads = FP32 * (moved if where == "cpu" else min(part, int(zero.get("sub_group_size", 1e9))))
+    real engine's tensors: tests/e2e/test_plan.py): the fp32 masters, Adam's moments and the masters' fp32 gradient
+    (ZeRO-3 on NVMe: on disk); ZeRO-3 also its flat gradient partition in the weights' dtype; ZeRO 1-2 (which take
+    NVMe for the CPU) a copy of the weights' partition, a staging buffer of the largest parameter and, with gradient
+    accumulation, the gradients of the parameters the partition touches, whole, in the weights' dtype."""
+    zero = ds.get("zero_optimization") or {}
     if stage == 3:
-        return {**host, "gradients": master_grads + width * part}
+        moved = offloaded_share(zero, [math.ceil(size / ranks) for size in learnt]) \
+            if offloads(ds)[0] == "cpu" else 0
+        return {"optimizer": 2 * FP32 * moved, "masters": FP32 * moved, "gradients": FP32 * moved + width * part}
     accumulation = ds.get("gradient_accumulation_steps", 1)
     touched = max(_touched(learnt, rank, part) for rank in range(ranks)) \
         if isinstance(accumulation, int) and accumulation > 1 else 0
-    return {**host, "gradients": master_grads, "copies": width * (part + max(learnt, default=0) + touched)}
+    return {"optimizer": 2 * FP32 * part, "masters": FP32 * part, "gradients": FP32 * part,
+            "copies": width * (part + max(learnt, default=0) + touched)}
 
 
 # The modules whose weights DeepSpeed's torch_autocast communicates in the autocast dtype by default

@@ -189,7 +189,8 @@ def weighed_for_run(ds: dict, note: str, task, settings, ranks, world) -> tuple:
                                                     if dist.is_main() else None)
     if each:
         lines = dist.gather_objects(host.shortfall(each, world.local_world_size, host.host_memory(),
-                                                   settings.deepspeed_config, weights, settings.lora))
+                                                   settings.deepspeed_config, weights, settings.lora,
+                                                   zero_stage(ds) == 3))
         if any(lines):
             raise UserError(next(line for line in lines if line))
     return ds, note
@@ -203,8 +204,8 @@ def _weighed_here(ds: dict, note: str, task, settings, ranks, world) -> tuple:
         ds, note = weigh(ds, note, task, settings, ranks.replicas, gpu, ranks.sequence)
     if not any(estimate.offloads(ds)):
         return ds, note, 0, False
-    adapters = (settings.lora_rank, lora.targets_of(settings)) if settings.lora else None
     try:
+        adapters = (settings.lora_rank, lora.targets_of(settings)) if settings.lora else None
         sizes, trainable, _, _ = parameters_of(workload(task, settings.block_size, frozen=bool(adapters))[0], adapters)
         partitions = ranks.replicas * ranks.sequence
         plan = estimate.MemoryPlan(settings.deepspeed_config, sum(sizes), *estimate.model_states(

@@ -142,24 +142,29 @@ def test_sampling_before_the_training_forward_peaks_on_its_own_and_bounds_the_mi
                                sampling=(40 * 2**30, 1)).largest_micro(80 * 2**30) == 0, "the gather does not fit"
 
 
-def test_nvme_offload_keeps_the_gradient_partition_in_host_memory_and_the_rest_on_disk():
-    """DeepSpeed swaps the optimizer state and fp32 masters to NVMe (and ZeRO-3's weights with offload_param on
-    NVMe); its flat gradient partition stays in host memory, and one sub-group's fp32 gradient at a time. Neither
-    stays on the GPU."""
+def test_nvme_offload_keeps_the_flat_gradient_partition_in_host_memory_under_zero3_and_all_of_it_under_zero2():
+    """ZeRO-3 swaps the optimizer state, the fp32 masters and their gradients to NVMe (and the weights with
+    offload_param on NVMe): its flat gradient partition stays in host memory. ZeRO 1-2 take any offload device for
+    the CPU: NVMe keeps there what the CPU does."""
     nvme = {"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "nvme", "nvme_path": "/local"},
-                                  "offload_param": {"device": "nvme", "nvme_path": "/local"}, "sub_group_size": 1000}}
+                                  "offload_param": {"device": "nvme", "nvme_path": "/local"}}}
     device, host = estimate.model_states(CNN, nvme, ranks=2)
     part = sum(-(-size // 2) for size in CNN)
-    assert device == {"gradients": 0} and host == {"gradients": 4 * 1000 + 4 * part}
+    assert device == {"gradients": 0} and sum(host.values()) == host["gradients"] == 4 * part
     assert estimate.offloads(nvme) == ("nvme", "nvme") and estimate.offloads({}) == ("", "")
+    zero2 = {"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "nvme", "nvme_path": "/local"}}}
+    cpu = {"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}}
+    assert estimate.model_states(CNN, zero2, ranks=2) == estimate.model_states(CNN, cpu, ranks=2)
 
 
 def test_zero3s_partial_offload_moves_the_last_sub_groups_optimizer_to_the_host():
-    """offload_optimizer's ratio (ZeRO-3) offloads the last of the partition's sub-groups, as many as it gives: at
-    0.5 of 4 sub-groups, 2 on the host and 2 on the GPU; one sub-group goes whole at any ratio above 0."""
+    """offload_optimizer's ratio (ZeRO-3) offloads the last of the rank's sub-groups, as many as it gives; a
+    sub-group closes at the parameter that brings it to sub_group_size elements: 4 parameters of 100 in sub-groups of
+    100 at 0.5, 2 on the host and 2 on the GPU (their fp32 gradients too); one sub-group goes whole at any ratio."""
     ds = {"zero_optimization": {"stage": 3, "sub_group_size": 100, "offload_optimizer": {"device": "cpu",
                                                                                          "ratio": 0.5}}}
-    device, host = estimate.model_states([400], ds, ranks=1)
-    assert (host["optimizer"], host["masters"]) == (8 * 200, 4 * 200)
-    assert (device["optimizer"], device["masters"]) == (8 * 200, 4 * 200)
-    assert estimate.offloaded_share({"offload_optimizer": {"ratio": 0.1}}, 400) == 400
+    device, host = estimate.model_states([100] * 4, ds, ranks=1)
+    assert (host["optimizer"], host["masters"], host["gradients"]) == (8 * 200, 4 * 200, 4 * 200 + 4 * 400)
+    assert (device["optimizer"], device["masters"], device["gradients"]) == (8 * 200, 4 * 200, 4 * 200)
+    assert estimate.offloaded_share({"sub_group_size": 100, "offload_optimizer": {"ratio": 0.5}}, [400]) == 400
+    assert estimate.offloaded_share({"sub_group_size": 150, "offload_optimizer": {"ratio": 0.5}}, [100] * 4) == 200

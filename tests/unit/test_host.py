@@ -48,6 +48,8 @@ def test_the_check_counts_every_rank_of_the_machine_and_says_what_to_change():
     assert line.endswith(": run fewer ranks a machine, on more machines, offload the optimizer alone (no offload_param), "
                          'offload to NVMe ("device": "nvme"), train LoRA adapters (--lora), or use a machine with more '
                          "memory")
-    alone = host.shortfall(each, 1, each, "zero2_offload.json", False, True)
+    alone = host.shortfall(each, 1, each, "zero3_offload.json", False, True)
     assert alone.endswith(': offload to NVMe ("device": "nvme"), or use a machine with more memory'), \
         "one rank, no weights offloaded, LoRA already: none of those to offer"
+    zero2 = host.shortfall(each, 1, each, "zero2_offload.json", False, True, stage3=False)
+    assert zero2.endswith("GB): use a machine with more memory"), "ZeRO 1-2 cannot offload to NVMe"
