@@ -121,7 +121,8 @@ def model_states(sizes: list, ds: dict, ranks: int, trainable: list = None) -> t
     host = {}
     if offload:
         host = _offloaded(ds, stage, width, part, learnt, ranks)
-        device["gradients"] = 0 if stage == 3 else width * max(learnt, default=0)  # ZeRO 1-2: a gradient's staging
+        held = 0 if stage == 3 or _reduced_as_they_arrive(ds, stage) else grads  # ZeRO-1's, whole till the boundary
+        device["gradients"] = 0 if stage == 3 else width * (max(learnt, default=0) + held)  # and a gradient's staging
         kept = part - host["masters"] // FP32 if offload == "cpu" else 0  # the sub-groups ZeRO-3's ratio keeps
         device.update({"optimizer": 2 * FP32 * kept, "masters": FP32 * kept, "gradients": FP32 * kept} if kept else {})
     else:

@@ -168,3 +168,13 @@ def test_zero3s_partial_offload_moves_the_last_sub_groups_optimizer_to_the_host(
     assert (device["optimizer"], device["masters"], device["gradients"]) == (8 * 200, 4 * 200, 4 * 200)
     assert estimate.offloaded_share({"sub_group_size": 100, "offload_optimizer": {"ratio": 0.5}}, [400]) == 400
     assert estimate.offloaded_share({"sub_group_size": 150, "offload_optimizer": {"ratio": 0.5}}, [100] * 4) == 200
+
+
+def test_zero1_with_offload_keeps_every_gradient_whole_on_the_gpu_until_the_boundary_zero2_only_a_staging_one():
+    """DeepSpeed's stage 1 without overlap_comm reduces (and copies to the host) at the accumulation boundary: its
+    gradients stay whole on the GPU until then, beside the staging buffer of the largest parameter; stage 2 reduces
+    each as it arrives and keeps the staging buffer alone."""
+    offload = {"offload_optimizer": {"device": "cpu"}}
+    zero1 = estimate.model_states(CNN, {"zero_optimization": {"stage": 1, **offload}}, ranks=2)[0]
+    zero2 = estimate.model_states(CNN, {"zero_optimization": {"stage": 2, **offload}}, ranks=2)[0]
+    assert zero1["gradients"] == 4 * (max(CNN) + sum(CNN)) and zero2["gradients"] == 4 * max(CNN)
