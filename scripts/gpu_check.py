@@ -43,8 +43,9 @@ def bench(out: Path, name: str, *argv) -> list:
 
 
 def chain(*commands) -> list:
-    """One command that runs each of commands in turn, whatever the one before gave."""
-    return ["bash", "-c", "; ".join(shlex.join(map(str, command)) for command in commands)]
+    """One command that runs each of commands in turn, whatever the one before gave, and fails if any failed."""
+    return ["bash", "-c", "failed=0; " + "".join(f"{shlex.join(map(str, command))} || failed=1; "
+                                                 for command in commands) + "exit $failed"]
 
 
 def zero3_variants(out: Path) -> dict:

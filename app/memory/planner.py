@@ -207,11 +207,13 @@ def _weighed_here(ds: dict, note: str, task, settings, ranks, world) -> tuple:
     try:
         adapters = (settings.lora_rank, lora.targets_of(settings)) if settings.lora else None
         sizes, trainable, _, _ = parameters_of(workload(task, settings.block_size, frozen=bool(adapters))[0], adapters)
-        partitions = ranks.replicas * ranks.sequence
-        plan = estimate.MemoryPlan(settings.deepspeed_config, sum(sizes), *estimate.model_states(
-            sizes, ds, partitions, trainable))
-        if task.reference_kind == "frozen copy":
-            with_reference(plan, sizes, ds, partitions)
-    except Exception:  # the plan advises: a model it cannot build on fake tensors goes on unchecked
+    except Exception as e:  # the plan advises: a model it cannot build on fake tensors goes on unchecked
+        dist.print0(f"memory plan: what this run offloads is not held to the host's memory: the model could not be "
+                    f"built on fake tensors ({type(e).__name__}: {e})")
         return ds, note, 0, False
+    partitions = ranks.replicas * ranks.sequence
+    plan = estimate.MemoryPlan(settings.deepspeed_config, sum(sizes), *estimate.model_states(
+        sizes, ds, partitions, trainable))
+    if task.reference_kind == "frozen copy":
+        with_reference(plan, sizes, ds, partitions)
     return ds, note, host.offloaded(plan), "weights" in plan.host

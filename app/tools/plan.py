@@ -227,19 +227,16 @@ def table(args, named: dict, plans: dict, reference: str = "", notes: tuple = ()
         peak = p.peak(micro or largest) if (micro or largest) else None
         fits = peak is not None and peak <= budget
         held = host.fits(host.offloaded(p), args.ranks_per_node, args.host_memory)
-        zero = ds.get("zero_optimization") or {}
-        theirs = ds_internals.deepspeed_estimate(
-            zero.get("stage", 0), bool((zero.get("offload_optimizer") or {}).get("device")),
-            bool((zero.get("offload_param") or {}).get("device")), p.parameters, p.largest_layer, args.world_size)
+        theirs = ds_internals.deepspeed_estimate(ds_config.zero_stage(ds), *map(bool, estimate.offloads(ds)),
+                                                 p.parameters, p.largest_layer, args.world_size)
         d = p.device
         lines.append(f"{name:<30}{_gb(d.get('weights', 0)):>8}{_gb(d['gradients']):>8}{_gb(d.get('optimizer', 0)):>8}"
                      f"{_gb(d.get('masters', 0)):>8}{_gb(d['working']):>8}{_ref_column(_gb(d.get('reference')), reference)}"
-                     f"{_gb(sum(p.host.values())):>8}"
-                     f"{_gb(p.per_sample):>11}{micro or f'{largest}*':>6}{_gb(peak):>9}{verdict(fits, held):>6}"
-                     f"{largest:>8}{_gb(theirs):>8}")
+                     f"{_gb(sum(p.host.values())):>8}{_gb(p.per_sample):>11}{micro or f'{largest}*':>6}{_gb(peak):>9}"
+                     f"{'no' if not fits else 'yes' if held else 'host':>6}{largest:>8}{_gb(theirs):>8}")
         if fits:
             (fitting if held else short).append((_speed_rank(name), name, peak))
-    lines.append(recommend(sorted(fitting), plans, budget, args, sorted(short)))
+    lines.append(recommend(sorted(fitting), plans, budget, args, sorted(short), named))
     if any(name.endswith(BF16) for name in plans):
         lines.append(f"{BF16}: the config with DeepSpeed's bf16 section (bf16 weights and gradients, fp32 masters) in "
                      f"place of bf16 autocast (fp32 weights and gradients): faster, less precise")
@@ -252,17 +249,15 @@ def table(args, named: dict, plans: dict, reference: str = "", notes: tuple = ()
     return lines
 
 
-def verdict(fits: bool, held: bool) -> str:
-    """The fits column: yes; host (the GPU holds it, the host not what it offloads); no."""
-    return "no" if not fits else "yes" if held else "host"
-
-
-def recommend(fitting: list, plans: dict, budget: float, args, short: list = ()) -> str:
+def recommend(fitting: list, plans: dict, budget: float, args, short: list = (), named: dict = None) -> str:
     """The fastest config that fits, and why the faster ones do not; short: those the GPU would hold and the host
-    not."""
+    not (named: every config's DeepSpeed dict)."""
+    shorts = {n for _, n, _ in short}
     if not fitting and short:
-        return (f"recommended: none fits; the GPU would hold {short[0][1]}, but the host would not hold what it "
-                f"offloads: fewer ranks a machine, a machine with more memory, or LoRA adapters (--lora)")
+        name = short[0][1]
+        return (f"recommended: none fits; the GPU would hold {name}, but the host would not hold what it offloads: "
+                + host.remedies(args.ranks_per_node, "weights" in plans[name].host, args.lora,
+                                ds_config.zero_stage(named[name]) == 3))
     if not fitting:
         best = max(plans.values(), key=lambda p: p.largest_micro(args.gpu_memory))
         return (f"recommended: none fits this micro batch; {best.config} holds the most, up to "
@@ -271,7 +266,8 @@ def recommend(fitting: list, plans: dict, budget: float, args, short: list = ())
     _, name, peak = fitting[0]
     stem = _stem(name)
     faster = [n for n in plans if stem in ORDER and _speed_rank(n) < _speed_rank(name)]
-    over = "; ".join(f"{n} would peak at {_gb(plans[n].peak(args.micro_batch or 1))}" for n in faster)
+    over = "; ".join(f"{n} would peak at {_gb(plans[n].peak(args.micro_batch or 1))}"
+                     + (", its host not holding what it offloads" if n in shorts else "") for n in faster)
     weights = "; with bf16 weights in place of autocast's fp32 ones" if name.endswith(BF16) else ""
     return (f"recommended: {name}, peaking at {peak / 1e9:,.1f} of {budget / 1e9:,.1f} GB"
             + (f": {ORDER[stem]}" if stem in ORDER else "") + weights + (f" ({over})" if over else ""))

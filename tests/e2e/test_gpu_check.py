@@ -85,7 +85,8 @@ def test_each_parts_benchmark_and_plan_take_their_flags(tmp_path):
     commands = []
     for part in _driver().parts(tmp_path):
         chained = part.command[:2] == ["bash", "-c"]
-        commands += [shlex.split(c) for c in part.command[2].split("; ")] if chained else [part.command]
+        commands += [shlex.split(c.removesuffix(" || failed=1")) for c in part.command[2].split("; ")[1:-1]] \
+            if chained else [part.command]
     checked = {"bench": 0, "plan": 0}
     for command in commands:
         if command[1:3] == ["-m", "app.tools.bench"]:
@@ -97,3 +98,13 @@ def test_each_parts_benchmark_and_plan_take_their_flags(tmp_path):
         checked[command[2].split(".")[-1]] += 1
         assert args.model in models.PRESETS or args.model in models.BUILTIN, command
     assert checked["bench"] >= 4 and checked["plan"] >= 1, checked
+
+
+def test_a_chained_part_runs_each_command_and_fails_if_one_failed(tmp_path):
+    """The offload part's plan and benchmark: the second runs whatever the first gave, and the part says failed if
+    either did."""
+    chain = _driver().chain
+    marks = [["touch", str(tmp_path / name)] for name in ("first", "last")]
+    failing = subprocess.run(chain(marks[0], ["false"], marks[1]))
+    assert failing.returncode == 1 and (tmp_path / "first").exists() and (tmp_path / "last").exists()
+    assert subprocess.run(chain(*marks)).returncode == 0
