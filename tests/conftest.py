@@ -31,6 +31,8 @@ os.environ.update(CUDA_VISIBLE_DEVICES="", DS_ACCELERATOR="cpu")
 # torch.compile on the CPU stands in for the GPU's: inductor writes scalar C++ kernels, not vectorised ones, which it
 # generates and gcc builds a quarter faster; what the tests check of a compiled run does not depend on them
 os.environ["TORCHINDUCTOR_VEC_ISA_OK"] = "0"
+# a process of a test that dies of a signal (a segfault in a library) prints its Python stack first
+os.environ["PYTHONFAULTHANDLER"] = "1"
 # datasets' cache of loaded and tokenized files, fresh for each session (read when datasets is imported), removed
 # at its end
 os.environ["HF_DATASETS_CACHE"] = tempfile.mkdtemp(prefix="hf-datasets-")
@@ -142,6 +144,14 @@ def launch_script(nproc: int, script: str, *args, timeout=900, base_env=None, **
         log_launch([f"{nproc} ranks:", script, *args], time.perf_counter() - started)
 
 
+def _running(folder, jobs: list, nproc: int) -> str:
+    """The job of train_jobs that some rank had not finished: its number and arguments."""
+    for i, job in enumerate(jobs):
+        if not all((Path(folder) / f"{i}.rank{r}.code").exists() for r in range(nproc)):
+            return f"job {i}: {' '.join(map(str, job['argv'] if isinstance(job, dict) else job))}"
+    return "no job (every job had ended)"
+
+
 def train_jobs(launcher: str, nproc: int, jobs: list, timeout=900, base_env=None, codes=None, wrapper=()) -> list:
     """The output of each of several training jobs (argument lists, or {"argv": [...], "env": {...}}) run one
     after another in one process group (tests/helpers/jobs.py): every rank's, rank 0's first. launcher: "ranks"
@@ -157,7 +167,8 @@ def train_jobs(launcher: str, nproc: int, jobs: list, timeout=900, base_env=None
             result = run(train_command("python", 1, *args, script=script), timeout=timeout, base_env=base_env)
         else:
             result = launch_script(nproc, script, *args, timeout=timeout, base_env=base_env)
-        assert result.returncode == 0, f"exit {result.returncode}\n{result.stdout[-4000:]}\n{result.stderr[-4000:]}"
+        assert result.returncode == 0, (f"exit {result.returncode} in {_running(folder, jobs, nproc)}\n"
+                                        f"{result.stdout[-4000:]}\n{result.stderr[-12000:]}")
         outputs = []
         for i in range(len(jobs)):
             output = "".join((Path(folder) / f"{i}.rank{r}.txt").read_text() for r in range(nproc))
