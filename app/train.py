@@ -24,7 +24,7 @@ from app.distributed.dist import World
 from app.ds import auto as ds_auto, config as ds_config, internals as ds_internals, precision, run_dict
 from app.errors import Ended, UserError, report
 from app.memory import autobatch
-from app.memory.planner import weighed_for_run
+from app.memory.planner import held_by_host, weighed_for_run
 from app.observe import memory_snapshot, metrics, runlog, startup, trackers
 from app.observe import profiler as profiling
 from app.observe.summary import summarise
@@ -128,7 +128,8 @@ def run(settings: Settings, ds: dict, world: World, started: float) -> int:
 
 def settle(settings: Settings, world: World, ds: dict, board: endings.Board) -> Settled:
     """Before any engine, in this order: the rank layout, the planned DeepSpeed dict, the output folder, the task
-    and its data, the precision weighed against the GPU, the task's own engines, the micro batch."""
+    and its data, the precision weighed against the GPU and what the ranks offload against the host, the task's own
+    engines, the micro batch (and the host again where its search set the accumulation)."""
     ranks = layout.rank_layout(ds, world.world_size, world.rank, settings.deepspeed_config)
     early_stop.watched(settings.early_stopping_metric)  # a mistake there is one line before anything is built
     spec = resolver.spec_of(settings)
@@ -146,9 +147,11 @@ def settle(settings: Settings, world: World, ds: dict, board: endings.Board) -> 
 
     def trial_model(trial: dict):  # a fresh model laid out for an engine of the micro batch search's trial dict
         return ranks.prepare(task.build_model(task.data.info, trial), task, settings.model, trial)[0]
-    ds = autobatch.settle(ds, settings.deepspeed_config, ranks, task, trial_model, task.data.train, output_dir,
-                          settings.resume, board)
-    return Settled(ranks, task, ds, filled, note, output_dir)
+    searched = autobatch.settle(ds, settings.deepspeed_config, ranks, task, trial_model, task.data.train, output_dir,
+                                settings.resume, board)
+    if searched is not ds:  # the accumulation it set: ZeRO-2's offload holds gradients for it
+        held_by_host(searched, task, settings, ranks, world)
+    return Settled(ranks, task, searched, filled, note, output_dir)
 
 
 def build(settings: Settings, world: World, settled: Settled) -> Built:

@@ -252,7 +252,7 @@ def activation_bytes(build, inputs, loss, micro: int, dtype, checkpointed: bool,
             model = build()
         finally:
             torch.set_default_dtype(torch.float32)
-        dtype = None if weights16 else dtype
+        inputs16, dtype = (dtype, None) if weights16 else (None, dtype)
         if checkpointed:
             activations.checkpoint_blocks(model)
         model.train()
@@ -260,6 +260,8 @@ def activation_bytes(build, inputs, loss, micro: int, dtype, checkpointed: bool,
             if param.requires_grad:  # LoRA's frozen base has none
                 param.register_post_accumulate_grad_hook(lambda p: setattr(p, "grad", None))
         x, y = inputs(micro)
+        if inputs16:  # a model of bf16 weights takes its images in bf16, as the engine's step hands them
+            x = [t.to(inputs16) if isinstance(t, torch.Tensor) and t.is_floating_point() else t for t in x]
         tracker = LiveBytes()
         held = [*model.parameters(), *model.buffers(), *x, y]  # made before: a view of one (a weight's .t()) is free
         tracker.seen.update(t.untyped_storage()._cdata for t in held if isinstance(t, torch.Tensor))

@@ -60,7 +60,7 @@ def fits(each: int, ranks_here: int, memory: int) -> bool:
     return each * ranks_here <= USABLE_HOST * memory
 
 
-def shortfall(each: int, ranks_here: int, memory: int, config: str, weights: bool, lora: bool,
+def shortfall(each: int, ranks_here: int, memory: int, config: str, weights: bool, adapters: bool,
               stage3: bool = True) -> str:
     """'' where ranks_here ranks that each offload `each` bytes fit this machine's memory, else the line that says
     so and what to change (remedies)."""
@@ -69,14 +69,15 @@ def shortfall(each: int, ranks_here: int, memory: int, config: str, weights: boo
     return (f"{config} offloads {each / 1e9:,.1f} GB a rank to the host (the memory plan), "
             f"{each * ranks_here / 1e9:,.1f} GB for the {ranks_here} rank(s) on {socket.gethostname()}, more than "
             f"the {USABLE_HOST * memory / 1e9:,.1f} GB its memory gives them ({memory / 1e9:,.1f} GB): "
-            f"{remedies(ranks_here, weights, lora, stage3)}")
+            f"{remedies(ranks_here, weights, adapters, stage3)}")
 
 
-def remedies(ranks_here: int, weights: bool, lora: bool, stage3: bool) -> str:
+def remedies(ranks_here: int, weights: bool, adapters: bool, stage3: bool) -> str:
     """What frees host memory for a run that offloads too much there: weights, whether the weights are among what it
-    offloads (offload_param); lora: it trains adapters already; stage3: ZeRO-3, which alone can offload to NVMe."""
+    offloads (offload_param); adapters: LoRA would help (a transformers model that trains all its weights); stage3:
+    ZeRO-3, which alone can offload to NVMe."""
     ways = ["run fewer ranks a machine, on more machines"] if ranks_here > 1 else []
     ways += ["offload the optimizer alone (no offload_param)"] if weights else []
     ways += ['offload to NVMe ("device": "nvme")'] if stage3 else []
-    ways += [] if lora else ["train LoRA adapters (--lora)"]
+    ways += ["train LoRA adapters (--lora)"] if adapters else []
     return f"{''.join(way + ', ' for way in ways)}{'or ' if ways else ''}use a machine with more memory"

@@ -31,15 +31,12 @@ def workload(task, seq_len: int = 0, image_size: int = 0, frozen: bool = False, 
     A sample's sequences go through the model together: a preference pair's two, a GRPO prompt's group (the
     sampling before them: sampling_of). sequence: the sequence-parallel degree; a rank's inputs are its part of
     each sequence, seq_len / sequence tokens (Ulysses' all-to-all trades the rest of the tokens for a part of the
-    heads, and memory-efficient attention's activations grow with the tokens, not their square)."""
+    heads, and memory-efficient attention's activations grow with the tokens, not their square). An image model
+    takes the classes, channels and side of a run's data (the task's), else the defaults' at image_size."""
     if task.name == "image_classification":
         if sequence > 1:
             raise UserError(f"sequence parallelism shards text sequences; {task.settings.model} is an image model")
-        builtin = task.settings.model in models.BUILTIN
-        side, channels, classes = image_size or (8 if builtin else 224), 1 if builtin else 3, 10 if builtin else 1000
-        info = DataInfo(classes, channels, side)
-        return (lambda: task.build_model(info, {}),
-                lambda b: ([torch.randn(b, channels, side, side)], torch.randint(classes, (b,))), task.loss)
+        return _image_workload(task, image_size)
     from app.data.tokenizers import byte_tokenizer
     spec, tokenizer = dataclasses.replace(task.spec, pretrained=""), byte_tokenizer()  # a config.json is enough
     vocab, seq = models.vocab_size(spec.config), tokens_per_sample(spec, seq_len)
@@ -64,6 +61,17 @@ def workload(task, seq_len: int = 0, image_size: int = 0, frozen: bool = False, 
         tiled.for_run(model, task, sequence, task.settings.model)
         return model
     return build, inputs, task.loss
+
+
+def _image_workload(task, image_size: int):
+    """workload of an image model: the classes, channels and side of the run's data (the task's), else the plan's
+    defaults at image_size."""
+    builtin = task.settings.model in models.BUILTIN
+    info = task.data.info if task.data else DataInfo(10 if builtin else 1000, 1 if builtin else 3,
+                                                     image_size or (8 if builtin else 224))
+    channels, side, classes = info.in_channels, info.image_size, info.num_classes
+    return (lambda: task.build_model(info, {}),
+            lambda b: ([torch.randn(b, channels, side, side)], torch.randint(classes, (b,))), task.loss)
 
 
 def sampling_of(task, seq_len: int = 0):
@@ -178,42 +186,48 @@ def _weighed(ds: dict, note: str, task, settings, ranks: int, memory: int, micro
 
 
 def weighed_for_run(ds: dict, note: str, task, settings, ranks, world) -> tuple:
-    """(ds, note) of a run once its data has settled the task, weighed by rank 0 (one decision, however the machines
-    differ): on a GPU precision "auto" (weigh), and what a rank offloads to the host, which every rank then holds to
-    its own machine's memory for the ranks there: a UserError on every rank where one machine cannot hold it. A
-    split model (pipeline, tensor parallel) as it was: its bytes are its stages'. Under sequence parallelism ZeRO
-    partitions over every rank and a rank holds its part of each sequence."""
+    """(ds, note) of a run once its data has settled the task: on a GPU precision "auto" weighed by rank 0 (weigh;
+    one decision, however the machines differ), then held_by_host. A split model (pipeline, tensor parallel) as it
+    was: its bytes are its stages'. Under sequence parallelism ZeRO partitions over every rank and a rank holds its
+    part of each sequence."""
     if ranks.split or ranks.tensor > 1:
         return ds, note
-    ds, note, each, weights = dist.broadcast_object(list(_weighed_here(ds, note, task, settings, ranks, world))
-                                                    if dist.is_main() else None)
-    if each:
-        lines = dist.gather_objects(host.shortfall(each, world.local_world_size, host.host_memory(),
-                                                   settings.deepspeed_config, weights, settings.lora,
-                                                   zero_stage(ds) == 3))
-        if any(lines):
-            raise UserError(next(line for line in lines if line))
+    if world.device.type == "cuda":
+        gpu = torch.cuda.get_device_properties(world.device).total_memory
+        ds, note = dist.broadcast_object(list(weigh(ds, note, task, settings, ranks.replicas, gpu, ranks.sequence))
+                                         if dist.is_main() else None)
+    held_by_host(ds, task, settings, ranks, world)
     return ds, note
 
 
-def _weighed_here(ds: dict, note: str, task, settings, ranks, world) -> tuple:
-    """weighed_for_run's answer on rank 0: (ds, note, the bytes a rank offloads to the host (0: none, or a model the
-    plan cannot build on fake tensors, which goes on unchecked), whether the weights are among them)."""
-    if world.device.type == "cuda":
-        gpu = torch.cuda.get_device_properties(world.device).total_memory
-        ds, note = weigh(ds, note, task, settings, ranks.replicas, gpu, ranks.sequence)
-    if not any(estimate.offloads(ds)):
-        return ds, note, 0, False
+def held_by_host(ds: dict, task, settings, ranks, world):
+    """What a rank of ds offloads to the host, planned by rank 0, which every rank holds to its own machine's memory
+    for the ranks there: a UserError on every rank where one machine cannot hold it (again once the micro batch
+    search has set the accumulation, which ZeRO-2's offload holds gradients for)."""
+    if ranks.split or ranks.tensor > 1 or not any(estimate.offloads(ds)):
+        return
+    each, weights = dist.broadcast_object(list(_offloaded_here(ds, task, settings, ranks)) if dist.is_main() else None)
+    if each:
+        lines = dist.gather_objects(host.shortfall(each, world.local_world_size, host.host_memory(),
+                                                   settings.deepspeed_config, weights,
+                                                   bool(task.spec) and not settings.lora, zero_stage(ds) == 3))
+        if any(lines):
+            raise UserError(next(line for line in lines if line))
+
+
+def _offloaded_here(ds: dict, task, settings, ranks) -> tuple:
+    """held_by_host's answer on rank 0: (the bytes a rank offloads to the host (0: a model the plan cannot build on
+    fake tensors, which goes on unchecked), whether the weights are among them)."""
     try:
         adapters = (settings.lora_rank, lora.targets_of(settings)) if settings.lora else None
         sizes, trainable, _, _ = parameters_of(workload(task, settings.block_size, frozen=bool(adapters))[0], adapters)
     except Exception as e:  # the plan advises: a model it cannot build on fake tensors goes on unchecked
         dist.print0(f"memory plan: what this run offloads is not held to the host's memory: the model could not be "
                     f"built on fake tensors ({type(e).__name__}: {e})")
-        return ds, note, 0, False
+        return 0, False
     partitions = ranks.replicas * ranks.sequence
     plan = estimate.MemoryPlan(settings.deepspeed_config, sum(sizes), *estimate.model_states(
         sizes, ds, partitions, trainable))
     if task.reference_kind == "frozen copy":
         with_reference(plan, sizes, ds, partitions)
-    return ds, note, host.offloaded(plan), "weights" in plan.host
+    return host.offloaded(plan), "weights" in plan.host

@@ -89,7 +89,7 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--host_memory", default="", help="memory of one machine, which holds what its ranks "
                         "offload, e.g. 512GB (default: this machine's, or its cgroup's limit where lower)")
     parser.add_argument("--ranks_per_node", type=int, default=0, help="ranks on each machine, whose offloaded "
-                        "states share its memory (default: --world_size, all on one machine)")
+                        "states share its memory (default: this machine's GPUs, 8 without one; at most --world_size)")
     return parser
 
 
@@ -116,7 +116,7 @@ def parse(argv=None):
         raise UserError("no GPU here to read the memory of: pass --gpu_memory, e.g. --gpu_memory 80GB")
     args.world_size = args.world_size or max(1, torch.cuda.device_count())
     args.host_memory = memory_size(args.host_memory, "--host_memory") if args.host_memory else host.host_memory()
-    args.ranks_per_node = args.ranks_per_node or args.world_size
+    args.ranks_per_node = args.ranks_per_node or min(args.world_size, torch.cuda.device_count() or 8)
     if args.ranks_per_node > args.world_size:
         raise UserError(f"--ranks_per_node {args.ranks_per_node} is more than --world_size {args.world_size}")
     _check_sequence_parallel(args)
@@ -213,18 +213,18 @@ def _ref_column(text: str, reference: str) -> str:
     return f"{text:>8}" if reference else ""
 
 
-def table(args, named: dict, plans: dict, reference: str = "", notes: tuple = ()) -> list:
-    """The lines of the plan: one row per config, then the recommendation; reference: the reference_kind of a
-    run that holds one ('': none); notes: sequence_notes and task_notes."""
-    budget = estimate.USABLE * args.gpu_memory
+def table(args, named: dict, plans: dict, task, notes: tuple = ()) -> list:
+    """The lines of the plan: one row per config, then the recommendation; task: the planned one (its reference,
+    whether it is a transformers model); notes: sequence_notes and task_notes."""
+    budget, reference = estimate.USABLE * args.gpu_memory, task.reference_kind
     lines = _heading(args, next(iter(plans.values())), budget, reference, list(notes))
-    fitting, short = [], []  # short: the host would not hold what they offload
+    fitting, short, peaks = [], [], {}  # short: the host would not hold what they offload; peaks: each row's
     for name, p in plans.items():
         ds = named[name]
         written = ds.get("train_micro_batch_size_per_gpu")
         micro = args.micro_batch or (written if isinstance(written, int) else 0)  # 0: "auto", the largest
         largest = p.largest_micro(args.gpu_memory)
-        peak = p.peak(micro or largest) if (micro or largest) else None
+        peak = peaks[name] = p.peak(micro or largest) if (micro or largest) else None
         fits = peak is not None and peak <= budget
         held = host.fits(host.offloaded(p), args.ranks_per_node, args.host_memory)
         theirs = ds_internals.deepspeed_estimate(ds_config.zero_stage(ds), *map(bool, estimate.offloads(ds)),
@@ -236,7 +236,7 @@ def table(args, named: dict, plans: dict, reference: str = "", notes: tuple = ()
                      f"{'no' if not fits else 'yes' if held else 'host':>6}{largest:>8}{_gb(theirs):>8}")
         if fits:
             (fitting if held else short).append((_speed_rank(name), name, peak))
-    lines.append(recommend(sorted(fitting), plans, budget, args, sorted(short), named))
+    lines.append(recommend(sorted(fitting), plans, budget, args, sorted(short), named, peaks, bool(task.spec)))
     if any(name.endswith(BF16) for name in plans):
         lines.append(f"{BF16}: the config with DeepSpeed's bf16 section (bf16 weights and gradients, fp32 masters) in "
                      f"place of bf16 autocast (fp32 weights and gradients): faster, less precise")
@@ -249,14 +249,16 @@ def table(args, named: dict, plans: dict, reference: str = "", notes: tuple = ()
     return lines
 
 
-def recommend(fitting: list, plans: dict, budget: float, args, short: list = (), named: dict = None) -> str:
+def recommend(fitting: list, plans: dict, budget: float, args, short: list, named: dict, peaks: dict,
+              text: bool) -> str:
     """The fastest config that fits, and why the faster ones do not; short: those the GPU would hold and the host
-    not (named: every config's DeepSpeed dict)."""
+    not; named: every config's DeepSpeed dict; peaks: each row's (None: not one sample fits); text: a transformers
+    model (LoRA could train it)."""
     shorts = {n for _, n, _ in short}
     if not fitting and short:
         name = short[0][1]
         return (f"recommended: none fits; the GPU would hold {name}, but the host would not hold what it offloads: "
-                + host.remedies(args.ranks_per_node, "weights" in plans[name].host, args.lora,
+                + host.remedies(args.ranks_per_node, "weights" in plans[name].host, text and not args.lora,
                                 ds_config.zero_stage(named[name]) == 3))
     if not fitting:
         best = max(plans.values(), key=lambda p: p.largest_micro(args.gpu_memory))
@@ -266,7 +268,7 @@ def recommend(fitting: list, plans: dict, budget: float, args, short: list = (),
     _, name, peak = fitting[0]
     stem = _stem(name)
     faster = [n for n in plans if stem in ORDER and _speed_rank(n) < _speed_rank(name)]
-    over = "; ".join(f"{n} would peak at {_gb(plans[n].peak(args.micro_batch or 1))}"
+    over = "; ".join((f"{n} would peak at {_gb(peaks[n])}" if peaks[n] else f"{n} would not hold one sample")
                      + (", its host not holding what it offloads" if n in shorts else "") for n in faster)
     weights = "; with bf16 weights in place of autocast's fp32 ones" if name.endswith(BF16) else ""
     return (f"recommended: {name}, peaking at {peak / 1e9:,.1f} of {budget / 1e9:,.1f} GB"
@@ -283,7 +285,7 @@ def main(argv=None) -> int:
         plans = measure(args, named, task)
     except UserError as e:
         return report(e)
-    for line in table(args, named, plans, task.reference_kind, [*sequence_notes(args, task), *task_notes(task)]):
+    for line in table(args, named, plans, task, [*sequence_notes(args, task), *task_notes(task)]):
         print(line)
     skipped = [f"{n} ({why})" for n, why in NOT_PLANNED.items() if not args.deepspeed_config]
     if skipped:

@@ -42,14 +42,14 @@ def test_the_check_counts_every_rank_of_the_machine_and_says_what_to_change():
     each = host.offloaded(estimate.MemoryPlan("zero3_offload.json", 1024, *estimate.model_states(sizes, ds, 2)))
     assert each == 24 * 512
     memory = int(2 * each / host.USABLE_HOST) + 1
-    assert host.fits(each, 2, memory) and host.shortfall(each, 2, memory, "zero3_offload.json", True, False) == ""
-    line = host.shortfall(each, 4, memory, "zero3_offload.json", True, False)
+    assert host.fits(each, 2, memory) and host.shortfall(each, 2, memory, "zero3_offload.json", True, True) == ""
+    line = host.shortfall(each, 4, memory, "zero3_offload.json", True, True)
     assert f"for the 4 rank(s) on {socket.gethostname()}, more than" in line
     assert line.endswith(": run fewer ranks a machine, on more machines, offload the optimizer alone (no offload_param), "
                          'offload to NVMe ("device": "nvme"), train LoRA adapters (--lora), or use a machine with more '
                          "memory")
-    alone = host.shortfall(each, 1, each, "zero3_offload.json", False, True)
+    alone = host.shortfall(each, 1, each, "zero3_offload.json", False, False)
     assert alone.endswith(': offload to NVMe ("device": "nvme"), or use a machine with more memory'), \
-        "one rank, no weights offloaded, LoRA already: none of those to offer"
-    zero2 = host.shortfall(each, 1, each, "zero2_offload.json", False, True, stage3=False)
+        "one rank, no weights offloaded, LoRA already (or an image model): none of those to offer"
+    zero2 = host.shortfall(each, 1, each, "zero2_offload.json", False, False, stage3=False)
     assert zero2.endswith("GB): use a machine with more memory"), "ZeRO 1-2 cannot offload to NVMe"

@@ -208,3 +208,40 @@ def test_a_run_whose_machine_cannot_hold_what_its_ranks_offload_is_refused_its_r
     assert f"{8 * 28 * parameters / 1e9:,.1f} GB for the 8 rank(s) on {socket.gethostname()}" in str(refused.value)
     plain = load_ds_config(DEFAULT_DS_CONFIG.parent / "zero3.json")
     assert planner.weighed_for_run(plain, "note", task, settings, ranks, world) == (plain, "note")
+
+
+def test_an_image_model_is_weighed_with_the_classes_and_channels_of_the_runs_data():
+    """resnet18 on 10 classes of 32-pixel colour images: the plan's model is the run's, 1000 classes without data
+    (the plan tool, which has none)."""
+    from app.core.tasks import ImageClassification
+    from app.data import Data, DataInfo
+    settings = Settings(model="resnet18")
+    info = DataInfo(10, 3, 32)
+    task = ImageClassification(settings, Data(None, None, info))
+    build, inputs, _ = planner.workload(task)
+    run_model = task.build_model(info, {})
+    assert sum(planner.parameters_of(build)[0]) == sum(p.numel() for p in run_model.parameters()) == 11_181_642
+    assert inputs(2)[0][0].shape == (2, 3, 32, 32)
+    assert sum(planner.parameters_of(planner.workload(resolver.build(settings))[0])[0]) == 11_689_512
+
+
+def test_the_host_check_counts_the_accumulation_that_zero2_offload_holds_gradients_for():
+    """zero2_offload keeps on the host every gradient its partition touches once the accumulation is above 1: as
+    many ranks on this machine as hold a rank's states without accumulation are refused with 4 accumulation steps
+    (what the micro batch search may set; train.settle checks again after it)."""
+    import math
+    from types import SimpleNamespace
+    import torch
+    from app.memory import host
+    settings = Settings(model="gpt2-tiny", block_size=64, deepspeed_config="zero2_offload.json")
+    task = resolver.build(settings)
+    ds = load_ds_config(DEFAULT_DS_CONFIG.parent / "zero2_offload.json")
+    ranks = SimpleNamespace(split=None, tensor=1, replicas=2, sequence=1)
+    accumulated = {**ds, "gradient_accumulation_steps": 4}
+    once, each = (planner._offloaded_here(d, task, settings, ranks)[0] for d in (ds, accumulated))
+    here = math.floor(host.USABLE_HOST * host.host_memory() / once)
+    assert each > once * (1 + 1 / here), "the touched gradients, whole: 4 bytes a parameter of half the model"
+    world = SimpleNamespace(device=torch.device("cpu"), local_world_size=here)
+    planner.held_by_host(ds, task, settings, ranks, world)
+    with pytest.raises(UserError, match=f"for the {here} rank"):
+        planner.held_by_host(accumulated, task, settings, ranks, world)

@@ -231,3 +231,30 @@ def test_a_machines_memory_must_hold_what_its_ranks_offload(gpt2_folder, capsys)
     assert plan_tool.main([*argv, "--ranks_per_node", "2"]) == 0
     out = capsys.readouterr().out
     assert out.splitlines()[2].split()[-3] == "yes" and f"recommended: {offload}," in out, out
+
+
+def test_the_recommendation_gives_each_faster_config_the_peak_of_its_row(gpt2_folder, capsys):
+    """The configs' own micro batch (32): each faster config the recommendation passes over is said to peak where
+    its row does."""
+    assert plan_tool.main(["--model", str(gpt2_folder), "--world_size", "4", "--seq_len", "128", "--gpu_memory",
+                           "0.75GB"]) == 0
+    out = capsys.readouterr().out
+    lines = out.splitlines()
+    rows = lines[2:next(i for i, line in enumerate(lines) if line.startswith("recommended: "))]
+    peaks = {line.split()[0]: line.split()[-4] for line in rows}
+    assert peaks["dp"] != "-" and rows[0].split()[-5] == "32", out
+    said = out.split("recommended: ")[1].splitlines()[0].rsplit(" (", 1)[1].rstrip(")").split("; ")
+    assert said and all(f"would peak at {peaks[part.split()[0]]}" in part for part in said), out
+
+
+def test_an_image_model_is_planned_without_a_traceback_and_not_offered_lora(capsys):
+    """cnn, the default model, whose +bf16 rows take bf16 images; under offload on a machine too small, the advice
+    leaves out LoRA, which trains transformers models only. 64 ranks plan 8 on a machine without GPUs."""
+    assert plan_tool.main(["--gpu_memory", "80GB", "--world_size", "64"]) == 0
+    out = capsys.readouterr().out
+    assert "for 8 rank(s)" in out.splitlines()[0] and "recommended: dp," in out, out
+    offload = plan_tool.ds_config.REPO / "ds_configs" / "zero3_offload.json"
+    assert plan_tool.main(["--model", "resnet18", "--gpu_memory", "80GB", "--world_size", "1", "--deepspeed_config",
+                           str(offload), "--host_memory", "50MB"]) == 0
+    out = capsys.readouterr().out
+    assert "recommended: none fits; the GPU would hold" in out and "--lora" not in out, out
