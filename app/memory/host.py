@@ -10,6 +10,7 @@ from pathlib import Path
 USABLE_HOST = 0.9
 CGROUPS = Path("/sys/fs/cgroup")
 UNLIMITED = 2**62  # cgroup v1 writes "no limit" as a number near 2**63
+MEMORY_LIMIT = {"cgroup2": "memory.max", "memory": "memory.limit_in_bytes"}
 
 
 def physical_memory() -> int:
@@ -17,24 +18,39 @@ def physical_memory() -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
-def cgroup_limit(proc_cgroup: str = "/proc/self/cgroup", root: Path = CGROUPS) -> int:
+def cgroup_limit(proc_cgroup: str = "/proc/self/cgroup", mountinfo: str = "/proc/self/mountinfo") -> int:
     """The tightest memory limit of this process's cgroup and its ancestors, v2 (memory.max) or v1
-    (memory.limit_in_bytes), in bytes; 0 where none is set or none can be read."""
-    limits = []
-    for line in Path(proc_cgroup).read_text().splitlines() if Path(proc_cgroup).is_file() else ():
+    (memory.limit_in_bytes), each hierarchy where mountinfo says it is mounted, in bytes; 0 where none is set or none
+    can be read."""
+    mounts, limits = cgroup_mounts(_read(Path(mountinfo))), []
+    for line in _read(Path(proc_cgroup)).splitlines():
         _, controllers, path = line.split(":", 2)
-        if controllers == "":
-            base, name = root, "memory.max"
-        elif "memory" in controllers.split(","):
-            base, name = root / "memory", "memory.limit_in_bytes"
-        else:
+        kind = "cgroup2" if controllers == "" else "memory" if "memory" in controllers.split(",") else ""
+        if kind not in mounts:
             continue
-        parts = [part for part in path.split("/") if part]
+        top, point = mounts[kind]
+        if path == top or path.startswith(top.rstrip("/") + "/"):  # the mount shows the hierarchy from top down
+            path = path[len(top):]
+        parts, name = [part for part in path.split("/") if part], MEMORY_LIMIT[kind]
         for depth in range(len(parts) + 1):  # a namespaced view may not show the outer levels: each one that is there
-            text = _read(base.joinpath(*parts[:depth], name))
+            text = _read(point.joinpath(*parts[:depth], name))
             if text.isdigit() and 0 < int(text) < UNLIMITED:
                 limits.append(int(text))
     return min(limits, default=0)
+
+
+def cgroup_mounts(mountinfo: str) -> dict:
+    """{"cgroup2" or "memory" (v1's controller): (the group the mount shows at its top, where it is mounted)} from
+    the text of /proc/self/mountinfo, the first mount of each; the usual places where it names none."""
+    found = {}
+    for line in mountinfo.splitlines():
+        mount, _, filesystem = line.partition(" - ")
+        mount, filesystem = mount.split(), filesystem.split()
+        if len(mount) < 5 or len(filesystem) < 3:
+            continue
+        if filesystem[0] == "cgroup2" or (filesystem[0] == "cgroup" and "memory" in filesystem[2].split(",")):
+            found.setdefault("cgroup2" if filesystem[0] == "cgroup2" else "memory", (mount[3], Path(mount[4])))
+    return found or {"cgroup2": ("/", CGROUPS), "memory": ("/", CGROUPS / "memory")}
 
 
 def _read(path: Path) -> str:

@@ -127,8 +127,9 @@ def _check_sequence_parallel(args):
     """--sequence_parallel, else the JSON's sequence_parallel_size (a what-if flag outranks it); a UserError where it
     cannot split the ranks or the sequence evenly."""
     if args.sequence_parallel is None:
-        args.sequence_parallel = ds_config.load_ds_config(Path(args.deepspeed_config), cuda=True, bf16_ok=True).get(
-            "sequence_parallel_size", 1) if args.deepspeed_config else 1
+        read = ds_config.load_ds_config(Path(args.deepspeed_config), cuda=True, bf16_ok=True, say=lambda line: None) \
+            if args.deepspeed_config else {}  # quiet: its warnings are said once, where the configs are read
+        args.sequence_parallel = read.get("sequence_parallel_size", 1)
     degree = args.sequence_parallel
     if degree < 1:
         raise UserError(f"--sequence_parallel {degree}: it counts ranks, 1 or more (1: no sequence parallelism)")
