@@ -24,7 +24,7 @@ from app.distributed.dist import World
 from app.ds import auto as ds_auto, config as ds_config, internals as ds_internals, precision, run_dict
 from app.errors import Ended, UserError, report
 from app.memory import autobatch
-from app.memory.planner import held_by_host, weighed_for_run
+from app.memory.planner import held_after_search, weighed_for_run
 from app.observe import memory_snapshot, metrics, runlog, startup, trackers
 from app.observe import profiler as profiling
 from app.observe.summary import summarise
@@ -149,8 +149,7 @@ def settle(settings: Settings, world: World, ds: dict, board: endings.Board) -> 
         return ranks.prepare(task.build_model(task.data.info, trial), task, settings.model, trial)[0]
     searched = autobatch.settle(ds, settings.deepspeed_config, ranks, task, trial_model, task.data.train, output_dir,
                                 settings.resume, board)
-    if searched is not ds:  # the accumulation it set: ZeRO-2's offload holds gradients for it
-        held_by_host(searched, task, settings, ranks, world)
+    held_after_search(ds, searched, task, settings, ranks, world)
     return Settled(ranks, task, searched, filled, note, output_dir)
 
 

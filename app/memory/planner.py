@@ -215,6 +215,15 @@ def held_by_host(ds: dict, task, settings, ranks, world):
             raise UserError(next(line for line in lines if line))
 
 
+def held_after_search(before: dict, after: dict, task, settings, ranks, world):
+    """held_by_host once more where the micro batch search (before -> after) set an accumulation above 1, for which
+    the offload of ZeRO 1-2 keeps every gradient its partition touches on the host (ZeRO-3's host bytes do not
+    depend on it)."""
+    accumulation = after.get("gradient_accumulation_steps", 1)
+    if after is not before and zero_stage(after) < 3 and isinstance(accumulation, int) and accumulation > 1:
+        held_by_host(after, task, settings, ranks, world)
+
+
 def _offloaded_here(ds: dict, task, settings, ranks) -> tuple:
     """held_by_host's answer on rank 0: (the bytes a rank offloads to the host (0: a model the plan cannot build on
     fake tensors, which goes on unchecked), whether the weights are among them)."""

@@ -272,7 +272,7 @@ def recommend(fitting: list, plans: dict, budget: float, args, short: list, name
     over = "; ".join((f"{n} would peak at {_gb(peaks[n])}" if peaks[n] else f"{n} would not hold one sample")
                      + (", its host not holding what it offloads" if n in shorts else "") for n in faster)
     weights = "; with bf16 weights in place of autocast's fp32 ones" if name.endswith(BF16) else ""
-    return (f"recommended: {name}, peaking at {peak / 1e9:,.1f} of {budget / 1e9:,.1f} GB"
+    return (f"recommended: {name}, peaking at {_gb(peak)} of {_gb(budget)} GB"  # as the rows, to the same digit
             + (f": {ORDER[stem]}" if stem in ORDER else "") + weights + (f" ({over})" if over else ""))
 
 

@@ -141,3 +141,35 @@ def test_a_host_too_small_for_what_the_ranks_offload_is_one_line_before_any_engi
                    f"GB for the 2 rank(s) on {socket.gethostname()}, more than the 3.9 GB its memory gives them "
                    "(4.3 GB)", "run fewer ranks a machine")
     assert not (tmp_path / "run" / "metrics.csv").exists()
+
+
+def test_the_accumulation_the_micro_batch_search_sets_is_held_to_the_host_before_the_run(tmp_path):
+    """zero2_offload keeps on the host every gradient a rank's partition touches once the accumulation is above 1,
+    which an "auto" micro batch leaves to the search. One process, counted as one of as many ranks on this machine
+    (LOCAL_WORLD_SIZE) as hold its offloaded states without accumulation, passes the check at start; the search
+    picks 4 of 16 (APP_OOM_AT=5), 4 accumulation steps, and the check then stops the run before its engine."""
+    import math
+    from types import SimpleNamespace
+    from app.core import resolver
+    from app.ds.config import load_ds_config
+    from app.memory import host, planner
+    from app.settings import Settings
+    from conftest import faulty_command, write_text_rows
+    ds = {**json.loads((REPO / "ds_configs" / "zero2_offload.json").read_text()), "train_batch_size": 16,
+          "train_micro_batch_size_per_gpu": "auto"}
+    ds.pop("gradient_accumulation_steps")
+    config = _config(tmp_path, ds, "zero2_offload-auto")
+    settings = Settings(model="gpt2-tiny", block_size=32, deepspeed_config=str(config))
+    task, ranks = resolver.build(settings), SimpleNamespace(replicas=1, sequence=1)
+    once, each = (planner._offloaded_here({**load_ds_config(config), "gradient_accumulation_steps": steps}, task,
+                                          settings, ranks)[0] for steps in (1, 4))
+    here = math.floor(host.USABLE_HOST * host.host_memory() / once)
+    assert here * each > host.USABLE_HOST * host.host_memory(), "the check at start passes, the one after refuses"
+    corpus = write_text_rows(tmp_path / "corpus.txt", 200)
+    result = run(faulty_command("python", 1, "--model", "gpt2-tiny", "--dataset", corpus, "--block_size", 32,
+                                "--deepspeed_config", config, "--max_steps", 2, "--output_dir", tmp_path / "run"),
+                 APP_OOM_AT="5", LOCAL_WORLD_SIZE=str(here))
+    assert "micro batch: \"auto\" picked 4, the largest of 1, 2, 4, 8, 16" in result.stdout, result.stdout[-3000:]
+    _fails_cleanly(result, f"offloads {each / 1e9:,.1f} GB a rank to the host (the memory plan), "
+                   f"{here * each / 1e9:,.1f} GB for the {here} rank(s) on")
+    assert not (tmp_path / "run" / "metrics.csv").exists()
