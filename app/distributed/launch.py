@@ -226,7 +226,7 @@ def setup(single_process: bool = False, timeout_s: int = 600) -> World:
     with ds_internals.op_loads_quiet():  # DeepSpeed adopts the process group _join started
         deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False, verbose=False,
                                    timeout=datetime.timedelta(seconds=timeout_s))
-    if device.type == "cpu" and local_world_size == world_size:
+    if device.type == "cpu" and os.environ.get("LOCAL_SIZE") == str(world_size):  # DeepSpeed made the segments
         barrier()  # every rank has mapped every segment
         ds_internals.drop_shm_names(rank)
     description += f"; {world_size} rank(s) on {describe_nodes(nodes)}; {backend} on {device.type}"
