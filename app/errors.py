@@ -55,6 +55,18 @@ def deepspeed_failure(error: Exception, when: str) -> "UserError | None":
                      f"remove it or try it on the hardware it was written for")
 
 
+def one_value_per_channel(error: Exception) -> "UserError | None":
+    """The one line for BatchNorm's refusal to train on one value per channel (a micro batch of one sample whose
+    feature maps have shrunk to 1x1), which the user fixes in the DeepSpeed config; None for any other error."""
+    text = first_line(error)
+    if "more than 1 value per channel when training" not in text:
+        return None
+    size = text.rpartition("input size ")[2].removeprefix("torch.Size(").removesuffix(")")
+    return UserError(f"a BatchNorm layer cannot train on one value per channel (its input is {size}): a micro batch "
+                     f"of 1 sample is too small for this model at this image size; set "
+                     f"train_micro_batch_size_per_gpu to 2 or more in the DeepSpeed config")
+
+
 def folder_files(folder, patterns) -> str:
     """The files of folder that match patterns, for a line naming what could not be read: folder/name, or
     folder (name, name), or the folder alone when none is there."""

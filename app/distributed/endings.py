@@ -24,7 +24,7 @@ import torch.distributed as torch_dist
 from app.distributed import dist, wire
 from app.ds import internals as ds_internals
 from app.ds.internals import torch_private
-from app.errors import Ended, UserError, deepspeed_failure
+from app.errors import Ended, UserError, deepspeed_failure, one_value_per_channel
 
 MEMORY_ADVICE = ("lower train_micro_batch_size_per_gpu in the ds_config (\"auto\" with train_batch_size finds the "
                  "largest that fits), add \"activation_checkpointing\": {}, or take a config that holds less per "
@@ -219,7 +219,7 @@ def one_line(board: Board, engine=None, snapshot=None):
         said = out_of_memory(e)
         engine = engine() if callable(engine) else engine
         step = f"in training step {engine.global_steps + 1}" if engine is not None else "while starting"
-        e = e if said else deepspeed_failure(e, step) or e
+        e = e if said else deepspeed_failure(e, step) or one_value_per_channel(e) or e
         if said or isinstance(e, UserError):
             raise _ended(board, engine, "memory" if said else "error", said or str(e), snapshot()) from None
         board.ended_by_another()

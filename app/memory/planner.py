@@ -2,6 +2,7 @@
 precision "auto"), and precision "auto" weighed: on a GPU where the plan says bf16 autocast's fp32 weights do not
 fit and DeepSpeed's bf16 section's 16-bit weights do, a run takes bf16 weights and says so."""
 import dataclasses
+import functools
 
 import torch
 
@@ -111,10 +112,9 @@ def plans(work, named: dict, ranks: int, adapters=None, reference: bool = False,
         dtype = torch.bfloat16 if any((ds.get(s) or {}).get("enabled") is True
                                       for s in ("torch_autocast", "bf16")) else None
         key = (dtype, activations.SECTION in ds, (ds.get("bf16") or {}).get("enabled") is True)
-        if key not in cache:  # the slope from 2 to 4 samples; 1 sample's peak as measured (MemoryPlan.least)
-            one, two, four = (estimate.activation_bytes(build, inputs, loss, micro, dtype, key[1], weights16=key[2])
-                              for micro in (1, 2, 4))
-            cache[key] = ((four - two) // 2, two - (four - two), one)
+        if key not in cache:
+            cache[key] = _measured(functools.partial(estimate.activation_bytes, build, inputs, loss, dtype=dtype,
+                                                     checkpointed=key[1], weights16=key[2]))
         found[name] = estimate.memory_plan(name, ds, ranks, sizes, largest, cache[key], kinds, trainable)
         found[name].largest_layer = largest
         if sampling is not None:
@@ -122,6 +122,20 @@ def plans(work, named: dict, ranks: int, adapters=None, reference: bool = False,
         if reference:
             with_reference(found[name], sizes, ds, ranks)
     return found
+
+
+def _measured(peak) -> tuple:
+    """(bytes per sample, bytes whatever the micro batch, MemoryPlan.least) from peak(micro=...): the slope from 2
+    to 4 samples, and 1 sample's peak as measured. A model that cannot train on one sample (BatchNorm over a 1x1
+    map: one value per channel) takes 2 samples' peak as its least, so that no plan picks a micro batch of 1."""
+    try:
+        one = peak(micro=1)
+    except ValueError as e:
+        if "value per channel" not in str(e):
+            raise
+        one = None
+    two, four = peak(micro=2), peak(micro=4)
+    return (four - two) // 2, two - (four - two), two if one is None else one
 
 
 def with_reference(plan, sizes: list, ds: dict, ranks: int):

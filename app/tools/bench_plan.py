@@ -1,6 +1,9 @@
 """The memory plan beside the benchmark: for each app mode, the peak the plan predicts for its config, world size and
 micro batch, against the peak the device reached in that mode (CUDA's max_memory_allocated on a GPU)."""
+import copy
+
 from app.core import resolver
+from app.data import Data
 from app.ds import auto as ds_auto
 from app.memory import host, planner
 from app.tools.bench_report import TORCH_MODES
@@ -10,7 +13,9 @@ def add_planned_peaks(rows: list, configs: dict, work) -> list:
     """Set plan_peak_bytes, plan_over_peak and plan_host_bytes (what the rank offloads to the host) on each app row
     the plan covers (LoRA modes left out); the lines that say them. On a CPU the measured peak is the process's
     resident set, which the plan does not predict."""
-    build = planner.workload(work.task, work.info.seq_len, work.info.image_size)
+    task = copy.copy(work.task)
+    task.data = Data(work.train_set, None, work.info)  # the plan's model is the benchmark's: its classes and images
+    build = planner.workload(task, work.info.seq_len, work.info.image_size)
     plans, lines = {}, []
     for row in rows:
         row["plan_peak_bytes"] = row["plan_over_peak"] = row["plan_host_bytes"] = None

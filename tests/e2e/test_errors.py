@@ -95,6 +95,17 @@ def test_unwritable_output_dir(tmp_path):
     assert blocker.read_text() == "not a directory"
 
 
+def test_a_batchnorm_model_given_one_sample_a_micro_batch_is_one_line(tmp_path):
+    """resnet18's last BatchNorm sees a 1x1 map of 32-pixel images, which it cannot train on one sample: the step's
+    error, eager or compiled, is one line naming the config's micro batch."""
+    config = _config(tmp_path, _dp(train_micro_batch_size_per_gpu=1))
+    args = ["--deepspeed_config", config, "--model", "resnet18", "--dataset", "synthetic", "--max_steps", 2]
+    for compiled in ("off", "on"):
+        result = main_each([[*args, "--compile", compiled, "--output_dir", tmp_path / compiled]])[0]
+        _fails_cleanly(result, "BatchNorm layer cannot train on one value per channel", "[1, 512, 1, 1]",
+                       "set train_micro_batch_size_per_gpu to 2 or more")
+
+
 def test_batch_mismatch_names_the_world_size_with_two_ranks(tmp_path):
     """The numbers in the message are the real world size's, and only rank 0 says it."""
     result = run(train_command("deepspeed", 2, "--deepspeed_config", _config(tmp_path, _dp(train_batch_size=32)),

@@ -68,3 +68,17 @@ def test_an_error_raised_in_deepspeeds_code_is_one_line_naming_where():
         raise RuntimeError("ours")
     except RuntimeError as e:
         assert deepspeed_failure(e, "x") is None
+
+
+def test_a_batchnorm_on_one_value_per_channel_is_one_line_and_other_errors_are_not():
+    import torch
+    from app.errors import one_value_per_channel
+    norm = torch.nn.BatchNorm2d(4).train()
+    try:
+        norm(torch.zeros(1, 4, 1, 1))
+    except ValueError as e:
+        said = str(one_value_per_channel(e))
+    assert said.startswith("a BatchNorm layer cannot train on one value per channel (its input is [1, 4, 1, 1]): ")
+    assert said.endswith("set train_micro_batch_size_per_gpu to 2 or more in the DeepSpeed config")
+    assert norm(torch.zeros(2, 4, 1, 1)).shape == (2, 4, 1, 1)
+    assert one_value_per_channel(ValueError("Expected more than 1 value")) is None

@@ -225,6 +225,24 @@ def test_an_image_model_is_weighed_with_the_classes_and_channels_of_the_runs_dat
     assert sum(planner.parameters_of(planner.workload(resolver.build(settings))[0])[0]) == 11_689_512
 
 
+def test_a_model_that_cannot_train_on_one_sample_is_planned_from_two():
+    """resnet18 on 32-pixel images ends in a 1x1 map whose BatchNorm needs two samples (the run's step fails on one):
+    the plan measures 2 and 4 samples, takes 2 samples' peak as its least, and never picks a micro batch of 1."""
+    from app.core.tasks import ImageClassification
+    from app.data import Data, DataInfo
+    task = ImageClassification(Settings(model="resnet18"), Data(None, None, DataInfo(10, 3, 32)))
+    work = planner.workload(task)
+    build, inputs, loss = work
+    with pytest.raises(ValueError, match="value per channel"):
+        estimate.activation_bytes(build, inputs, loss, 1, None, False)
+    plan = planner.plans(work, {"zero1": load_ds_config(DEFAULT_DS_CONFIG.parent / "zero1.json")}, 1)["zero1"]
+    two = estimate.activation_bytes(build, inputs, loss, 2, None, False)
+    assert plan.least == plan.fixed + 2 * plan.per_sample == two and plan.per_sample > 0
+    assert plan.peak(1) == plan.peak(2)
+    edge = plan.peak(2) / estimate.USABLE  # the GPU memory in which a run may use just 2 samples' peak
+    assert plan.largest_micro(edge + 1) == 2 and plan.largest_micro(edge - 1) == 0
+
+
 def test_the_host_check_counts_the_accumulation_that_zero2_offload_holds_gradients_for():
     """zero2_offload keeps on the host every gradient its partition touches once the accumulation is above 1: as
     many ranks on this machine as hold a rank's states without accumulation are refused once the micro batch search

@@ -68,3 +68,21 @@ def test_an_offload_row_gets_what_the_plan_offloads_beside_the_hosts_measured_pe
     assert rows[0]["plan_host_bytes"] == expected and rows[1]["plan_host_bytes"] == 0
     assert lines[1] == f"plan host zero2_offload x2: {expected / MB:.0f} MB offloaded planned, host peak " \
                        f"1000 MB measured" and len(lines) == 3
+
+
+def test_an_image_models_plan_is_the_benchmarks_model_of_its_classes_and_images():
+    """resnet18 on the benchmark's 10 classes of 3x32x32 synthetic images: planned as that model, not as the
+    1000-class one a plan without data takes."""
+    from app.core.tasks import ImageClassification
+    from app.data import Data
+    from app.settings import Settings
+    work = bench_modes.build_workload(bench.parse(["--quick", "--model", "resnet18", "--modes", "raw"]))
+    assert (work.info.num_classes, work.info.in_channels, work.info.image_size) == (10, 3, 32)
+    rows = [_row("zero1", micro=4)]
+    add_planned_peaks(rows, _configs("zero1"), work)
+    benchmarks = ImageClassification(Settings(model="resnet18"), Data(None, None, work.info))
+    ds = ds_auto.fill(_configs("zero1")["zero1"], resolver.auto_facts(None), 1)[0]
+    expected, without_data = (planner.plans(planner.workload(task, 0, 32), {"zero1": ds}, 1)["zero1"]
+                              for task in (benchmarks, work.task))
+    assert expected.parameters == 11_181_642 and without_data.parameters == 11_689_512
+    assert rows[0]["plan_peak_bytes"] == expected.peak(4) != without_data.peak(4)
