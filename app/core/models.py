@@ -8,7 +8,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from app.core import fused_loss
+from app.core import classifiers, fused_loss
 from app.data import DataInfo
 from app.errors import UserError, first_line, folder_files
 
@@ -27,27 +27,6 @@ def _mlp(info: DataInfo) -> nn.Module:
     """A two-layer perceptron over the flattened image."""
     return nn.Sequential(nn.Flatten(), nn.Linear(info.in_channels * info.image_size ** 2, 64), nn.ReLU(),
                          nn.Linear(64, info.num_classes))
-
-
-def _torchvision(name: str, info: DataInfo) -> nn.Module:
-    """A torchvision classifier, randomly initialised, with classes and input channels fitted to the data."""
-    import torchvision
-    model = torchvision.models.get_model(name, weights=None, num_classes=info.num_classes)
-    if info.in_channels != 3:
-        _replace_first_conv(model, info.in_channels)
-    return model
-
-
-def _replace_first_conv(model: nn.Module, in_channels: int):
-    """Swap the first Conv2d for one that takes in_channels, keeping its other settings."""
-    for parent in model.modules():
-        for child_name, child in parent.named_children():
-            if isinstance(child, nn.Conv2d):
-                setattr(parent, child_name, nn.Conv2d(
-                    in_channels, child.out_channels, child.kernel_size, child.stride, child.padding,
-                    child.dilation, child.groups, child.bias is not None, child.padding_mode))
-                return
-    raise UserError("this model has no Conv2d to adapt to the dataset's channels; pick another --model")
 
 
 BUILTIN = {"cnn": _cnn, "mlp": _mlp}
@@ -110,8 +89,7 @@ def hf_spec(name: str):
     """The HFSpec for a preset, a save_pretrained folder or a hub name; None for image models."""
     if name in BUILTIN:  # before importing torchvision, which takes seconds
         return None
-    import torchvision
-    if name in torchvision.models.list_models(module=torchvision.models):
+    if name in classifiers.names():
         return None
     from transformers import AutoConfig
     if name in PRESETS:
@@ -275,17 +253,15 @@ def train_flops_per_token(model: nn.Module, seq_len: int, forward_only: bool = F
 
 def model_names() -> list:
     """Every name --model accepts besides folders and hub names."""
-    import torchvision
-    return sorted(BUILTIN) + sorted(PRESETS) + torchvision.models.list_models(module=torchvision.models)
+    return sorted(BUILTIN) + sorted(PRESETS) + classifiers.names()
 
 
 def build_model(name: str, info: DataInfo) -> nn.Module:
     """The image model called name (a built-in or a torchvision classifier), shaped for the data info describes."""
     if name in BUILTIN:
         return BUILTIN[name](info)
-    import torchvision
-    if name in torchvision.models.list_models(module=torchvision.models):
-        return _torchvision(name, info)
+    if name in classifiers.names():
+        return classifiers.build(name, info)
     raise UserError(f"unknown model {name!r}; choose cnn, mlp or a torchvision classifier such as resnet18 "
                     f"(python -c 'import torchvision; print(torchvision.models.list_models())')")
 

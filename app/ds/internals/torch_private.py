@@ -1,12 +1,14 @@
 """Every place the app touches torch's private modules, in one place: each may move or change between torch
 versions. Written against TORCH_WRITTEN_FOR (and run on 2.11 on a GPU machine)."""
+import contextlib
+
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode  # the memory plan counts the bytes each op allocates
 from torch.utils._pytree import tree_flatten
 
 TORCH_WRITTEN_FOR = "2.14"
 DYNAMO_LOGGER = "torch._dynamo"
-__all__ = ["TorchDispatchMode", "tree_flatten", "default_store", "fake_tensor_mode", "dynamo_reset",
+__all__ = ["TorchDispatchMode", "tree_flatten", "default_store", "fake_tensor_mode", "fake_run", "dynamo_reset",
            "is_dynamo_error", "compile_backward_with_forward", "dynamo_graphs", "record_memory_history",
            "stop_memory_history", "dump_memory_snapshot", "DYNAMO_LOGGER", "TORCH_WRITTEN_FOR"]
 
@@ -20,6 +22,22 @@ def fake_tensor_mode():
     """A mode in which tensors have shapes and dtypes but no storage: models built in it allocate nothing."""
     from torch._subclasses.fake_tensor import FakeTensorMode
     return FakeTensorMode()
+
+
+@contextlib.contextmanager
+def fake_run():
+    """Fake tensors through which a model built outside them runs (its real weights taken as fake ones), without
+    the log of a failed shape check that they raise again."""
+    import logging
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    quiet = logging.getLogger("torch._subclasses.fake_tensor")
+    level = quiet.level
+    quiet.setLevel(logging.CRITICAL)
+    try:
+        with FakeTensorMode(allow_non_fake_inputs=True):
+            yield
+    finally:
+        quiet.setLevel(level)
 
 
 def dynamo_reset():
