@@ -172,7 +172,10 @@ def _fill_batch(ds: dict, replicas: int, said: dict):
         said["train_batch_size"] = (f"{why} global batch: the app's default, {SAMPLES_PER_REPLICA} samples per "
                                     f"data-parallel replica")
         said["train_micro_batch_size_per_gpu"] = FILLED["train_micro_batch_size_per_gpu"]
-        said["gradient_accumulation_steps"] = FILLED["gradient_accumulation_steps"]
+        written = given["gradient_accumulation_steps"]
+        said["gradient_accumulation_steps"] = FILLED["gradient_accumulation_steps"] if written in (AUTO, None) else (
+            f"the file's {written} set aside: beside micro batch \"auto\" the accumulation makes up the global batch "
+            f"over the micro batch found")
 
 
 def fill_lengths(ds: dict, total_steps: int, said: dict) -> dict:

@@ -9,8 +9,8 @@ import torch
 from app.core import lora, models, rollout
 from app.data import DataInfo
 from app.distributed import dist
-from app.ds import run_dict
-from app.ds.config import zero_stage
+from app.ds import auto as ds_auto, run_dict
+from app.ds.config import MICRO, zero_stage
 from app.ds.internals import torch_private
 from app.errors import UserError
 from app.memory import estimate, host
@@ -159,6 +159,21 @@ def parameters_of(build, adapters=None) -> tuple:
             sizes, trainable = sizes + added, [False] * len(sizes) + [True] * len(added)
         largest = max((sum(p.numel() for p in b.parameters()) for b in activations.blocks(model)), default=0)
     return sizes, trainable, kinds, largest
+
+
+def micro_of(ds: dict, replicas: int, largest: int) -> tuple:
+    """(the micro batch a run of ds takes over replicas data-parallel replicas, whether it is "auto"'s search): as
+    written; else the global batch over the accumulation and the replicas, as DeepSpeed derives it; else the
+    search's pick, the largest divisor of a replica's share of the global batch (SAMPLES_PER_REPLICA where the
+    file gives none) that fits in largest samples (0: none)."""
+    written, total = ds.get(MICRO), ds.get("train_batch_size")
+    if isinstance(written, int):
+        return written, False
+    if written is None and isinstance(total, int):
+        steps = ds.get("gradient_accumulation_steps")
+        return max(1, total // ((steps if isinstance(steps, int) else 1) * replicas)), False
+    share = total // replicas if isinstance(total, int) else ds_auto.SAMPLES_PER_REPLICA
+    return max((m for m in range(1, min(share, largest) + 1) if share % m == 0), default=0), True
 
 
 def with_bf16_weights(ds: dict) -> dict:

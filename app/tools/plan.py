@@ -219,13 +219,14 @@ def table(args, named: dict, plans: dict, task, notes: tuple = ()) -> list:
     whether it is a transformers model); notes: sequence_notes and task_notes."""
     budget, reference = estimate.USABLE * args.gpu_memory, task.reference_kind
     lines = _heading(args, next(iter(plans.values())), budget, reference, list(notes))
-    fitting, short, peaks = [], [], {}  # short: the host would not hold what they offload; peaks: each row's
-    for name, p in plans.items():
+    fitting, short, peaks, searched = [], [], {}, False  # short: the host would not hold what they offload;
+    for name, p in plans.items():  # peaks: each row's; searched: some row's micro batch is "auto"'s
         ds = named[name]
-        written = ds.get("train_micro_batch_size_per_gpu")
-        micro = args.micro_batch or (written if isinstance(written, int) else 0)  # 0: "auto", the largest
         largest = p.largest_micro(args.gpu_memory)
-        peak = peaks[name] = p.peak(micro or largest) if (micro or largest) else None
+        micro, auto = (args.micro_batch, False) if args.micro_batch else \
+            planner.micro_of(ds, args.world_size // args.sequence_parallel, largest)
+        searched |= auto
+        peak = peaks[name] = p.peak(micro) if micro else None
         fits = peak is not None and peak <= budget
         held = host.fits(host.offloaded(p), args.ranks_per_node, args.host_memory)
         theirs = ds_internals.deepspeed_estimate(ds_config.zero_stage(ds), *map(bool, estimate.offloads(ds)),
@@ -233,7 +234,7 @@ def table(args, named: dict, plans: dict, task, notes: tuple = ()) -> list:
         d = p.device
         lines.append(f"{name:<30}{_gb(d.get('weights', 0)):>8}{_gb(d['gradients']):>8}{_gb(d.get('optimizer', 0)):>8}"
                      f"{_gb(d.get('masters', 0)):>8}{_gb(d['working']):>8}{_ref_column(_gb(d.get('reference')), reference)}"
-                     f"{_gb(sum(p.host.values())):>8}{_gb(p.per_sample):>11}{micro or f'{largest}*':>6}{_gb(peak):>9}"
+                     f"{_gb(sum(p.host.values())):>8}{_gb(p.per_sample):>11}{str(micro) + '*' * auto:>6}{_gb(peak):>9}"
                      f"{'no' if not fits else 'yes' if held else 'host':>6}{largest:>8}{_gb(theirs):>8}")
         if fits:
             (fitting if held else short).append((_speed_rank(name), name, peak))
@@ -245,8 +246,9 @@ def table(args, named: dict, plans: dict, task, notes: tuple = ()) -> list:
         lines.append(f"host: the GPU would hold it, the host would not: {args.ranks_per_node} rank(s) offload more "
                      f"than the {host.USABLE_HOST * args.host_memory / 1e9:,.1f} GB the machine's memory gives them "
                      f"(--host_memory, --ranks_per_node)")
-    if any(not (args.micro_batch or isinstance(named[n].get("train_micro_batch_size_per_gpu"), int)) for n in plans):
-        lines.append("* the micro batch is \"auto\": the largest that fits, which the run finds for itself at start")
+    if searched:
+        lines.append("* the micro batch is \"auto\": the largest that fits and divides a rank's share of the global "
+                     "batch, which the run finds for itself at start")
     return lines
 
 

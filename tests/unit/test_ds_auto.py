@@ -53,6 +53,22 @@ def _write(tmp_path, name, ds) -> str:
     return str(path)
 
 
+def test_an_accumulation_written_beside_an_auto_micro_batch_is_said_to_be_set_aside():
+    """accelerate's templates write 1 beside "auto" micro and global batches: the search's accumulation makes up the
+    app's global batch instead, and the filled-in block says so rather than listing it as an "auto" it filled."""
+    for written in (1, 4):
+        ds = {"train_batch_size": "auto", "train_micro_batch_size_per_gpu": "auto",
+              "gradient_accumulation_steps": written}
+        filled, said = ds_auto.fill(ds, ds_auto.Facts(), replicas=2)
+        assert "gradient_accumulation_steps" not in filled and filled["train_batch_size"] == 64
+        assert said["gradient_accumulation_steps"] == (f"the file's {written} set aside: beside micro batch \"auto\" "
+                                                       f"the accumulation makes up the global batch over the micro "
+                                                       f"batch found")
+    said = ds_auto.fill({"train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto"},
+                        ds_auto.Facts(), replicas=1)[1]
+    assert said["gradient_accumulation_steps"] == ds_auto.FILLED["gradient_accumulation_steps"]
+
+
 def test_every_auto_the_ecosystem_writes_loads_and_is_filled_in(tmp_path):
     for name, ds in (("zero2", HF_ZERO2), ("zero3", HF_ZERO3)):
         loaded = ds_config.load_ds_config(_write(tmp_path, name, ds), resolve=False)

@@ -225,6 +225,18 @@ def test_an_image_model_is_weighed_with_the_classes_and_channels_of_the_runs_dat
     assert sum(planner.parameters_of(planner.workload(resolver.build(settings))[0])[0]) == 11_689_512
 
 
+def test_the_micro_batch_a_run_takes_is_the_files_else_derived_else_the_searchs():
+    """As written; a global batch alone (DeepSpeedExamples' GAN file: 64 on 2 ranks) is split as DeepSpeed splits it;
+    "auto" is the search's pick: the largest divisor of a replica's share that fits, 32 a replica by default."""
+    assert planner.micro_of({"train_micro_batch_size_per_gpu": 4, "train_batch_size": 64}, 2, 100) == (4, False)
+    assert planner.micro_of({"train_batch_size": 64}, 2, 100) == (32, False)
+    assert planner.micro_of({"train_batch_size": 64, "gradient_accumulation_steps": 4}, 2, 1) == (8, False)
+    auto = {"train_micro_batch_size_per_gpu": "auto", "train_batch_size": "auto"}
+    assert planner.micro_of(auto, 2, 2649) == (32, True) and planner.micro_of(auto, 2, 20) == (16, True)
+    assert planner.micro_of({**auto, "train_batch_size": 48}, 2, 20) == (12, True)
+    assert planner.micro_of({"train_micro_batch_size_per_gpu": "auto"}, 1, 0) == (0, True)
+
+
 def test_a_model_that_cannot_train_on_one_sample_is_planned_from_two():
     """resnet18 on 32-pixel images ends in a 1x1 map whose BatchNorm needs two samples (the run's step fails on one):
     the plan measures 2 and 4 samples, takes 2 samples' peak as its least, and never picks a micro batch of 1."""

@@ -1,5 +1,7 @@
 """The plan command (python -m app.tools.plan): memory sizes, its table, its recommendation and its one-line
 mistakes. The estimate it prints: test_estimate.py."""
+import json
+
 import pytest
 
 from app.tools import plan as plan_tool
@@ -55,6 +57,20 @@ def test_a_config_only_folder_plans_and_the_fastest_config_that_fits_is_recommen
     assert rows["dp"][-3] == "no" and rows["activation_checkpointing"][-3] == "yes", out
     assert "recommended: activation_checkpointing" in out and "dp would peak at" in out
     assert "dp+bf16 would peak at" in out and "not planned: bf16" in out
+
+
+def test_a_row_plans_the_micro_batch_the_run_takes_not_the_largest_that_fits(tmp_path, capsys):
+    """A file with a global batch alone runs 64 / 2 ranks = 32 a micro batch; one with "auto" micro and global
+    batches searches a replica's share of 32: neither is the thousands of samples an 80 GB GPU would hold."""
+    for name, ds, shown in (("global", {"train_batch_size": 64}, "32"),
+                            ("auto", {"train_batch_size": "auto", "train_micro_batch_size_per_gpu": "auto"}, "32*")):
+        (tmp_path / f"{name}.json").write_text(json.dumps({**ds, "zero_optimization": {"stage": 3}}))
+        assert plan_tool.main(["--model", "gpt2-tiny", "--world_size", "2", "--gpu_memory", "80GB",
+                               "--deepspeed_config", str(tmp_path / f"{name}.json")]) == 0
+        out = capsys.readouterr().out
+        row = out.splitlines()[2].split()
+        assert row[-5] == shown and int(row[-2]) > 1000, out
+        assert ("* the micro batch is \"auto\"" in out) == shown.endswith("*")
 
 
 def test_each_autocast_config_is_also_planned_with_bf16_weights_which_win_where_only_they_fit(tmp_path, capsys):
