@@ -31,7 +31,7 @@ from app.checkpoint.save import STATE, checkpoint_root, complete_checkpoints
 from app.core.compiling import describe
 from app.data.loader import build_loader
 from app.ds.config import MICRO, resolve_batch_sizes
-from app.errors import UserError
+from app.errors import UserError, one_value_per_channel
 from app.observe.metrics import reset_peak_memory
 from app.checkpoint.resume import checkpoint_folder
 
@@ -146,7 +146,7 @@ def _outcome(part) -> tuple:
         part()
         return "", ""
     except Exception as e:  # noqa: BLE001 (sorted: out of memory, or the run's end agreed by every rank)
-        said = endings.out_of_memory(e)
+        said, e = endings.out_of_memory(e), one_value_per_channel(e) or e
         return ("memory", said) if said else ("fatal", str(e) if isinstance(e, UserError) else describe(e))
 
 

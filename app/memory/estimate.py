@@ -40,6 +40,8 @@ class MemoryPlan:
     cast) can outgrow one sample's activations, so a small micro batch peaks at no less than this."""
     trained: int = 0
     """Parameters that train (fewer than all with LoRA)."""
+    smallest: int = 1
+    """The fewest samples a micro batch trains on (2 where BatchNorm would see a 1x1 map of one sample)."""
     sampling: tuple = (0, 0)
     """Online RL's sampling, before the training forward and freed by then: (bytes whatever the micro batch (the
     whole weights gathered under ZeRO-3, less the rank's partition), bytes per sample (its group's key-value cache

@@ -115,8 +115,8 @@ def plans(work, named: dict, ranks: int, adapters=None, reference: bool = False,
         if key not in cache:
             cache[key] = _measured(functools.partial(estimate.activation_bytes, build, inputs, loss, dtype=dtype,
                                                      checkpointed=key[1], weights16=key[2]))
-        found[name] = estimate.memory_plan(name, ds, ranks, sizes, largest, cache[key], kinds, trainable)
-        found[name].largest_layer = largest
+        found[name] = estimate.memory_plan(name, ds, ranks, sizes, largest, cache[key][:3], kinds, trainable)
+        found[name].largest_layer, found[name].smallest = largest, cache[key][3]
         if sampling is not None:
             found[name].sampling = sampling(ds, sum(sizes), ranks)
         if reference:
@@ -125,9 +125,10 @@ def plans(work, named: dict, ranks: int, adapters=None, reference: bool = False,
 
 
 def _measured(peak) -> tuple:
-    """(bytes per sample, bytes whatever the micro batch, MemoryPlan.least) from peak(micro=...): the slope from 2
-    to 4 samples, and 1 sample's peak as measured. A model that cannot train on one sample (BatchNorm over a 1x1
-    map: one value per channel) takes 2 samples' peak as its least, so that no plan picks a micro batch of 1."""
+    """(bytes per sample, bytes whatever the micro batch, MemoryPlan.least, MemoryPlan.smallest) from
+    peak(micro=...): the slope from 2 to 4 samples, and 1 sample's peak as measured. A model that cannot train on
+    one sample (BatchNorm over a 1x1 map: one value per channel) takes 2 samples' peak as its least, so that no
+    plan picks a micro batch of 1, and 2 as the smallest it trains on."""
     try:
         one = peak(micro=1)
     except ValueError as e:
@@ -135,7 +136,7 @@ def _measured(peak) -> tuple:
             raise
         one = None
     two, four = peak(micro=2), peak(micro=4)
-    return (four - two) // 2, two - (four - two), two if one is None else one
+    return (four - two) // 2, two - (four - two), two if one is None else one, 1 if one is not None else 2
 
 
 def with_reference(plan, sizes: list, ds: dict, ranks: int):

@@ -18,13 +18,10 @@ from pathlib import Path
 
 import torch
 
-from app.ds import auto as ds_auto
-from app.ds import config as ds_config
-from app.ds import internals as ds_internals
-from app.core import lora, preference
+from app.ds import auto as ds_auto, config as ds_config, internals as ds_internals
+from app.core import lora, preference, resolver
 from app.memory import estimate, host, planner
 from app.tools.plan_notes import sequence_notes, task_notes
-from app.core import resolver
 from app.settings import Settings
 from app.errors import UserError, report
 
@@ -226,7 +223,7 @@ def table(args, named: dict, plans: dict, task, notes: tuple = ()) -> list:
         micro, auto = (args.micro_batch, False) if args.micro_batch else \
             planner.micro_of(ds, args.world_size // args.sequence_parallel, largest)
         searched |= auto
-        peak = peaks[name] = p.peak(micro) if micro else None
+        peak = peaks[name] = p.peak(micro) if micro >= p.smallest else None
         fits = peak is not None and peak <= budget
         held = host.fits(host.offloaded(p), args.ranks_per_node, args.host_memory)
         theirs = ds_internals.deepspeed_estimate(ds_config.zero_stage(ds), *map(bool, estimate.offloads(ds)),
@@ -265,6 +262,9 @@ def recommend(fitting: list, plans: dict, budget: float, args, short: list, name
                                 ds_config.zero_stage(named[name]) == 3))
     if not fitting:
         best = max(plans.values(), key=lambda p: p.largest_micro(args.gpu_memory))
+        if best.largest_micro(args.gpu_memory) and all(peak is None for peak in peaks.values()):  # too few samples
+            return (f"recommended: none trains this micro batch: the model trains on no fewer than {best.smallest} "
+                    f"samples a micro batch (BatchNorm over a 1x1 map of one sample); raise the micro batch")
         return (f"recommended: none fits this micro batch; {best.config} holds the most, up to "
                 f"{best.largest_micro(args.gpu_memory)} sample(s) per micro batch: lower the micro batch and raise "
                 f"gradient_accumulation_steps, add ranks, or a GPU with more memory")

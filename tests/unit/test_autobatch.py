@@ -46,3 +46,15 @@ def test_an_auto_micro_batch_needs_a_global_batch_and_nothing_else(changes, mess
 def test_a_global_batch_no_micro_batch_can_split_is_one_line():
     with pytest.raises(UserError, match="train_batch_size 63 cannot be split over 2 data-parallel rank"):
         ds_config.resolve_batch_sizes({"train_micro_batch_size_per_gpu": "auto", "train_batch_size": 63}, 2, "x")
+
+
+def test_a_trial_a_batchnorm_cannot_train_on_one_sample_says_the_line_a_run_says():
+    """A search down to a micro batch of 1 on resnet18 at 32 pixels: the trial's failure names the config's micro
+    batch, as the run's step would, not BatchNorm's own complaint."""
+    import torch
+    from app.memory.autobatch import _outcome
+    norm = torch.nn.BatchNorm2d(4).train()
+    kind, why = _outcome(lambda: norm(torch.zeros(1, 4, 1, 1)))
+    assert kind == "fatal" and why.startswith("a BatchNorm layer cannot train on one value per channel (its input is "
+                                              "[1, 4, 1, 1])") and "train_micro_batch_size_per_gpu to 2 or more" in why
+    assert _outcome(lambda: norm(torch.zeros(2, 4, 1, 1))) == ("", "")

@@ -247,10 +247,13 @@ def test_a_model_that_cannot_train_on_one_sample_is_planned_from_two():
     build, inputs, loss = work
     with pytest.raises(ValueError, match="value per channel"):
         estimate.activation_bytes(build, inputs, loss, 1, None, False)
-    plan = planner.plans(work, {"zero1": load_ds_config(DEFAULT_DS_CONFIG.parent / "zero1.json")}, 1)["zero1"]
+    plan_ds = load_ds_config(DEFAULT_DS_CONFIG.parent / "zero1.json")
+    plan = planner.plans(work, {"zero1": plan_ds}, 1)["zero1"]
     two = estimate.activation_bytes(build, inputs, loss, 2, None, False)
     assert plan.least == plan.fixed + 2 * plan.per_sample == two and plan.per_sample > 0
-    assert plan.peak(1) == plan.peak(2)
+    assert plan.peak(1) == plan.peak(2) and plan.smallest == 2
+    larger = ImageClassification(Settings(model="resnet18"), Data(None, None, DataInfo(10, 3, 64)))  # a 2x2 map
+    assert planner.plans(planner.workload(larger), {"zero1": plan_ds}, 1)["zero1"].smallest == 1
     edge = plan.peak(2) / estimate.USABLE  # the GPU memory in which a run may use just 2 samples' peak
     assert plan.largest_micro(edge + 1) == 2 and plan.largest_micro(edge - 1) == 0
 

@@ -73,6 +73,22 @@ def test_a_row_plans_the_micro_batch_the_run_takes_not_the_largest_that_fits(tmp
         assert ("* the micro batch is \"auto\"" in out) == shown.endswith("*")
 
 
+def test_a_micro_batch_too_few_for_a_batchnorm_model_does_not_fit_and_says_why(capsys):
+    """resnet18 on 32-pixel images trains on no fewer than 2 samples a micro batch: at 1 no row fits, however much
+    memory, and the recommendation says to raise it rather than lower it."""
+    argv = ["--model", "resnet18", "--image_size", "32", "--gpu_memory", "80GB", "--deepspeed_config",
+            str(plan_tool.ds_config.REPO / "ds_configs" / "dp.json")]
+    assert plan_tool.main([*argv, "--micro_batch", "1"]) == 0
+    out = capsys.readouterr().out
+    rows = [line.split() for line in out.splitlines()[2:4]]
+    assert [row[-5:-2] for row in rows] == [["1", "-", "no"]] * 2, out
+    assert "recommended: none trains this micro batch: the model trains on no fewer than 2 samples a micro batch " \
+           "(BatchNorm over a 1x1 map of one sample); raise the micro batch" in out
+    assert plan_tool.main([*argv, "--micro_batch", "2"]) == 0
+    assert "recommended: ds_configs/dp.json, peaking at" in capsys.readouterr().out.replace(
+        str(plan_tool.ds_config.REPO) + "/", "")
+
+
 def test_each_autocast_config_is_also_planned_with_bf16_weights_which_win_where_only_they_fit(tmp_path, capsys):
     """bf16 weights hold half the weights and gradients of autocast's fp32 ones: on a GPU where dp under autocast
     does not fit and dp with bf16 weights does, the plan recommends that (autocast first at the same config)."""
