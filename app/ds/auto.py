@@ -219,7 +219,7 @@ def older_keys(ds: dict, where: str, say) -> dict:
     ds = copy.deepcopy(ds)
     if "bfloat16" in ds and "bf16" not in ds:  # DeepSpeed's older name for the section, read the same: no note
         ds["bf16"] = ds.pop("bfloat16")
-    for change in (_bf16_loss_scaling, _old_compile, _aio_inside_zero):
+    for change in (_bf16_loss_scaling, _old_compile, _aio_inside_zero, _aio_thread_count):
         note = change(ds, where)
         if note:
             say(f"note: {where}: {note}")
@@ -266,3 +266,16 @@ def _aio_inside_zero(ds: dict, where: str) -> str:
         raise UserError(f"{where}: aio is set at the top level and, differently, inside zero_optimization, where "
                         f"DeepSpeed does not read it: keep the top-level one")
     return "moved zero_optimization.aio to the top level, where DeepSpeed reads it"
+
+
+def _aio_thread_count(ds: dict, where: str) -> str:
+    """Rename aio.thread_count, older DeepSpeed's key, to intra_op_parallelism, which DeepSpeed reads today in its
+    place (transformers' NVMe example still writes the old one); what was renamed."""
+    aio = ds.get("aio")
+    if not isinstance(aio, dict) or "thread_count" not in aio:
+        return ""
+    count = aio.pop("thread_count")
+    if aio.setdefault("intra_op_parallelism", count) != count:
+        raise UserError(f"{where}: aio.thread_count and aio.intra_op_parallelism differ; DeepSpeed reads only "
+                        f"intra_op_parallelism, the newer name: keep that one")
+    return f"renamed aio.thread_count to aio.intra_op_parallelism, DeepSpeed's name for it today"

@@ -153,6 +153,14 @@ def test_auto_precision_follows_the_device(ds, cuda, bf16_ok, want, note):
     assert ds["bf16"]["enabled"] in ("auto", True), "the caller's dict is left as it was"
 
 
+def test_fp16_auto_alone_on_a_bf16_gpu_says_why_fp16_not_that_bf16_runs():
+    """FastChat's and transformers' NVMe files offer fp16 "auto" alone: the device's bf16 is not why fp16 was picked."""
+    ds = {"train_micro_batch_size_per_gpu": 4, "fp16": {"enabled": "auto"}}
+    resolved, said = precision.resolve_precision(ds, "c.json", cuda=True, bf16_ok=True)
+    assert resolved["fp16"]["enabled"] is True
+    assert said == 'fp16 (fp16 "auto": the file\'s only 16-bit section; the CUDA device runs it)'
+
+
 def test_auto_precision_on_this_cpu_loads_as_fp32(tmp_path):
     ds = _load(tmp_path, json.loads((REPO / "ds_configs" / "zero2.json").read_text()))
     assert ds["torch_autocast"] == {"enabled": False, "dtype": "bfloat16", "lower_precision_safe_modules": []}
@@ -386,11 +394,16 @@ def test_aio_inside_zero_optimization_moves_to_the_top_level_with_a_note(tmp_pat
     """DeepSpeed reads "aio" at the top level only; inside zero_optimization 0.19 refuses it."""
     ds, said = _load_saying(tmp_path, NVME_ZERO3, resolve=False)
     assert "aio" not in ds["zero_optimization"]
-    # thread_count, older DeepSpeed's name for intra_op_parallelism, is a key today's ignores, said as such
-    assert ds["aio"] == {"block_size": 262144, "queue_depth": 32, "single_submit": False, "overlap_events": True}
+    # thread_count, older DeepSpeed's name for intra_op_parallelism, takes today's name, its value kept
+    assert ds["aio"] == {"block_size": 262144, "queue_depth": 32, "single_submit": False, "overlap_events": True,
+                         "intra_op_parallelism": 1}
     where = tmp_path / "c.json"
     assert said == [f"note: {where}: moved zero_optimization.aio to the top level, where DeepSpeed reads it",
-                    f"warning: {where}: DeepSpeed does not read 'aio.thread_count'; ignored"]
+                    f"note: {where}: renamed aio.thread_count to aio.intra_op_parallelism, DeepSpeed's name for it "
+                    f"today"]
+    both = {"train_micro_batch_size_per_gpu": 1, "aio": {"thread_count": 2, "intra_op_parallelism": 4}}
+    with pytest.raises(UserError, match="aio.thread_count and aio.intra_op_parallelism differ"):
+        _load_saying(tmp_path, json.dumps(both))
     twice = {**json.loads(NVME_ZERO3), "aio": {"block_size": 1048576}}
     with pytest.raises(UserError, match="aio is set at the top level and, differently, inside zero_optimization"):
         _load_saying(tmp_path, json.dumps(twice))
