@@ -219,7 +219,7 @@ def older_keys(ds: dict, where: str, say) -> dict:
     ds = copy.deepcopy(ds)
     if "bfloat16" in ds and "bf16" not in ds:  # DeepSpeed's older name for the section, read the same: no note
         ds["bf16"] = ds.pop("bfloat16")
-    for change in (_bf16_loss_scaling, _old_compile, _aio_inside_zero, _aio_thread_count):
+    for change in (_bf16_loss_scaling, _old_compile, _aio_inside_zero, _aio_thread_count, _apex_amp_off):
         note = change(ds, where)
         if note:
             say(f"note: {where}: {note}")
@@ -279,3 +279,15 @@ def _aio_thread_count(ds: dict, where: str) -> str:
         raise UserError(f"{where}: aio.thread_count and aio.intra_op_parallelism differ; DeepSpeed reads only "
                         f"intra_op_parallelism, the newer name: keep that one")
     return f"renamed aio.thread_count to aio.intra_op_parallelism, DeepSpeed's name for it today"
+
+
+def _apex_amp_off(ds: dict, where: str) -> str:
+    """Drop an "amp" section (NVIDIA Apex's amp, which DeepSpeed 0.19 refuses wherever it is) that is off or
+    "auto", as transformers' docs write it and fill it (off unless --fp16_backend apex); what was dropped. One that
+    is on stays, for DeepSpeed's own line."""
+    amp = ds.get("amp")
+    if not isinstance(amp, dict) or amp.get("enabled", False) not in (False, AUTO):
+        return ""
+    del ds["amp"]
+    return "dropped the amp section (NVIDIA Apex's amp, off or \"auto\"), which DeepSpeed no longer has: the fp16, " \
+           "bf16 and torch_autocast sections pick the precision"

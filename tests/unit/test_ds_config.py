@@ -390,6 +390,20 @@ NVME_ZERO3 = """{
 """
 
 
+def test_an_apex_amp_section_off_or_auto_is_dropped_with_a_note_and_one_on_is_deepspeeds_to_refuse(tmp_path):
+    """transformers' docs write "amp": {"enabled": "auto", "opt_level": "auto"} and fill it off; DeepSpeed 0.19
+    refuses the section whatever it says."""
+    where = tmp_path / "c.json"
+    for enabled in ("auto", False):
+        ds, said = _load_saying(tmp_path, json.dumps({"train_micro_batch_size_per_gpu": 2,
+                                                      "amp": {"enabled": enabled, "opt_level": "auto"}}))
+        assert "amp" not in ds and said == [f"note: {where}: dropped the amp section (NVIDIA Apex's amp, off or "
+                                            f"\"auto\"), which DeepSpeed no longer has: the fp16, bf16 and "
+                                            f"torch_autocast sections pick the precision"]
+    with pytest.raises(UserError, match="NVIDIA Apex AMP integration has been removed"):
+        _load_saying(tmp_path, json.dumps({"train_micro_batch_size_per_gpu": 2, "amp": {"enabled": True}}))
+
+
 def test_aio_inside_zero_optimization_moves_to_the_top_level_with_a_note(tmp_path):
     """DeepSpeed reads "aio" at the top level only; inside zero_optimization 0.19 refuses it."""
     ds, said = _load_saying(tmp_path, NVME_ZERO3, resolve=False)
