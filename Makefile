@@ -26,8 +26,8 @@ setup: $(OPS)
 train: setup
 	$(VENV)/bin/deepspeed --quiet app/train.py --deepspeed_config ds_configs/dp.json
 
-# The whole suite; the multi-node tests need pdsh, sshd, OpenMPI, Slurm and munge: installed when missing as root,
-# skipped (saying how to install them) for another user.
+# The whole suite; the multi-node tests need pdsh, sshd, OpenMPI, Slurm and munge, the NVMe tests libaio: installed
+# when missing as root, skipped (saying how to install them) for another user.
 test: setup cluster-packages
 	$(PY) -m pytest -q --durations=15 tests
 

@@ -23,7 +23,7 @@ from app.distributed import dist, endings, launch, node_shell, preemption
 from app.distributed.dist import World
 from app.ds import auto as ds_auto, config as ds_config, internals as ds_internals, precision, run_dict
 from app.errors import Ended, UserError, report
-from app.memory import autobatch
+from app.memory import autobatch, nvme
 from app.memory.planner import held_after_search, weighed_for_run
 from app.observe import memory_snapshot, metrics, runlog, startup, trackers
 from app.observe import profiler as profiling
@@ -127,9 +127,10 @@ def run(settings: Settings, ds: dict, world: World, started: float) -> int:
 
 
 def settle(settings: Settings, world: World, ds: dict, board: endings.Board) -> Settled:
-    """Before any engine, in this order: the rank layout, the planned DeepSpeed dict, the output folder, the task
-    and its data, the precision weighed against the GPU and what the ranks offload against the host, the task's own
-    engines, the micro batch (and the host again where its search set the accumulation)."""
+    """Before any engine, in this order: the rank layout, the planned DeepSpeed dict (and an NVMe offload's folders
+    and op), the output folder, the task and its data, the precision weighed against the GPU and what the ranks
+    offload against the host, the task's own engines, the micro batch (and the host again where its search set the
+    accumulation)."""
     ranks = layout.rank_layout(ds, world.world_size, world.rank, settings.deepspeed_config)
     early_stop.watched(settings.early_stopping_metric)  # a mistake there is one line before anything is built
     spec = resolver.spec_of(settings)
@@ -138,6 +139,7 @@ def settle(settings: Settings, world: World, ds: dict, board: endings.Board) -> 
     ds, filled, note = run_dict.planned(ds, settings.deepspeed_config, world.device, ranks.replicas,
                                         resolver.auto_facts(spec))
     ds = trackers.enabled(ds, settings.report_to)  # --report_to's DeepSpeed monitors; one that cannot start: a line
+    nvme.check(ds, settings.deepspeed_config)  # an NVMe offload's folders and op, before any engine
     output_dir = resume.output_dir_for(settings)
     seed_everything(settings.seed)
     task = resolver.resolve(settings, spec, output_dir)

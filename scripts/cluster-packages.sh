@@ -1,10 +1,12 @@
 #!/usr/bin/env bash
-# The Debian packages the multi-node tests run for real (pdsh, sshd, OpenMPI, Slurm, munge), installed once
-# when missing, as root; as another user it says so and the tests that need them skip (--check: only say which
-# are missing, exit 1). Their maintainer scripts are kept from starting daemons: the tests start their own on loopback.
+# The Debian packages the multi-node tests run for real (pdsh, sshd, OpenMPI, Slurm, munge), and libaio, which
+# DeepSpeed's async_io op (offload to NVMe) builds against, installed once when missing, as root; as another user
+# it says so and the tests that need them skip (--check: only say which are missing, exit 1). Their maintainer
+# scripts are kept from starting daemons: the tests start their own on loopback.
 set -euo pipefail
 declare -A PACKAGES=([/usr/bin/pdsh]=pdsh [/usr/sbin/sshd]=openssh-server [/usr/bin/ssh]=openssh-client
-                     [/usr/bin/mpirun]=openmpi-bin [/usr/sbin/slurmctld]=slurm-wlm [/usr/sbin/munged]=munge)
+                     [/usr/bin/mpirun]=openmpi-bin [/usr/sbin/slurmctld]=slurm-wlm [/usr/sbin/munged]=munge
+                     [/usr/include/libaio.h]=libaio-dev)
 missing=()
 for binary in "${!PACKAGES[@]}"; do
     [ -e "$binary" ] || missing+=("${PACKAGES[$binary]}")
@@ -15,7 +17,7 @@ if [ "${1:-}" = --check ]; then
     exit 1
 fi
 if [ "$(id -u)" != 0 ]; then  # the rest of the suite runs; the multi-node tests skip, saying this
-    echo "note: the multi-node tests need ${missing[*]}, which only root installs: they are skipped;" \
+    echo "note: the multi-node and NVMe tests need ${missing[*]}, which only root installs: they are skipped;" \
          "\`sudo make cluster-packages\` installs them" >&2
     exit 0
 fi

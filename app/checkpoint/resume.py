@@ -270,6 +270,10 @@ def load(engine, task, folder: Path, saved: TrainerState, replicas: int) -> tupl
         dist.print0(f"resume: {samples} samples into the epoch is not a whole number of global micro "
                     f"batches of {span}; repeating the last {samples % span}")
     dist.print0(f"resume: {folder} at step {saved.step}, epoch {saved.epoch}, batch {saved.batch}")
+    if engine.zero_nvme_offload_optimizer():  # measured: tests/e2e/test_nvme.py
+        dist.print0("warning: resume: DeepSpeed restores an optimizer state offloaded to NVMe inexactly: the weights "
+                    "continue exactly, the losses after the first step differ from an unbroken run's (docs/memory.md, "
+                    "\"Offload to NVMe\")")
     return saved.epoch, samples // span
 
 

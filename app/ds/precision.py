@@ -63,9 +63,8 @@ def resolve_precision(ds: dict, where: str, cuda=None, bf16_ok=None, device=None
             ds[name]["auto_cast"] = False  # DeepSpeed casts inputs to fp16 by it even with fp16 off
         if name == pick == "torch_autocast":
             ds[name].setdefault("dtype", "bfloat16")
-    kind = _label(ds, pick).split()[0] if pick else ""
-    why = "no CUDA device" if not cuda else "the CUDA device supports bf16" if kind == "bf16" else \
-        "the CUDA device has no native bf16" if not bf16_ok else "the file's only 16-bit section; the CUDA device runs it"
+    why = "no CUDA device" if not cuda else "the CUDA device supports bf16" if _label(ds, pick).startswith("bf16") \
+        else "the CUDA device has no native bf16" if not bf16_ok else "the file's only 16-bit section"
     return ds, f"{_label(ds, pick) if pick else 'fp32'} ({'/'.join(autos)} \"auto\": {why})"
 
 

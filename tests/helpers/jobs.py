@@ -11,10 +11,10 @@ exits 2, and the next job runs.
 """
 import contextlib
 import gc
-import io
 import json
 import os
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -41,6 +41,19 @@ def variables(env: dict):
             os.environ.pop(name) if value is None else os.environ.__setitem__(name, value)
 
 
+@contextlib.contextmanager
+def zero_numbering_kept():
+    """ZeRO-3's parameter numbering (zero.Init's, process-wide) as it was before the job: each job numbers its
+    parameters as a process of its own would, as offload to NVMe names its swap files and a checkpoint's offloaded
+    tensors by those numbers (a resume job after others would not find its files otherwise)."""
+    from deepspeed.runtime.zero.partition_parameters import Init
+    saved = Init.param_id
+    try:
+        yield
+    finally:
+        Init.param_id = saved
+
+
 def main(jobs_file: str, report: str):
     gc.freeze()  # as app/train.py's main: the imports' objects stay out of every job's collections
     launch.prepare_environment()
@@ -49,13 +62,16 @@ def main(jobs_file: str, report: str):
     world = launch.setup(timeout_s=300)
     try:
         for i, ((settings, ds), env) in enumerate(parsed):
-            printed, started = io.StringIO(), time.perf_counter()
-            with contextlib.redirect_stdout(printed), contextlib.redirect_stderr(printed), variables(env):
+            # a file, as a launch's output is: what asks sys.stderr for its descriptor (DeepSpeed's op checks) gets one
+            printed, started = tempfile.TemporaryFile("w+"), time.perf_counter()
+            with printed, contextlib.redirect_stdout(printed), contextlib.redirect_stderr(printed), variables(env), \
+                    zero_numbering_kept():
                 try:
                     code = train.run(settings, ds, world, time.perf_counter())
                 except (UserError, Ended) as e:
                     code = say(e)
-            (Path(report) / f"{i}.rank{world.rank}.txt").write_text(printed.getvalue())
+                printed.seek(0)
+                (Path(report) / f"{i}.rank{world.rank}.txt").write_text(printed.read())
             (Path(report) / f"{i}.rank{world.rank}.code").write_text(str(code))
             (Path(report) / f"{i}.rank{world.rank}.seconds").write_text(f"{time.perf_counter() - started:.2f}")
             torch._dynamo.reset()  # a compiled job starts from an empty compile cache, as in its own process

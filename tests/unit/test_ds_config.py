@@ -158,7 +158,7 @@ def test_fp16_auto_alone_on_a_bf16_gpu_says_why_fp16_not_that_bf16_runs():
     ds = {"train_micro_batch_size_per_gpu": 4, "fp16": {"enabled": "auto"}}
     resolved, said = precision.resolve_precision(ds, "c.json", cuda=True, bf16_ok=True)
     assert resolved["fp16"]["enabled"] is True
-    assert said == 'fp16 (fp16 "auto": the file\'s only 16-bit section; the CUDA device runs it)'
+    assert said == 'fp16 (fp16 "auto": the file\'s only 16-bit section)'
 
 
 def test_auto_precision_on_this_cpu_loads_as_fp32(tmp_path):

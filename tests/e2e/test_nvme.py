@@ -1,0 +1,86 @@
+"""Offload to NVMe (ZeRO-Infinity) for real on 2 CPU ranks: DeepSpeed's async_io op swaps each rank's optimizer
+state and weights through a folder, and the run trains the losses of the same config offloaded to the CPU, step by
+step. A run whose weights alone go to NVMe resumes exactly; one whose optimizer state goes there resumes its weights
+exactly and says that DeepSpeed restores the rest inexactly. A machine that cannot build the op (no libaio) is one
+line before any engine."""
+import json
+
+import pytest
+
+from app.memory import nvme
+from conftest import REPO, assert_one_error_line, read_metrics, run, train_command, train_jobs, write_text_rows
+
+pytestmark = pytest.mark.skipif(not nvme.async_io_buildable(),
+                                reason=f"offload to NVMe needs {nvme.LIBAIO}: `sudo make cluster-packages` installs it")
+INEXACT = "warning: resume: DeepSpeed restores an optimizer state offloaded to NVMe inexactly"
+
+
+def nvme_config(folder, swap, sections=("offload_optimizer", "offload_param")) -> str:
+    """ds_configs/zero3_offload.json with these sections offloaded to swap in place of the CPU."""
+    ds = json.loads((REPO / "ds_configs" / "zero3_offload.json").read_text())
+    # the weights' pinned swap buffers sized for gpt2-tiny's largest weight, not DeepSpeed's 1e8 elements (400 MB
+    # each, 5 a rank): each job's engine keeps them pinned to the end of the process that runs the jobs
+    for section in sections:
+        ds["zero_optimization"][section] = {"device": "nvme", "nvme_path": str(swap), "pin_memory": True,
+                                            **({"buffer_size": 3_000_000} if section == "offload_param" else {})}
+    path = folder / f"nvme-{swap.name}.json"
+    path.write_text(json.dumps(ds))
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """{name: (output folder, rank 0's output)} of 6 steps of gpt2-tiny on 2 ranks (its 2.6M-parameter partitions
+    are past DeepSpeed's 1 MiB least swap) offloaded to the CPU, to NVMe, and with its weights alone to NVMe, saving
+    at 3, and of the NVMe runs resumed from their step 3 into folders of their own (each job numbers its parameters
+    as a process of its own would: tests/helpers/jobs.py); "swap": the NVMe folder."""
+    tmp = tmp_path_factory.mktemp("nvme")
+    corpus = write_text_rows(tmp / "corpus.txt", 400)
+    both, weights = nvme_config(tmp, tmp / "swap"), nvme_config(tmp, tmp / "swap-weights", ("offload_param",))
+    steps = ["--model", "gpt2-tiny", "--dataset", corpus, "--block_size", 64, "--max_steps", 6, "--log_interval", 1,
+             "--save_interval", 3, "--eval_interval", 6]
+    jobs = {"cpu": [REPO / "ds_configs" / "zero3_offload.json"], "nvme": [both], "weights": [weights],
+            "nvme-resumed": [both, "--resume", tmp / "nvme" / "checkpoints" / "step00000003"],
+            "weights-resumed": [weights, "--resume", tmp / "weights" / "checkpoints" / "step00000003"]}
+    outputs = train_jobs("ranks", 2, [["--deepspeed_config", config, *steps, *rest, "--output_dir", tmp / name]
+                                      for name, (config, *rest) in jobs.items()])
+    return {"swap": tmp / "swap", **{name: (tmp / name, output) for name, output in zip(jobs, outputs)}}
+
+
+def _losses(runs, name) -> dict:
+    return {int(row["step"]): row["loss"] for row in read_metrics(runs[name][0])[0]}
+
+
+def test_offload_to_nvme_trains_the_losses_of_offload_to_the_cpu_swapping_through_each_ranks_folder(runs):
+    cpu = _losses(runs, "cpu")
+    for name in ("nvme", "weights"):
+        swapped = _losses(runs, name)
+        assert sorted(swapped) == sorted(cpu) == list(range(1, 7)), swapped
+        assert max(abs(cpu[s] - swapped[s]) for s in cpu) < 1e-6, (name, cpu, swapped)
+    kept = runs["nvme"][0] / "checkpoints" / "step00000003" / "offloaded_tensors"
+    for r in (0, 1):  # what each rank had swapped out, copied into the checkpoint: the state, its moments
+        assert {p.name.split("-")[0] for p in (kept / f"rank{r:02d}").glob("*.tensor.swp")} >= {"exp_avg",
+                                                                                               "exp_avg_sq"}
+        assert list((runs["swap"] / "zero_stage_3" / "float32params" / f"rank{r}").glob("*.tensor.swp"))
+
+
+def test_a_run_whose_weights_alone_went_to_nvme_resumes_exactly(runs):
+    whole, resumed = _losses(runs, "weights"), _losses(runs, "weights-resumed")
+    assert sorted(resumed) == [4, 5, 6] and all(abs(resumed[s] - whole[s]) < 1e-6 for s in resumed), (whole, resumed)
+    assert INEXACT not in runs["weights-resumed"][1]
+
+
+def test_a_run_whose_optimizer_went_to_nvme_resumes_its_weights_exactly_and_says_the_rest_is_not(runs):
+    whole, resumed = _losses(runs, "nvme"), _losses(runs, "nvme-resumed")
+    assert abs(resumed[4] - whole[4]) < 1e-6, "step 4's forward: the weights step 3 saved"
+    assert runs["nvme-resumed"][1].count(INEXACT) == 1, runs["nvme-resumed"][1][-3000:]
+
+
+def test_a_machine_that_cannot_build_the_async_io_op_is_one_line_before_any_engine(tmp_path):
+    """No libaio, as a C compiler that finds nothing says it to DeepSpeed's check."""
+    result = run(train_command("python", 1, "--deepspeed_config", nvme_config(tmp_path, tmp_path / "swap"),
+                               "--max_steps", 2, "--output_dir", tmp_path / "run"), CC="/bin/false")
+    assert result.returncode == 2
+    assert_one_error_line(result.stderr, "offload to NVMe needs DeepSpeed's async_io op, which builds against libaio",
+                          "install it, or offload to \"cpu\"")
+    assert not (tmp_path / "run").exists()
