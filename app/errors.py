@@ -1,5 +1,6 @@
 """The one exception type that means 'the user asked for something we cannot do', and how entry points say it."""
 import os
+import re
 import sys
 from pathlib import Path
 
@@ -61,7 +62,7 @@ def one_value_per_channel(error: Exception) -> "UserError | None":
     text = first_line(error)
     if "more than 1 value per channel when training" not in text:
         return None
-    size = text.rpartition("input size ")[2].removeprefix("torch.Size(").removesuffix(")")
+    size = next(iter(re.findall(r"torch\.Size\((\[[^\]]*\])\)", text)), "one sample")
     return UserError(f"a BatchNorm layer cannot train on one value per channel (its input is {size}): a micro batch "
                      f"of 1 sample is too small for this model at this image size; set "
                      f"train_micro_batch_size_per_gpu to 2 or more in the DeepSpeed config")

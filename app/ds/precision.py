@@ -63,9 +63,19 @@ def resolve_precision(ds: dict, where: str, cuda=None, bf16_ok=None, device=None
             ds[name]["auto_cast"] = False  # DeepSpeed casts inputs to fp16 by it even with fp16 off
         if name == pick == "torch_autocast":
             ds[name].setdefault("dtype", "bfloat16")
-    why = "no CUDA device" if not cuda else "the CUDA device supports bf16" if _label(ds, pick).startswith("bf16") \
-        else "the CUDA device has no native bf16" if not bf16_ok else "the file's only 16-bit section"
+    why = _why(ds, pick, fixed, cuda, bf16_ok)
     return ds, f"{_label(ds, pick) if pick else 'fp32'} ({'/'.join(autos)} \"auto\": {why})"
+
+
+def _why(ds: dict, pick: str, fixed: list, cuda: bool, bf16_ok: bool) -> str:
+    """Why "auto" resolved to pick: the device, a section set true (which wins), or the file's only choice."""
+    if not cuda:
+        return "no CUDA device"
+    if fixed:
+        return f"{fixed[0]} is set true"
+    if _label(ds, pick).startswith("bf16"):
+        return "the CUDA device supports bf16"
+    return "the CUDA device has no native bf16" if not bf16_ok else "the file's only 16-bit section"
 
 
 def _undated(ds: dict) -> bool:

@@ -60,22 +60,27 @@ def main(jobs_file: str, report: str):
     jobs = [job if isinstance(job, dict) else {"argv": job} for job in json.loads(Path(jobs_file).read_text())]
     parsed = [(config.parse([str(a) for a in job["argv"]]), job.get("env", {})) for job in jobs]
     world = launch.setup(timeout_s=300)
+    # one file for every job's output, emptied before each, as a launch's output is a file: what asks sys.stderr for
+    # its descriptor (DeepSpeed's op checks) gets one, and a log handler a job made keeps an open one
+    printed = tempfile.TemporaryFile("w+", encoding="utf-8")
     try:
         for i, ((settings, ds), env) in enumerate(parsed):
-            # a file, as a launch's output is: what asks sys.stderr for its descriptor (DeepSpeed's op checks) gets one
-            printed, started = tempfile.TemporaryFile("w+"), time.perf_counter()
-            with printed, contextlib.redirect_stdout(printed), contextlib.redirect_stderr(printed), variables(env), \
+            printed.seek(0)
+            printed.truncate()
+            started = time.perf_counter()
+            with contextlib.redirect_stdout(printed), contextlib.redirect_stderr(printed), variables(env), \
                     zero_numbering_kept():
                 try:
                     code = train.run(settings, ds, world, time.perf_counter())
                 except (UserError, Ended) as e:
                     code = say(e)
-                printed.seek(0)
-                (Path(report) / f"{i}.rank{world.rank}.txt").write_text(printed.read())
+            printed.seek(0)
+            (Path(report) / f"{i}.rank{world.rank}.txt").write_text(printed.read())
             (Path(report) / f"{i}.rank{world.rank}.code").write_text(str(code))
             (Path(report) / f"{i}.rank{world.rank}.seconds").write_text(f"{time.perf_counter() - started:.2f}")
             torch._dynamo.reset()  # a compiled job starts from an empty compile cache, as in its own process
     finally:
+        printed.close()
         dist.teardown()
 
 

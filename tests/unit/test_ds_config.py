@@ -145,7 +145,9 @@ AUTO = {"train_micro_batch_size_per_gpu": 4, "bf16": {"enabled": "auto"}}
     ({**AUTO, "fp16": {"enabled": "auto"}}, False, False, {"bf16": False, "fp16": False},
      'fp32 (bf16/fp16 "auto": no CUDA device)'),
     ({"bf16": {"enabled": True}, "fp16": {"enabled": "auto"}}, True, True, {"bf16": True, "fp16": False},
-     'bf16 (fp16 "auto": the CUDA device supports bf16)'),
+     'bf16 (fp16 "auto": bf16 is set true)'),
+    ({"bf16": {"enabled": "auto"}, "fp16": {"enabled": True}}, True, True, {"bf16": False, "fp16": True},
+     'fp16 (bf16 "auto": fp16 is set true)'),
 ])
 def test_auto_precision_follows_the_device(ds, cuda, bf16_ok, want, note):
     resolved, said = precision.resolve_precision(ds, "c.json", cuda=cuda, bf16_ok=bf16_ok)

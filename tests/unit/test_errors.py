@@ -82,3 +82,11 @@ def test_a_batchnorm_on_one_value_per_channel_is_one_line_and_other_errors_are_n
     assert said.endswith("set train_micro_batch_size_per_gpu to 2 or more in the DeepSpeed config")
     assert norm(torch.zeros(2, 4, 1, 1)).shape == (2, 4, 1, 1)
     assert one_value_per_channel(ValueError("Expected more than 1 value")) is None
+
+
+def test_the_batchnorm_line_names_the_input_size_where_the_compiler_wraps_the_error():
+    from app.errors import one_value_per_channel
+    wrapped = RuntimeError("Dynamo failed to run FX node: got ValueError('Expected more than 1 value per channel "
+                           "when training, got input size torch.Size([1, 512, 1, 1])')")
+    assert str(one_value_per_channel(wrapped)).startswith("a BatchNorm layer cannot train on one value per channel "
+                                                          "(its input is [1, 512, 1, 1]): ")
