@@ -258,6 +258,8 @@ def load(engine, task, folder: Path, saved: TrainerState, replicas: int) -> tupl
     with data_only(f"a file under {folder}"):
         path, _ = engine.load_checkpoint(str(folder.parent), tag=folder.name, load_optimizer_states=True,
                                          load_lr_scheduler_states=True, load_module_strict=not has_frozen(engine))
+        if path is not None:
+            ds_internals.restore_swapped_adam(engine, folder)
     if path is None:
         raise UserError(f"DeepSpeed could not load {folder}; it may come from another world size or config")
     ds_internals.replay_cpu_adam_steps(engine)
@@ -270,10 +272,6 @@ def load(engine, task, folder: Path, saved: TrainerState, replicas: int) -> tupl
         dist.print0(f"resume: {samples} samples into the epoch is not a whole number of global micro "
                     f"batches of {span}; repeating the last {samples % span}")
     dist.print0(f"resume: {folder} at step {saved.step}, epoch {saved.epoch}, batch {saved.batch}")
-    if engine.zero_nvme_offload_optimizer():  # measured: tests/e2e/test_nvme.py
-        dist.print0("warning: resume: DeepSpeed restores an optimizer state offloaded to NVMe inexactly: the weights "
-                    "continue exactly, the losses after the first step differ from an unbroken run's (docs/memory.md, "
-                    "\"Offload to NVMe\")")
     return saved.epoch, samples // span
 
 

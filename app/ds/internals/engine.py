@@ -1,5 +1,5 @@
 """The engine and its optimizers: the step made lighter and sync-free, compile around its hooks, pipeline
-stages, groups left behind, CPU Adam's resume."""
+stages, groups left behind."""
 import contextlib
 
 import torch
@@ -262,24 +262,6 @@ def uncompile(engine):
     """Undo engine.compile(): the module's plain forward from now on."""
     engine.module._compiled_call_impl = None
     engine._is_compiled = False
-
-
-def replay_cpu_adam_steps(engine):
-    """Make DeepSpeed's CPU Adam (offload) continue bit-identically after a checkpoint load.
-
-    Its C++ side keeps beta**step as a running product; a fresh optimizer recomputes it with pow(),
-    which rounds differently. Replaying the step count on empty tensors rebuilds the same product.
-    """
-    from deepspeed.ops.adam import DeepSpeedCPUAdam
-    inner = getattr(engine.optimizer, "optimizer", None)
-    if not isinstance(inner, DeepSpeedCPUAdam):
-        return
-    steps = max((int(state["step"]) for state in inner.state.values() if "step" in state), default=0)
-    group, empty = inner.param_groups[0], torch.empty(0)
-    beta1, beta2 = group["betas"]
-    for step in range(1, steps + 1):
-        inner.ds_opt_adam.adam_update(inner.opt_id, step, group["lr"], beta1, beta2, group["eps"],
-                                      group["weight_decay"], group["bias_correction"], empty, empty, empty, empty)
 
 
 def autocast_of(engine):
