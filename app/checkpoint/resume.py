@@ -221,6 +221,10 @@ def checkpoint_to_resume(output_dir: Path, resume: str, current: TrainerState, o
         kind = "pipeline" if current.pipeline_stages else "tensor-parallel"
         raise UserError(f"checkpoint {folder} is a {kind} run of {saved.world_size} rank(s) and the app cannot "
                         f"reshape its per-stage or per-shard state; resume it with {saved.world_size} rank(s)")
+    swapped = ((saved.deepspeed_config.get("zero_optimization") or {}).get("offload_optimizer") or {}).get("device")
+    if needs_universal(saved, current.world_size) and saved.zero_stage == 3 and swapped == "nvme":
+        raise UserError(f"checkpoint {folder} holds an optimizer state offloaded to NVMe (its offloaded_tensors/), "
+                        f"which DeepSpeed converts to no other world size; resume it with {saved.world_size} rank(s)")
     if needs_universal(saved, current.world_size):
         dist.print0(f"resume: {folder} was saved by {saved.world_size} rank(s), this run has "
                     f"{current.world_size}: converting it to a universal checkpoint")

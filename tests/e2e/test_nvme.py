@@ -92,3 +92,17 @@ def test_a_machine_that_cannot_build_the_async_io_op_is_one_line_before_any_engi
     assert_one_error_line(result.stderr, "offload to NVMe needs DeepSpeed's async_io op, which builds against libaio",
                           "install it, or offload to \"cpu\"")
     assert not (tmp_path / "run").exists()
+
+
+@BUILDABLE
+def test_an_optimizer_state_on_nvme_resumed_on_another_world_size_is_one_line(runs, tmp_path):
+    """DeepSpeed's conversion to a universal checkpoint reads the optimizer's own files, where each swapped moment
+    is empty: it would fail on a shape, so the run says what cannot be done first."""
+    tmp, saved = runs["swap"].parent, runs["nvme"][0] / "checkpoints" / "step00000003"
+    result = run(train_command("python", 1, "--deepspeed_config", tmp / "nvme-swap.json", "--model", "gpt2-tiny",
+                               "--dataset", tmp / "corpus.txt", "--block_size", 64, "--max_steps", 6,
+                               "--resume", saved, "--output_dir", tmp_path / "run"))
+    assert result.returncode == 2
+    assert_one_error_line(result.stderr, f"checkpoint {saved} holds an optimizer state offloaded to NVMe",
+                          "resume it with 2 rank(s)")
+    assert not (saved.parent / "universal").exists()
