@@ -345,3 +345,15 @@ def main_each(cases: list) -> list:
         report = Path(folder) / "report.json"
         spawn_ranks(1, _main_each, cases, report)
         return [tuple(r) for r in json.loads(report.read_text())]
+
+
+@contextlib.contextmanager
+def tmpfs(path, size: str, read_only=False):
+    """A fresh tmpfs of `size` mounted at path for the block."""
+    path.mkdir(parents=True, exist_ok=True)
+    subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}{',ro' if read_only else ''}", "tmpfs", str(path)],
+                   check=True)
+    try:
+        yield path
+    finally:
+        subprocess.run(["umount", "-l", str(path)], check=True)

@@ -1,7 +1,6 @@
 """A full disk or a read-only folder at a save: every rank ends at once, with one line naming the folder and the
 space needed and free; the last complete checkpoint stays whole and resumable. On real small filesystems the
 test mounts (tmpfs, which needs root: CI runs as root)."""
-import contextlib
 import os
 import subprocess
 import time
@@ -11,23 +10,11 @@ import pytest
 from app.checkpoint import disk
 from app.checkpoint import outdir
 from app.checkpoint import resume
-from conftest import assert_one_error_line, faulty_command, read_metrics, run, train, train_command
+from conftest import assert_one_error_line, faulty_command, read_metrics, run, tmpfs, train, train_command
 
 pytestmark = [pytest.mark.skipif(os.geteuid() != 0, reason="mounts a small tmpfs, which needs root (CI runs as root; "
                                                            "`sudo make test` here)")]
 RUN = ["--log_interval", 1, "--save_interval", 1]
-
-
-@contextlib.contextmanager
-def tmpfs(path, size: str, read_only=False):
-    """A fresh tmpfs of `size` mounted at path for the block."""
-    path.mkdir(parents=True, exist_ok=True)
-    subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}{',ro' if read_only else ''}", "tmpfs", str(path)],
-                   check=True)
-    try:
-        yield path
-    finally:
-        subprocess.run(["umount", "-l", str(path)], check=True)
 
 
 def test_a_disk_without_room_for_the_next_checkpoint(tmp_path):

@@ -3,12 +3,14 @@ state and weights through a folder, and the run trains the losses of the same co
 step, and resumes exactly, whether its optimizer state or its weights alone went there. A machine that cannot build
 the op (no libaio) is one line before any engine."""
 import json
+import os
 
 import pytest
 import torch
 
 from app.memory import nvme
-from conftest import REPO, assert_one_error_line, read_metrics, run, train_command, train_jobs, write_text_rows
+from conftest import (REPO, assert_one_error_line, read_metrics, run, tmpfs, train_command, train_jobs,
+                      write_text_rows)
 
 BUILDABLE = pytest.mark.skipif(not nvme.async_io_buildable(),
                                reason=f"offload to NVMe needs {nvme.LIBAIO}: `sudo make cluster-packages` installs it")
@@ -106,3 +108,18 @@ def test_an_optimizer_state_on_nvme_resumed_on_another_world_size_is_one_line(ru
     assert_one_error_line(result.stderr, f"checkpoint {saved} holds an optimizer state offloaded to NVMe",
                           "resume it with 2 rank(s)")
     assert not (saved.parent / "universal").exists()
+
+
+@BUILDABLE
+@pytest.mark.skipif(os.geteuid() != 0, reason="mounts a small tmpfs, which needs root (CI runs as root)")
+def test_a_first_save_counts_the_state_swapped_to_nvme(tmp_path):
+    """gpt2-tiny on 1 rank saves about 64 MB, almost all of it the swapped masters and moments its offloaded_tensors
+    copy (in memory they are empty): on a 40 MB disk the first save is refused before it writes, not cut short."""
+    with tmpfs(tmp_path / "small", "40m") as small:
+        result = run(train_command("python", 1, "--deepspeed_config", nvme_config(tmp_path, tmp_path / "swap"),
+                                   "--model", "gpt2-tiny", "--dataset", write_text_rows(tmp_path / "c.txt", 100),
+                                   "--block_size", 64, "--max_steps", 1, "--save_interval", 1,
+                                   "--output_dir", small / "run"))
+        assert result.returncode == 2
+        assert_one_error_line(result.stderr, "not enough space to save a checkpoint", "MB are free")
+        assert not (small / "run" / "checkpoints").exists()

@@ -1,4 +1,6 @@
 """What an engine holds and saves, by tensor: parameters, gradients, moments, fp32 masters."""
+from pathlib import Path
+
 import torch
 
 
@@ -41,7 +43,16 @@ def state_bytes(engine, first: bool) -> int:
     saved = [p.ds_tensor if stage == 3 else p for p in engine.module.parameters() if p.requires_grad]  # LoRA: no base
     own = {**(storages(saved) if stage == 3 or first else {}),
            **(storages(tensors["moments"]) | storages(tensors["masters"]) if stage > 0 or first else {})}
-    return sum(own.values())
+    return sum(own.values()) + _swapped_bytes(engine)
+
+
+def _swapped_bytes(engine) -> int:
+    """Bytes of the optimizer state this rank swapped to NVMe (ZeRO-3), which DeepSpeed copies into each checkpoint
+    (its offloaded_tensors/), gradients aside: in memory those masters and moments are empty."""
+    if not engine.zero_nvme_offload_optimizer():
+        return 0
+    folder = Path(engine.optimizer.optimizer_swapper.swap_folder)
+    return sum(path.stat().st_size for path in folder.glob("*.swp") if "gradient" not in path.name)
 
 
 def module_states(folder) -> dict:
