@@ -1,34 +1,18 @@
 """Resume: find the checkpoint to continue from, check it against its manifest and the run, convert it for
 another world size, and restore everything it holds."""
 import json
-import random
 import shutil
 import subprocess
 import sys
 from pathlib import Path
-
-import numpy as np
-import torch
 
 from app.distributed import dist
 from app.ds import internals as ds_internals
 from app.checkpoint import outdir
 from app.ds.internals.safe_load import check_files, data_only
 from app.checkpoint.save import MANIFEST, RANK_FILES, STATE, UNIVERSAL, TrainerState, checkpoint_root, \
-    complete_checkpoints, atomic_write, has_frozen, sha256_of
+    complete_checkpoints, atomic_write, has_frozen, set_rng_state, sha256_of
 from app.errors import UserError, first_line
-
-
-def _set_rng_state(saved: dict):
-    version, state, gauss = saved["python"]
-    random.setstate((version, tuple(state), gauss))
-    name, keys, pos, has_gauss, cached = saved["numpy"]
-    np.random.set_state((name, np.array(keys, dtype=np.uint32), pos, has_gauss, cached))
-    torch.set_rng_state(torch.tensor(saved["torch"], dtype=torch.uint8))
-    if saved["cuda"] and torch.cuda.is_available():  # the rank's own GPU's (checkpoints before held every GPU's)
-        index = torch.cuda.current_device()
-        own = saved["cuda"][index] if len(saved["cuda"]) > index else saved["cuda"][0]
-        torch.cuda.set_rng_state(torch.tensor(own, dtype=torch.uint8))
 
 
 def checkpoint_folder(path) -> Path:
@@ -205,6 +189,25 @@ def needs_universal(saved: TrainerState, world_size: int) -> bool:
     return saved.zero_stage > 0 and saved.world_size != world_size
 
 
+def _optimizer_place(state: TrainerState) -> str:
+    """Where a run keeps its optimizer state under ZeRO-3: "nvme", "cpu" or "the device" (below ZeRO-3 NVMe is the
+    CPU)."""
+    zero = state.deepspeed_config.get("zero_optimization") or {}
+    device = str((zero.get("offload_optimizer") or {}).get("device") or "none") if state.zero_stage == 3 else "none"
+    return "the device" if device == "none" else device
+
+
+def _check_nvme(saved: TrainerState, current: TrainerState, folder: Path):
+    """DeepSpeed loads a ZeRO-3 optimizer state on NVMe only from the swap files of the same ranks (offloaded_tensors
+    /), and converts none to another world size: refuse any other way in or out of NVMe."""
+    places = [_optimizer_place(state) for state in (saved, current)]
+    if "nvme" in places and (places[0] != places[1] or saved.world_size != current.world_size):
+        raise UserError(f"checkpoint {folder} was saved by {saved.world_size} rank(s) with the optimizer state on "
+                        f"{places[0]}, and this run has {current.world_size} with it on {places[1]}: DeepSpeed loads "
+                        f"a state offloaded to NVMe only as it was saved; resume with the ranks and "
+                        f"offload_optimizer.device it had, or start a new --output_dir")
+
+
 def checkpoint_to_resume(output_dir: Path, resume: str, current: TrainerState, overwrite=False) -> tuple:
     """(folder, saved state, whether it is a universal checkpoint) to resume from, or (None, None, False) to start
     fresh; checked against this run and its output folder's timeline before anything is built."""
@@ -221,10 +224,7 @@ def checkpoint_to_resume(output_dir: Path, resume: str, current: TrainerState, o
         kind = "pipeline" if current.pipeline_stages else "tensor-parallel"
         raise UserError(f"checkpoint {folder} is a {kind} run of {saved.world_size} rank(s) and the app cannot "
                         f"reshape its per-stage or per-shard state; resume it with {saved.world_size} rank(s)")
-    swapped = ((saved.deepspeed_config.get("zero_optimization") or {}).get("offload_optimizer") or {}).get("device")
-    if needs_universal(saved, current.world_size) and saved.zero_stage == 3 and swapped == "nvme":
-        raise UserError(f"checkpoint {folder} holds an optimizer state offloaded to NVMe (its offloaded_tensors/), "
-                        f"which DeepSpeed converts to no other world size; resume it with {saved.world_size} rank(s)")
+    _check_nvme(saved, current, folder)
     if needs_universal(saved, current.world_size):
         dist.print0(f"resume: {folder} was saved by {saved.world_size} rank(s), this run has "
                     f"{current.world_size}: converting it to a universal checkpoint")
@@ -269,7 +269,7 @@ def load(engine, task, folder: Path, saved: TrainerState, replicas: int) -> tupl
     ds_internals.replay_cpu_adam_steps(engine)
     rng_file = folder / f"rng_rank{dist.rank():05d}.json"
     if rng_file.is_file():  # absent for ranks that did not exist when it was saved: they keep the seed
-        _set_rng_state(json.loads(rng_file.read_text()))
+        set_rng_state(json.loads(rng_file.read_text()))
     task.load_rank_files(engine, folder)
     samples, span = saved.samples_into_epoch(), engine.train_micro_batch_size_per_gpu() * replicas
     if samples % span:

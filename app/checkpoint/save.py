@@ -137,6 +137,19 @@ def _rng_state() -> dict:
             "cuda": [torch.cuda.get_rng_state().tolist()] if torch.cuda.is_available() else []}
 
 
+def set_rng_state(saved: dict):
+    """This rank's generators as _rng_state() saved them."""
+    version, state, gauss = saved["python"]
+    random.setstate((version, tuple(state), gauss))
+    name, keys, pos, has_gauss, cached = saved["numpy"]
+    np.random.set_state((name, np.array(keys, dtype=np.uint32), pos, has_gauss, cached))
+    torch.set_rng_state(torch.tensor(saved["torch"], dtype=torch.uint8))
+    if saved["cuda"] and torch.cuda.is_available():  # the rank's own GPU's (checkpoints before held every GPU's)
+        index = torch.cuda.current_device()
+        own = saved["cuda"][index] if len(saved["cuda"]) > index else saved["cuda"][0]
+        torch.cuda.set_rng_state(torch.tensor(own, dtype=torch.uint8))
+
+
 def save_checkpoint(engine, output_dir: Path, state: TrainerState, keep_last: int, extra=None, every_rank=None,
                     kept: int = 0):
     """Every rank saves its shards and RNG state (and runs every_rank(engine, folder), which may be a

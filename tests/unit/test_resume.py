@@ -375,9 +375,9 @@ def test_resume_on_fewer_gpus_restores_the_rank_s_own_generator(monkeypatch):
     saved = json.loads(json.dumps(save._rng_state()))
     assert saved["cuda"] == [[3] * 16], "only the rank's own GPU is saved"
     current["index"] = 0
-    resume._set_rng_state(saved)
+    save.set_rng_state(saved)
     assert restored == [[3] * 16]
     restored.clear()
     current["index"] = 5  # a checkpoint from before held every visible GPU's state, by index
-    resume._set_rng_state({**saved, "cuda": [states[i].tolist() for i in range(8)]})
+    save.set_rng_state({**saved, "cuda": [states[i].tolist() for i in range(8)]})
     assert restored == [[5] * 16]

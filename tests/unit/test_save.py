@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from app.checkpoint import resume, save
+from app.checkpoint import save
 from app.checkpoint.save import LATEST, MANIFEST, SAVING, UNIVERSAL, TrainerState
 from app.errors import UserError
 
@@ -87,7 +87,7 @@ def test_the_rng_states_survive_json_and_a_resume_draws_the_same_numbers():
     written = json.dumps(save._rng_state())
     drawn = (random.random(), np.random.rand(3).tolist(), torch.rand(3).tolist())
     random.seed(1), np.random.seed(1), torch.manual_seed(1)
-    resume._set_rng_state(json.loads(written))
+    save.set_rng_state(json.loads(written))
     assert (random.random(), np.random.rand(3).tolist(), torch.rand(3).tolist()) == drawn
 
 
