@@ -190,8 +190,8 @@ def needs_universal(saved: TrainerState, world_size: int) -> bool:
 
 
 def _optimizer_place(state: TrainerState) -> str:
-    """Where a run keeps its optimizer state under ZeRO-3: "nvme", "cpu" or "the device" (below ZeRO-3 NVMe is the
-    CPU)."""
+    """Where a run keeps its optimizer state under ZeRO-3: "nvme", "cpu" or "the device" (below ZeRO-3 nothing is
+    swapped: "the device" for any)."""
     zero = state.deepspeed_config.get("zero_optimization") or {}
     device = str((zero.get("offload_optimizer") or {}).get("device") or "none") if state.zero_stage == 3 else "none"
     return "the device" if device == "none" else device

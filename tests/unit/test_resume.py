@@ -338,6 +338,33 @@ def test_a_model_parallel_run_resumes_only_on_its_own_world_size(split, tmp_path
     _one_line(caught)
 
 
+def _offloaded(stage: int, world: int, device) -> TrainerState:
+    """A run of `world` ranks at this ZeRO stage whose optimizer state DeepSpeed keeps on `device` (None: no
+    offload_optimizer section)."""
+    zero = {"stage": stage, **({"offload_optimizer": {"device": device}} if device else {})}
+    return _state(zero_stage=stage, world_size=world, deepspeed_config={**_state().deepspeed_config,
+                                                                        "zero_optimization": zero})
+
+
+@pytest.mark.parametrize("saved, current, refused", [
+    ((3, 2, "nvme"), (3, 2, "nvme"), False),  # as it was saved: DeepSpeed copies the swap files back
+    ((3, 2, "nvme"), (3, 1, "nvme"), True),  # ds_to_universal reads no swap file
+    ((3, 2, "cpu"), (3, 2, "nvme"), True),  # DeepSpeed would look for swap files never written
+    ((3, 2, "nvme"), (3, 2, None), True),  # and load the empty saved moments as they are
+    ((3, 2, "nvme"), (3, 2, "none"), True),
+    ((3, 2, "cpu"), (3, 1, None), False),  # no NVMe: the universal checkpoint as any run's
+    ((2, 2, "nvme"), (2, 1, "nvme"), False),  # ZeRO-2 takes NVMe for the CPU: nothing swapped
+])
+def test_an_optimizer_state_on_nvme_resumes_only_with_its_ranks_and_device(saved, current, refused, tmp_path):
+    saved, current = _offloaded(*saved), _offloaded(*current)
+    if not refused:
+        resume._check_nvme(saved, current, tmp_path)
+        return
+    with pytest.raises(UserError, match="DeepSpeed loads a state offloaded to NVMe only as it was saved") as caught:
+        resume._check_nvme(saved, current, tmp_path)
+    _one_line(caught)
+
+
 def test_samples_into_epoch_counts_replicas_not_stages():
     """2 stages x 2 replicas at micro batch 32: 4 micro batches into the epoch are 4 x 32 x 2 samples."""
     assert _state(batch=4, world_size=4, pipeline_stages=2, data_parallel_size=2).samples_into_epoch() == 256

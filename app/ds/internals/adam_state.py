@@ -52,14 +52,21 @@ def restore_swapped_adam(engine, folder: Path):
             flat.data.copy_(saved[FP32_FLAT_GROUPS][group].data)
             zero._reassign_or_swap_out_partitioned_parameters(group)
             continue
-        moments = _swapped_moments(zero.optimizer.state[flat], flat.ds_id, Path(zero.optimizer_swapper.swap_folder))
+        moments = _swapped_moments(zero.optimizer.state.get(flat, {}), flat.ds_id, _copied_from(engine, folder))
         if moments:  # none before the partition's first step: DeepSpeed names them when Adam makes them
             swap.add_state_tensors(moments)
     zero.checkpoint_event_epilogue()  # as it ends: the persistent weights gathered whole again
 
 
+def _copied_from(engine, folder: Path) -> Path:
+    """The folder of `folder`'s swap files that DeepSpeed's load copied into this rank's swap folder."""
+    from deepspeed.checkpoint.ds_to_universal import dp_index_to_str
+    rank = engine.local_rank if engine.use_node_local_storage() else engine.global_rank
+    return folder / "offloaded_tensors" / f"rank{dp_index_to_str(rank)}"
+
+
 def _swapped_moments(state: dict, ds_id: str, folder: Path) -> list:
-    """The tensors of a partition's loaded state whose files the load copied into the swap folder, named as DeepSpeed
+    """The tensors of a partition's loaded state whose files the load copied (from `folder`), named as DeepSpeed
     names them ('<state name>-<partition's ds_id>') and emptied: the next swap-in gives them the file's data. (The
     saved ones are empty, or with pipeline_read/pipeline_write, whose swapper never empties them, stale views of
     its buffers.)"""
