@@ -11,6 +11,7 @@ import io
 import json
 import os
 import random
+import re
 import shutil
 import subprocess
 import sys
@@ -123,10 +124,17 @@ def log_launch(cmd, seconds: float):
                                 "command": " ".join(str(part) for part in cmd)}) + "\n")
 
 
+def told(result, err: int = 4000, out: int = 4000) -> str:
+    """A failed command's exit code and the ends of its output for a test's failure message; a crash's list of
+    loaded extension modules (faulthandler's, thousands of characters) left out so that its tracebacks fit."""
+    stderr = re.sub(r"\n *Extension modules: [^\n]*", "", result.stderr)
+    return f"exit {result.returncode}\n{result.stdout[-out:]}\n{stderr[-err:]}"
+
+
 def train(launcher="python", nproc=1, *args, timeout=600, base_env=None, **env):
     """Run a training job (with env added) and fail the test with its output if it did not exit 0."""
     result = run(train_command(launcher, nproc, *args), timeout=timeout, base_env=base_env, **env)
-    assert result.returncode == 0, f"exit {result.returncode}\n{result.stdout[-4000:]}\n{result.stderr[-4000:]}"
+    assert result.returncode == 0, told(result)
     return result
 
 
@@ -167,8 +175,7 @@ def train_jobs(launcher: str, nproc: int, jobs: list, timeout=900, base_env=None
             result = run(train_command("python", 1, *args, script=script), timeout=timeout, base_env=base_env)
         else:
             result = launch_script(nproc, script, *args, timeout=timeout, base_env=base_env)
-        assert result.returncode == 0, (f"exit {result.returncode} in {_running(folder, jobs, nproc)}\n"
-                                        f"{result.stdout[-4000:]}\n{result.stderr[-12000:]}")
+        assert result.returncode == 0, f"{_running(folder, jobs, nproc)}: {told(result, 12000)}"
         outputs = []
         for i in range(len(jobs)):
             output = "".join((Path(folder) / f"{i}.rank{r}.txt").read_text() for r in range(nproc))
@@ -305,7 +312,7 @@ def spawn_ranks(world: int, fn, *args, timeout=300):
     if WITHOUT_FORKS:
         return _spawn_fresh(world, fn, args, timeout)
     result = forks.call_ranks(world, _prepared, (fn, args), dict(os.environ), os.getcwd(), timeout)
-    assert result.returncode == 0, f"exit {result.returncode}\n{result.stdout[-4000:]}\n{result.stderr[-4000:]}"
+    assert result.returncode == 0, told(result)
 
 
 def _fresh_rank(rank, world, port, fn, args):

@@ -10,7 +10,7 @@ import pytest
 
 from helpers.cluster import DOWN_HOST, HOSTS, TWO_HOSTS, cluster  # noqa: F401 (a fixture)
 from conftest import (BIN, REPO, assert_one_error_line, free_port, launch_script, log_launch, read_metrics,
-                      read_summary, run)
+                      read_summary, run, told)
 
 
 ARGS = ["--max_steps", "4", "--log_interval", "1"]
@@ -49,7 +49,7 @@ def check_run(out, stdout, reference, launcher, nodes, shm_before):
 
 def launch(cmd, env, timeout=300):
     result = run(cmd, timeout=timeout, **env)
-    assert result.returncode == 0, f"exit {result.returncode}\n{result.stdout[-4000:]}\n{result.stderr[-4000:]}"
+    assert result.returncode == 0, told(result)
     return result.stdout + result.stderr
 
 

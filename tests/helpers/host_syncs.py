@@ -265,13 +265,13 @@ def count_in_launch(nproc: int, jobs: list, *flags, base_env=None, **env) -> lis
     """Each job's report from one launch of this script with nproc ranks (conftest.launch_script, with env added):
     {"code", "output", "ranks": [{window: {source: count}}]} (for the tests)."""
     import tempfile
-    from conftest import launch_script, log_launch
+    from conftest import launch_script, log_launch, told
     with tempfile.TemporaryDirectory() as folder:
         jobs_file = Path(folder) / "jobs.json"
         jobs_file.write_text(json.dumps([[str(a) for a in job] for job in jobs]))
         result = launch_script(nproc, "tests/helpers/host_syncs.py", jobs_file, folder, *flags, base_env=base_env,
                                **env)
-        assert result.returncode == 0, f"exit {result.returncode}\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}"
+        assert result.returncode == 0, told(result, 3000, 3000)
         reports = [json.loads((Path(folder) / f"{i}.json").read_text()) for i in range(len(jobs))]
     for job, report in zip(jobs, reports):  # one log line per job too
         log_launch(["job:", *job], report["seconds"])

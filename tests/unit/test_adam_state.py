@@ -6,7 +6,10 @@ from types import SimpleNamespace
 import torch
 from deepspeed.ops.adam import DeepSpeedCPUAdam
 
+from app.distributed.launch import prepare_environment
 from app.ds.internals.adam_state import replay_cpu_adam_steps, restore_swapped_adam
+
+prepare_environment()  # this Python's ninja: DeepSpeed's CPU Adam op loads as built, not rebuilt
 
 GRADS = [torch.randn(4096, generator=torch.Generator().manual_seed(step)) for step in range(8)]
 
