@@ -137,7 +137,7 @@ def settle(settings: Settings, world: World, ds: dict, board: endings.Board) -> 
     lora.check_layout(settings.lora, ranks)
     tiled.check_layout(settings.tiled, ranks)
     ds, filled, note = run_dict.planned(ds, settings.deepspeed_config, world.device, ranks.replicas,
-                                        resolver.auto_facts(spec))
+                                        resolver.auto_facts(spec, world.device))
     ds = trackers.enabled(ds, settings.report_to)  # --report_to's DeepSpeed monitors; one that cannot start: a line
     nvme.check(ds, settings.deepspeed_config)  # an NVMe offload's folders and op, before any engine
     output_dir = resume.output_dir_for(settings)

@@ -2,6 +2,8 @@
 instruction or preference); the tools, which bring their own data, pick from the settings alone."""
 from pathlib import Path
 
+import torch
+
 from app.core import models
 from app.core.grpo import Grpo
 from app.core.preference import Preference
@@ -65,15 +67,17 @@ def resolve(settings: Settings, spec, output_dir: Path) -> Task:
     return CLASSES[kind](settings, spec, data, tokenizer)
 
 
-def auto_facts(spec) -> ds_auto.Facts:
+def auto_facts(spec, device=None) -> ds_auto.Facts:
     """What "auto" values depend on besides the JSON: whether the model loads trained weights, its hidden size, its
-    blocks (spec: the transformers model's HFSpec; None: an image model, none of these)."""
+    blocks (spec: the transformers model's HFSpec; None: an image model, none of these), and whether the ranks run
+    on the CPU (device: this rank's; None: a GPU's, as app.tools.plan plans)."""
+    cpu = device is not None and torch.device(device).type == "cpu"
     if spec is None:
-        return ds_auto.Facts()
+        return ds_auto.Facts(cpu=cpu)
     config = spec.config
     hidden = getattr(config, "hidden_size", None) or getattr(config, "n_embd", None) or getattr(config, "d_model", 0)
     folder = Path(spec.pretrained) if spec.pretrained else None
     weights = bool(spec.pretrained) and not (folder.is_dir() and not any(
         any(folder.glob(pattern)) for pattern in models.WEIGHT_FILES))
     blocks, block_size = models.block_shape(spec)
-    return ds_auto.Facts(pretrained=weights, hidden=int(hidden or 0), blocks=blocks, block_size=block_size)
+    return ds_auto.Facts(pretrained=weights, hidden=int(hidden or 0), blocks=blocks, block_size=block_size, cpu=cpu)

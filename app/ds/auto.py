@@ -42,7 +42,9 @@ FILLED = {
                                                      "is gathered while one computes (else DeepSpeed's)",
     "zero_optimization.leaf_module.classes": "the model: its transformer block, gathered whole with one hook (else "
                                              "DeepSpeed's: a hook on every submodule)",
-    "zero_optimization.stage3_param_persistence_threshold": "the model: 10 x hidden size (else DeepSpeed's)",
+    "zero_optimization.stage3_param_persistence_threshold": "0 on CPU ranks (over gloo DeepSpeed gathers each "
+                                                            "persistent weight alone after every step); on a GPU "
+                                                            "the model's 10 x hidden size (else DeepSpeed's)",
     "zero_optimization.stage3_gather_16bit_weights_on_model_save": "true: a save gathers the whole model",
     "zero_optimization.stage3_gather_fp16_weights_on_model_save": "true: a save gathers the whole model",
 }
@@ -62,6 +64,8 @@ class Facts:
     """The class names of its transformer blocks (the classes it names not to split)."""
     block_size: int = 0
     """Parameters of its largest block."""
+    cpu: bool = False
+    """The ranks run on the CPU: their collectives go over gloo, one message at a time."""
 
 
 def auto_paths(value, prefix: tuple = ()) -> list:
@@ -138,7 +142,7 @@ def fill(ds: dict, facts: Facts, replicas: int) -> tuple:
               "zero_optimization.reduce_bucket_size": hidden * hidden or None,
               "zero_optimization.stage3_prefetch_bucket_size": facts.block_size or None,
               "zero_optimization.leaf_module.classes": list(facts.blocks) or None,
-              "zero_optimization.stage3_param_persistence_threshold": 10 * hidden or None,
+              "zero_optimization.stage3_param_persistence_threshold": 0 if facts.cpu else 10 * hidden or None,
               "zero_optimization.stage3_gather_16bit_weights_on_model_save": True,
               "zero_optimization.stage3_gather_fp16_weights_on_model_save": True}
     for path in sorted(auto_paths(ds), key=lambda p: _dotted(p) == "scheduler.params.warmup_max_lr"):  # lr first

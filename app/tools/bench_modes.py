@@ -51,7 +51,7 @@ def run_app(mode, args, world, work: Workload, loader, clock, total):  # long: t
     choice = next((labels[s] for s in suffixes if s in labels), "auto")
     ranks = rank_layout_of(mode, args, world)
     ds = run_dict.for_benchmark(args.configs[name], loader.micro_batch,
-                                resolver.auto_facts(work.task.spec), ranks.replicas, total, name)
+                                resolver.auto_facts(work.task.spec, world.device), ranks.replicas, total, name)
     module, _, _ = ranks.prepare(build_model(work, ds, mode.endswith(LORA)), work.task, args.model, ds)
     engine = loop.build_engine(module, run_dict.for_engine(ds, run_dict.trainable(module), ranks.tensor))
     micro = loader.micro_batch  # a pipeline's stages pass activations of one fixed shape

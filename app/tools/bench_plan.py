@@ -2,6 +2,8 @@
 micro batch, against the peak the device reached in that mode (CUDA's max_memory_allocated on a GPU)."""
 import copy
 
+import torch
+
 from app.core import resolver
 from app.data import Data
 from app.ds import auto as ds_auto
@@ -24,7 +26,8 @@ def add_planned_peaks(rows: list, configs: dict, work) -> list:
             continue
         key = (name, row["ranks"])
         if key not in plans:
-            ds = ds_auto.fill(configs[name], resolver.auto_facts(work.task.spec), row["ranks"])[0]  # as the mode ran it
+            facts = resolver.auto_facts(work.task.spec, "cuda" if torch.cuda.is_available() else "cpu")
+            ds = ds_auto.fill(configs[name], facts, row["ranks"])[0]  # as the mode ran it
             plans[key] = planner.plans(build, {name: ds}, row["ranks"])[name]
         planned, measured = plans[key].peak(row["micro_batch"]), max(row["peak_memory_bytes"])
         row["plan_peak_bytes"], row["plan_over_peak"] = planned, planned / measured if measured else None

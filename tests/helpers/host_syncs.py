@@ -278,6 +278,21 @@ def count_in_launch(nproc: int, jobs: list, *flags, base_env=None, **env) -> lis
     return reports
 
 
+def as_on_a_gpu(ds: dict, settings) -> dict:
+    """ds with ZeRO-3's "auto" persistence filled as a GPU's run fills it (app/ds/auto.py): CPU ranks persist no
+    weight, so DeepSpeed's gather of the persistent ones after each step, and its wait, would go uncounted."""
+    from app.core import resolver
+    from app.ds import auto as ds_auto
+    key = "stage3_param_persistence_threshold"
+    zero = ds.get("zero_optimization") or {}
+    if zero.get(key) != ds_auto.AUTO:
+        return ds
+    facts = resolver.auto_facts(resolver.spec_of(settings), "cuda")
+    value = ds_auto.fill({"zero_optimization": {key: ds_auto.AUTO}}, facts, 1)[0]["zero_optimization"].get(key)
+    zero = {k: v for k, v in zero.items() if k != key} | ({key: value} if value is not None else {})
+    return {**ds, "zero_optimization": zero}
+
+
 def main(jobs_file: str, report: str, *flags):
     from app import train
     from app import settings as config
@@ -289,7 +304,7 @@ def main(jobs_file: str, report: str, *flags):
     for argv in json.loads(Path(jobs_file).read_text()):
         settings, _ = config.parse(argv)
         ds = ds_config.load_ds_config(settings.deepspeed_config, cuda=True, bf16_ok=True)  # as on a GPU
-        parsed.append((settings, ds))
+        parsed.append((settings, as_on_a_gpu(ds, settings)))
     world = launch.setup(timeout_s=300)
     try:
         for i, (settings, ds) in enumerate(parsed):

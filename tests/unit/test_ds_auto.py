@@ -100,6 +100,19 @@ def test_zero3s_leaf_modules_and_prefetch_come_from_the_models_blocks():
     assert plain["leaf_module"] == {} and "stage3_prefetch_bucket_size" not in plain
 
 
+@pytest.mark.parametrize("model", ["llama-1b", "cnn"])
+def test_zero3s_persistence_is_none_on_cpu_ranks_and_ten_hidden_on_a_gpu(model):
+    """Over gloo DeepSpeed gathers each persistent weight in a collective of its own after every step, so CPU ranks
+    persist nothing; on a GPU (and in app.tools.plan, which plans one) the threshold is 10 x hidden, HF's rule, else
+    DeepSpeed's (a model without a hidden size)."""
+    shipped = ds_config.load_ds_config(ds_config.REPO / "ds_configs" / "zero3.json", resolve=False)
+    spec = resolver.build(Settings(model=model)).spec
+    threshold = {device: ds_auto.fill(shipped, resolver.auto_facts(spec, device), 2)[0]["zero_optimization"].get(
+        "stage3_param_persistence_threshold") for device in ("cpu", "cuda", None)}
+    gpu = 20_480 if model == "llama-1b" else None
+    assert threshold == {"cpu": 0, "cuda": gpu, None: gpu}
+
+
 def test_a_model_without_a_hidden_size_leaves_bucket_sizes_to_deepspeed():
     filled = ds_auto.fill({"zero_optimization": {"stage": 2, "reduce_bucket_size": "auto"},
                            "train_micro_batch_size_per_gpu": 4}, ds_auto.Facts(), 1)[0]

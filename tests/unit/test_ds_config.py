@@ -47,9 +47,10 @@ def _differences(a: dict, b: dict, prefix=""):
                      "zero_optimization.contiguous_gradients"}),
     # ZeRO-3 overlaps its gathers and reductions with compute (DeepSpeed's default for stage 3); ZeRO-2's overlap
     # would make the host wait for the device at the end of every backward (README, the ds_configs table); and
-    # DeepSpeed's own ZeRO-3 settings: leaf blocks and a prefetch of one block (docs/configs.md)
+    # DeepSpeed's own ZeRO-3 settings: leaf blocks, a prefetch of one block, persistence by device (docs/configs.md)
     ("zero3", "zero2", {"zero_optimization.stage", "zero_optimization.overlap_comm", "zero_optimization.leaf_module",
-                        "zero_optimization.stage3_prefetch_bucket_size"}),
+                        "zero_optimization.stage3_prefetch_bucket_size",
+                        "zero_optimization.stage3_param_persistence_threshold"}),
     # offload runs the step in DeepSpeed's CPU Adam, so those files cannot ask for torch's (fused) AdamW
     ("zero2_offload", "zero2", {"zero_optimization.offload_optimizer", "zero_optimization.overlap_comm",
                                 "optimizer.params.torch_adam", "optimizer.params.fused"}),

@@ -1,6 +1,7 @@
 """The memory plan beside the benchmark: each app row gets the peak the plan predicts for its config, world size and
 micro batch, the same plan app.tools.plan prints; torch and LoRA rows get none."""
 import pytest
+import torch
 
 from app.core import resolver
 from app.ds import auto as ds_auto
@@ -22,8 +23,10 @@ def _configs(*names) -> dict:
 
 
 def _planned(work, name: str, ranks: int, micro: int) -> int:
-    """The plan's peak, as `python -m app.tools.plan` makes it: the config with its "auto" filled for the model."""
-    ds = ds_auto.fill(_configs(name)[name], resolver.auto_facts(work.task.spec), ranks)[0]
+    """The plan's peak, as `python -m app.tools.plan` makes it: the config with its "auto" filled for the model on
+    the device the benchmark ran on (CPU ranks persist no ZeRO-3 weight)."""
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    ds = ds_auto.fill(_configs(name)[name], resolver.auto_facts(work.task.spec, device), ranks)[0]
     build = planner.workload(work.task, work.info.seq_len, work.info.image_size)
     return planner.plans(build, {name: ds}, ranks)[name].peak(micro)
 
