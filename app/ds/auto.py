@@ -42,9 +42,9 @@ FILLED = {
                                                      "is gathered while one computes (else DeepSpeed's)",
     "zero_optimization.leaf_module.classes": "the model: its transformer block, gathered whole with one hook (else "
                                              "DeepSpeed's: a hook on every submodule)",
-    "zero_optimization.stage3_param_persistence_threshold": "0 on CPU ranks (over gloo DeepSpeed gathers each "
-                                                            "persistent weight alone after every step); on a GPU "
-                                                            "the model's 10 x hidden size (else DeepSpeed's)",
+    "zero_optimization.stage3_param_persistence_threshold": "0 on CPU ranks with leaf blocks (over gloo DeepSpeed "
+                                                            "gathers each persistent weight alone after every step); "
+                                                            "else the model's 10 x hidden size (else DeepSpeed's)",
     "zero_optimization.stage3_gather_16bit_weights_on_model_save": "true: a save gathers the whole model",
     "zero_optimization.stage3_gather_fp16_weights_on_model_save": "true: a save gathers the whole model",
 }
@@ -135,14 +135,16 @@ def fill(ds: dict, facts: Facts, replicas: int) -> tuple:
         if "scheduler" not in ds:
             ds["scheduler"] = copy.deepcopy(DEFAULT_SCHEDULER)
             said["scheduler"] = "the app's default, a linear warm-up into a cosine decay: the file has none"
-    hidden = facts.hidden
+    hidden, leaves = facts.hidden, _value(ds, "zero_optimization.leaf_module.classes")
+    leaves = list(facts.blocks) if leaves == AUTO else leaves  # a leaf block's one gather brings its small weights
+    persist = 0 if facts.cpu and leaves else 10 * hidden or None
     values = {"gradient_clipping": 1.0, "optimizer.params.lr": lr, "optimizer.params.betas": [0.9, 0.999],
               "optimizer.params.eps": 1e-8, "optimizer.params.weight_decay": 0.0,
               "scheduler.params.warmup_min_lr": 0,
               "zero_optimization.reduce_bucket_size": hidden * hidden or None,
               "zero_optimization.stage3_prefetch_bucket_size": facts.block_size or None,
               "zero_optimization.leaf_module.classes": list(facts.blocks) or None,
-              "zero_optimization.stage3_param_persistence_threshold": 0 if facts.cpu else 10 * hidden or None,
+              "zero_optimization.stage3_param_persistence_threshold": persist,
               "zero_optimization.stage3_gather_16bit_weights_on_model_save": True,
               "zero_optimization.stage3_gather_fp16_weights_on_model_save": True}
     for path in sorted(auto_paths(ds), key=lambda p: _dotted(p) == "scheduler.params.warmup_max_lr"):  # lr first

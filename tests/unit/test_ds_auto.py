@@ -101,16 +101,20 @@ def test_zero3s_leaf_modules_and_prefetch_come_from_the_models_blocks():
 
 
 @pytest.mark.parametrize("model", ["llama-1b", "cnn"])
-def test_zero3s_persistence_is_none_on_cpu_ranks_and_ten_hidden_on_a_gpu(model):
+def test_zero3s_persistence_is_none_on_cpu_ranks_with_leaf_blocks_else_ten_hidden(model, tmp_path):
     """Over gloo DeepSpeed gathers each persistent weight in a collective of its own after every step, so CPU ranks
-    persist nothing; on a GPU (and in app.tools.plan, which plans one) the threshold is 10 x hidden, HF's rule, else
-    DeepSpeed's (a model without a hidden size)."""
+    whose transformer blocks are leaf modules persist nothing (a block's one gather brings its small weights); on a
+    GPU (and in app.tools.plan, which plans one), and without leaf blocks (the CNN, HF's ZeRO-3 file), the
+    threshold is 10 x hidden, HF's rule, else DeepSpeed's (a model without a hidden size)."""
     shipped = ds_config.load_ds_config(ds_config.REPO / "ds_configs" / "zero3.json", resolve=False)
+    hf = ds_config.load_ds_config(_write(tmp_path, "z3", HF_ZERO3), resolve=False)
     spec = resolver.build(Settings(model=model)).spec
-    threshold = {device: ds_auto.fill(shipped, resolver.auto_facts(spec, device), 2)[0]["zero_optimization"].get(
-        "stage3_param_persistence_threshold") for device in ("cpu", "cuda", None)}
+    key = "stage3_param_persistence_threshold"
+    threshold = {(name, device): ds_auto.fill(ds, resolver.auto_facts(spec, device), 2)[0]["zero_optimization"].get(key)
+                 for name, ds in (("shipped", shipped), ("hf", hf)) for device in ("cpu", "cuda", None)}
     gpu = 20_480 if model == "llama-1b" else None
-    assert threshold == {"cpu": 0, "cuda": gpu, None: gpu}
+    assert threshold == {("shipped", "cpu"): 0 if model == "llama-1b" else None, ("shipped", "cuda"): gpu,
+                         ("shipped", None): gpu, ("hf", "cpu"): gpu, ("hf", "cuda"): gpu, ("hf", None): gpu}
 
 
 def test_a_model_without_a_hidden_size_leaves_bucket_sizes_to_deepspeed():
