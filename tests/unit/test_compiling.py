@@ -191,3 +191,39 @@ def test_an_error_chained_to_itself_is_described_and_the_description_ends():
     error = ValueError("the model's own complaint")
     error.__cause__ = error
     assert "the model's own complaint" in compiling.describe(error)
+
+
+class _Tagged(torch.nn.Module):
+    """A block whose forward reads an integer of its weight, as DeepSpeed's linear reads its ds_id: torch.compile
+    guards the block's graph on it, so each block needs a graph of its own."""
+
+    def __init__(self, tag: int):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.ones(4))
+        self.weight.tag = tag
+
+    def forward(self, x):
+        return x * self.weight + self.weight.tag
+
+
+def test_every_zero3_leaf_block_keeps_a_compiled_graph_past_torchs_limit_of_8(monkeypatch):
+    import torch._dynamo.config as config
+    from deepspeed.utils import set_z3_leaf_modules
+    from torch._dynamo.utils import counters
+    monkeypatch.setattr(config, "recompile_limit", 8)  # torch's default, put back after the test
+    monkeypatch.setattr(config, "accumulated_recompile_limit", 256)
+    assert compiling.allow_a_graph_per_block(torch.nn.Sequential(torch.nn.Linear(4, 4))) == 0
+    assert config.recompile_limit == 8
+    model = torch.nn.Sequential(*[_Tagged(i) for i in range(12)])
+    set_z3_leaf_modules(model, [_Tagged])
+    assert compiling.allow_a_graph_per_block(model) == 2 * 12 + 8
+    torch._dynamo.reset()
+    counters.clear()
+    for block in model:
+        block.compile(backend="eager")
+    x = torch.ones(4)
+    for block in model:
+        x = block(x)
+    assert counters["stats"]["unique_graphs"] == 12  # with torch's limit of 8, the last 4 would run eager
+    assert torch.equal(x, torch.full((4,), 1.0 + sum(range(12))))
+    torch._dynamo.reset()

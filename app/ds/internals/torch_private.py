@@ -9,7 +9,7 @@ from torch.utils._pytree import tree_flatten
 TORCH_WRITTEN_FOR = "2.14"
 DYNAMO_LOGGER = "torch._dynamo"
 __all__ = ["TorchDispatchMode", "tree_flatten", "default_store", "fake_tensor_mode", "fake_run", "dynamo_reset",
-           "is_dynamo_error", "compile_backward_with_forward", "dynamo_graphs", "record_memory_history",
+           "is_dynamo_error", "compile_backward_with_forward", "dynamo_graphs", "allow_recompiles", "record_memory_history",
            "stop_memory_history", "dump_memory_snapshot", "DYNAMO_LOGGER", "TORCH_WRITTEN_FOR"]
 
 
@@ -50,6 +50,15 @@ def dynamo_graphs() -> tuple:
     """(graphs compiled, graph breaks) so far in this process, from dynamo's own counters."""
     from torch._dynamo.utils import counters
     return counters["stats"]["unique_graphs"], sum(counters["graph_break"].values())
+
+
+def allow_recompiles(per_function: int) -> int:
+    """Raise torch.compile's limit of graphs kept for one function (8 by default; past it the function runs eager)
+    to at least per_function, and its limit of all recompiles with it; the limit now in force."""
+    import torch._dynamo.config as config
+    config.recompile_limit = max(config.recompile_limit, per_function)
+    config.accumulated_recompile_limit = max(config.accumulated_recompile_limit, 4 * config.recompile_limit)
+    return config.recompile_limit
 
 
 def is_dynamo_error(error: BaseException) -> bool:
