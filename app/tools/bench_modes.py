@@ -188,7 +188,8 @@ def _each_rank(world, value: float) -> list:
 
 class EagerFallbacks(logging.Handler):
     """Collects the frames of the model that torch.compile gave up on during a mode (its recompile limit), so a
-    mode that ran eager is not reported compiled; DeepSpeed's own hooks do not count."""
+    mode that ran eager is not reported compiled; DeepSpeed's own hooks do not count. A frame is judged by where
+    its function lives, not by its reason: a block whose guard failed inside DeepSpeed's linear is the model's."""
 
     def __init__(self):
         super().__init__(logging.WARNING)
@@ -196,8 +197,9 @@ class EagerFallbacks(logging.Handler):
 
     def emit(self, record):
         text = record.getMessage()
-        if "recompile_limit" in text and "deepspeed" not in text:
-            self.model_frames.append(text.splitlines()[1].strip() if "\n" in text else text)
+        frame = text.splitlines()[1].strip() if "\n" in text else text
+        if "recompile_limit" in text and "deepspeed" not in frame:
+            self.model_frames.append(frame)
 
     def __enter__(self):
         logging.getLogger(torch_private.DYNAMO_LOGGER).addHandler(self)

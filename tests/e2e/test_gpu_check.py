@@ -62,7 +62,18 @@ def test_a_part_takes_the_limit_it_is_given_and_a_misspelled_part_is_refused(tmp
     with pytest.raises(SystemExit) as refused:
         gpu_check.main([str(tmp_path / "out"), "--limit", "sleep=1"])
     assert refused.value.code == 2
-    assert "--limit names no part: sleep" in capsys.readouterr().err
+    assert "--limit or --only names no part: sleep" in capsys.readouterr().err
+
+
+def test_only_runs_the_parts_it_names_in_the_order_it_names_them(tmp_path, monkeypatch):
+    gpu_check = _driver()
+    fake = [gpu_check.Part(name, 10, ["true"], name) for name in ("first", "second", "third")]
+    monkeypatch.setattr(gpu_check, "parts", lambda out: fake)
+    monkeypatch.setattr(gpu_check, "cuda_available", lambda: True)
+    assert gpu_check.main([str(tmp_path / "out"), "--only", "third,first"]) == 0
+    assert list(json.loads((tmp_path / "out" / "report.json").read_text())["parts"]) == ["third", "first"]
+    with pytest.raises(SystemExit):
+        gpu_check.main([str(tmp_path / "out"), "--only", "third,fourth"])
 
 
 def test_the_zero3_variants_are_configs_the_app_takes_each_one_setting_apart(tmp_path):

@@ -60,16 +60,20 @@ def test_each_mode_lays_out_its_ranks_as_its_config_says():
 
 
 def test_a_frame_of_the_model_that_fell_back_to_eager_is_collected_and_deepspeeds_are_not():
+    # the H200's llama-1b under ZeRO-3 (torch 2.11): blocks past the limit by a guard inside DeepSpeed's linear
     log = logging.getLogger(torch_private.DYNAMO_LOGGER)
     with bench_modes.EagerFallbacks() as fallbacks:
         log.warning("torch._dynamo hit config.recompile_limit (8)\n   function: 'forward' (app/core/models.py:40)\n"
                     "   last reason: 0/7: tensor 'x' size mismatch")
         log.warning("torch._dynamo hit config.recompile_limit (8)\n   function: 'hook' (deepspeed/runtime/zero.py:9)")
+        log.warning("torch._dynamo hit config.recompile_limit (8)\n   function: 'forward' (modeling_llama.py:295)\n"
+                    "   last reason: 14/7: ....ds_id == 69  # deepspeed/runtime/zero/utils.py:153 in is_zero_param")
         log.warning("recompile_limit reached")
         log.warning("a graph break in forward")
         log.info("recompile_limit at info level")
     log.warning("torch._dynamo hit config.recompile_limit (8)\n   function: 'later' (app/x.py:1)")
-    assert fallbacks.model_frames == ["function: 'forward' (app/core/models.py:40)", "recompile_limit reached"]
+    assert fallbacks.model_frames == ["function: 'forward' (app/core/models.py:40)",
+                                      "function: 'forward' (modeling_llama.py:295)", "recompile_limit reached"]
     assert fallbacks not in log.handlers
 
 
