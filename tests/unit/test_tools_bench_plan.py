@@ -1,5 +1,5 @@
 """The memory plan beside the benchmark: each app row gets the peak the plan predicts for its config, world size and
-micro batch, the same plan app.tools.plan prints; torch and LoRA rows get none."""
+micro batch, the same plan app.tools.plan prints (with --lora for a LoRA row); torch rows get none."""
 import pytest
 import torch
 
@@ -46,15 +46,36 @@ def test_an_app_row_gets_the_plans_peak_for_its_config_ranks_and_micro_batch(mod
                      f"{expected[1] / (50 * MB):.3f}"]
 
 
-def test_torch_lora_and_unknown_rows_get_no_plan_and_a_row_without_a_peak_no_ratio():
+def test_torch_and_unknown_rows_get_no_plan_and_a_row_without_a_peak_no_ratio():
     work = bench_modes.build_workload(bench.parse(["--quick", "--model", "gpt2-tiny", "--seq_len", "16",
                                                    "--modes", "raw"]))
-    rows = [_row("raw"), _row("fsdp2", ranks=2), _row("ddp", ranks=2), _row("zero1+lora"), _row("zero9"),
-            _row("zero1", peak=0)]
+    rows = [_row("raw"), _row("fsdp2", ranks=2), _row("ddp", ranks=2), _row("zero9"), _row("zero1", peak=0)]
     lines = add_planned_peaks(rows, _configs("zero1"), work)
-    assert [(r["plan_peak_bytes"], r["plan_over_peak"]) for r in rows[:5]] == [(None, None)] * 5
-    assert rows[5]["plan_peak_bytes"] == _planned(work, "zero1", 1, 4) and rows[5]["plan_over_peak"] is None
+    assert [(r["plan_peak_bytes"], r["plan_over_peak"]) for r in rows[:4]] == [(None, None)] * 4
+    assert rows[4]["plan_peak_bytes"] == _planned(work, "zero1", 1, 4) and rows[4]["plan_over_peak"] is None
     assert lines == [], "no line for a row measured at 0 bytes"
+
+
+def test_a_lora_row_is_planned_with_the_adapters_the_benchmark_gave_it():
+    """As `python -m app.tools.plan --lora` plans it: the base frozen, the task's own rank and targets; a model
+    that takes no adapters (the CNN) gets no plan for its LoRA row."""
+    from app.core import lora
+    work = bench_modes.build_workload(bench.parse(["--quick", "--model", "gpt2-tiny", "--seq_len", "16",
+                                                   "--modes", "raw"]))
+    bench_modes.build_model(work, lora=True)  # as the LoRA mode builds it
+    rows = [_row("zero3+lora", ranks=2, micro=2), _row("zero3", ranks=2, micro=2)]
+    add_planned_peaks(rows, _configs("zero3"), work)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    ds = ds_auto.fill(_configs("zero3")["zero3"], resolver.auto_facts(work.task.spec, device), 2)[0]
+    build = planner.workload(work.task, work.info.seq_len, work.info.image_size, frozen=True)
+    adapters = (work.task.settings.lora_rank, lora.targets_of(work.task.settings))
+    planned = planner.plans(build, {"zero3": ds}, 2, adapters)["zero3"]
+    assert planned.trained < planned.parameters
+    assert rows[0]["plan_peak_bytes"] == planned.peak(2) != rows[1]["plan_peak_bytes"]
+    cnn = bench_modes.build_workload(bench.parse(["--quick", "--model", "cnn", "--modes", "raw"]))
+    row = _row("zero1+lora")
+    add_planned_peaks([row], _configs("zero1"), cnn)
+    assert row["plan_peak_bytes"] is None
 
 
 def test_an_offload_row_gets_what_the_plan_offloads_beside_the_hosts_measured_peak():
