@@ -76,9 +76,10 @@ def parts(out: Path) -> list:
     return [
         Part("llama_1b", 300, bench(out, "llama-1b", "--model", "llama-1b", "--batch", 8, "--seq_len", 2048,
                                     "--ranks", 1, "--modes", "raw-compile,fsdp2,app", "--configs", llama_configs,
-                                    "--steps", 4, "--warmup", 2, "--profile", "zero3"),
+                                    "--steps", 4, "--warmup", 2, "--profile", "zero3,dp"),
              "llama-1b, micro 8 x 2,048, bf16, compiled: raw + compile, FSDP2, the app at ZeRO 0-3, ZeRO-3 with "
-             "DeepSpeed's defaults and with one setting changed; the plan's peak beside each; ZeRO-3 profiled"),
+             "DeepSpeed's defaults and with one setting changed; the plan's peak beside each; ZeRO-3 and ZeRO 0 "
+             "profiled, with what their peak holds"),
         Part("llama_8b_lora", 180, bench(out, "llama-8b", "--model", "llama-8b", "--lora", "only", "--batch", 2,
                                          "--seq_len", 2048, "--ranks", 1, "--modes", "app", "--configs", "zero3",
                                          "--steps", 3, "--warmup", 1),

@@ -86,3 +86,43 @@ class Recorder:
     def __exit__(self, *exc):
         self.stop()
         return False
+
+
+def peak_composition(snapshot: dict, before: int, top: int = 12, device: int = 0) -> tuple:
+    """What was allocated at the highest point of a recorded stretch: (peak bytes, [(bytes, where)] largest first,
+    at most top of them). before: bytes allocated when recording started (torch.cuda.memory_allocated), one entry
+    of its own less what the stretch freed of it; each allocation made while recording goes under the innermost
+    of its Python frames outside torch (the model's line, DeepSpeed's, the app's, a compiled graph's file), on the
+    CUDA device of that index."""
+    traces = snapshot.get("device_traces") or []
+    recorded = traces[device] if device < len(traces) else []
+    trace = [e for e in recorded if e.get("action") in ("alloc", "free_completed")]
+    sizes, now, peak, at = {}, before, before, 0
+    for index, entry in enumerate(trace):  # first the point of the peak
+        if entry["action"] == "alloc":
+            sizes[entry["addr"]] = entry["size"]
+            now += entry["size"]
+        else:
+            now -= sizes.pop(entry["addr"], entry["size"])  # one made before recording, if not in sizes
+        if now > peak:
+            peak, at = now, index + 1
+    alive, kept = {}, before
+    for entry in trace[:at]:  # then what was alive there
+        if entry["action"] == "alloc":
+            alive[entry["addr"]] = entry
+        elif alive.pop(entry["addr"], None) is None:
+            kept -= entry["size"]
+    groups = {"allocated before the recorded steps": kept}
+    for entry in alive.values():
+        where = _where(entry.get("frames", []))
+        groups[where] = groups.get(where, 0) + entry["size"]
+    return peak, sorted(groups.items(), key=lambda item: -item[1])[:top]
+
+
+def _where(frames: list) -> str:
+    """'name (folder/file.py:line)' of the innermost frame outside torch's own files."""
+    for frame in frames:
+        name = frame.get("filename", "")
+        if "/torch/" not in name and not name.startswith("<"):
+            return f"{frame.get('name', '?')} ({'/'.join(Path(name).parts[-2:])}:{frame.get('line', 0)})"
+    return "torch itself"

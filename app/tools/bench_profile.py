@@ -1,6 +1,7 @@
 """What a mode of the benchmark spends its steps on: torch's profiler over a few steps after the measured ones, written
 as tables, with the share of the wall time the device was busy and the graphs torch.compile made (a ZeRO-3 model
-breaks into a graph per module that has DeepSpeed's hooks)."""
+breaks into a graph per module that has DeepSpeed's hooks); on a GPU, what was allocated at those steps' peak, by
+the line of code that allocated it."""
 import time
 from pathlib import Path
 
@@ -8,6 +9,7 @@ import torch
 from torch.autograd import DeviceType
 
 from app.ds.internals import torch_private
+from app.observe import memory_snapshot
 
 STEPS = 3  # profiled steps, run after the measured ones so that the profiler's cost is in no measured step
 
@@ -17,6 +19,7 @@ class Profile:
 
     def __init__(self, device, after: int):
         self.device, self.after, self.ticks, self.profiler, self.wall = device, after, 0, None, 0.0
+        self.memory, self.before = None, 0  # on a GPU: the allocations recorded over the profiled steps
 
     def tick(self):
         """One step ended."""
@@ -26,12 +29,20 @@ class Profile:
             if self.device.type == "cuda":
                 activities.append(torch.profiler.ProfilerActivity.CUDA)
                 torch.cuda.synchronize()
+                self.before = torch.cuda.memory_allocated(self.device)
+                try:
+                    torch_private.record_memory_history(memory_snapshot.MAX_ENTRIES)
+                except RuntimeError:  # an allocator that keeps no record (backend:cudaMallocAsync): no peak table
+                    self.before = None
             self.profiler = torch.profiler.profile(activities=activities)
             self.profiler.__enter__()
             self.started = time.perf_counter()
         elif self.ticks == self.after + STEPS and self.profiler is not None:
             if self.device.type == "cuda":
                 torch.cuda.synchronize()
+                if self.before is not None:
+                    self.memory = torch_private.memory_snapshot()
+                    torch_private.stop_memory_history()
             self.wall = time.perf_counter() - self.started
             self.profiler.__exit__(None, None, None)
 
@@ -46,8 +57,19 @@ class Profile:
                    f"{busy_us / 1e3 / STEPS:.1f} ms ({busy_us / 1e6 / self.wall:.0%}), host ops "
                    f"{cpu_us / 1e3 / STEPS:.1f} ms; {graphs[0]} graphs compiled, {graphs[1]} graph breaks")
         by_device = events.table(sort_by="self_device_time_total", row_limit=25) if self.device.type == "cuda" else ""
-        path.write_text(f"{summary}\n\n{by_device}\n\n{events.table(sort_by='self_cpu_time_total', row_limit=40)}\n")
+        path.write_text(f"{summary}\n\n{by_device}\n\n{events.table(sort_by='self_cpu_time_total', row_limit=40)}\n"
+                        f"{peak_table(self.memory, self.before, self.device.index or 0)}")
         return summary
+
+
+def peak_table(snapshot, before: int, device: int = 0) -> str:
+    """The lines that say what was allocated at the peak of the recorded steps ('' when nothing was recorded)."""
+    if not snapshot:
+        return ""
+    peak, groups = memory_snapshot.peak_composition(snapshot, before, device=device)
+    rows = [f"{size / 1e9:10.3f} GB  {where}" for where, size in groups]
+    head = f"\nallocated at the profiled steps' peak: {peak / 1e9:.3f} GB, the largest parts:"
+    return "\n".join([head, *rows]) + "\n"
 
 
 def device_busy_us(events) -> float:

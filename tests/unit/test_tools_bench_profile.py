@@ -58,3 +58,14 @@ def test_graphs_made_counts_the_graphs_torch_compile_makes():
     compiled(torch.randn(3))
     after = bench_profile.graphs_made()
     assert after[0] == before[0] + 1 and after[1] == before[1]
+
+
+def test_the_peak_table_says_the_largest_parts_of_the_peak_and_nothing_where_nothing_was_recorded():
+    """On a GPU the profiled steps' allocations are recorded (torch's snapshot format); on a CPU nothing is."""
+    frames = [{"filename": "/x/transformers/models/gpt2/modeling_gpt2.py", "line": 5, "name": "forward"}]
+    trace = [{"action": "alloc", "addr": 1, "size": 3 * 10**9, "frames": frames},
+             {"action": "free_completed", "addr": 1, "size": 3 * 10**9, "frames": []}]
+    assert bench_profile.peak_table(None, 0) == ""
+    assert bench_profile.peak_table({"device_traces": [[], trace]}, 10**9, device=1).splitlines() == [
+        "", "allocated at the profiled steps' peak: 4.000 GB, the largest parts:",
+        "     3.000 GB  forward (gpt2/modeling_gpt2.py:5)", "     1.000 GB  allocated before the recorded steps"]

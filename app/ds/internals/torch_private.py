@@ -10,7 +10,7 @@ TORCH_WRITTEN_FOR = "2.14"
 DYNAMO_LOGGER = "torch._dynamo"
 __all__ = ["TorchDispatchMode", "tree_flatten", "default_store", "fake_tensor_mode", "fake_run", "dynamo_reset",
            "is_dynamo_error", "compile_backward_with_forward", "dynamo_graphs", "allow_recompiles", "record_memory_history",
-           "stop_memory_history", "dump_memory_snapshot", "DYNAMO_LOGGER", "TORCH_WRITTEN_FOR"]
+           "stop_memory_history", "dump_memory_snapshot", "memory_snapshot", "DYNAMO_LOGGER", "TORCH_WRITTEN_FOR"]
 
 
 def default_store():
@@ -90,3 +90,8 @@ def dump_memory_snapshot(path):
     """Write the CUDA allocator's segments and what was recorded to path, a pickle that pytorch.org/memory_viz
     reads (empty where nothing was recorded)."""
     torch.cuda.memory._dump_snapshot(str(path))
+
+
+def memory_snapshot() -> dict:
+    """The CUDA allocator's segments and what was recorded, as dump_memory_snapshot writes them."""
+    return torch.cuda.memory._snapshot()
