@@ -205,10 +205,11 @@ def main(argv=None) -> int:
     started, cuda = time.perf_counter(), cuda_available()
     report = {"cuda": cuda, "python": sys.version.split()[0], "versions": versions(), "parts": {}}
     named = {p.name: p for p in parts(out)}
-    unknown = (set(limits) | set(filter(None, args.only.split(",")))) - set(named)
+    only = list(dict.fromkeys(name.strip() for name in args.only.split(",") if name.strip()))  # in order, once
+    unknown = (set(limits) | set(only)) - set(named)
     if unknown:
         parser.error(f"--limit or --only names no part: {', '.join(sorted(unknown))}")
-    chosen = [named[name] for name in args.only.split(",")] if args.only else list(named.values())
+    chosen = [named[name] for name in only] if only else list(named.values())
     for part in chosen:
         left = args.budget - (time.perf_counter() - started)
         if left < 10:

@@ -90,13 +90,15 @@ class Recorder:
 
 def peak_composition(snapshot: dict, before: int, top: int = 12, device: int = 0) -> tuple:
     """What was allocated at the highest point of a recorded stretch: (peak bytes, [(bytes, where)] largest first,
-    at most top of them). before: bytes allocated when recording started (torch.cuda.memory_allocated), one entry
-    of its own less what the stretch freed of it; each allocation made while recording goes under the innermost
-    of its Python frames outside torch (the model's line, DeepSpeed's, the app's, a compiled graph's file), on the
-    CUDA device of that index."""
+    at most top of them, whether the trace was cut). before: bytes allocated when recording started
+    (torch.cuda.memory_allocated), one entry of its own less what the stretch freed of it; each allocation made
+    while recording goes under the innermost of its Python frames outside torch (the model's line, DeepSpeed's, the
+    app's, a compiled graph's file), on the CUDA device of that index. A block counts as freed when its free is
+    requested, as torch's memory_allocated counts it; sizes are the requested ones the trace keeps. A trace of
+    MAX_ENTRIES or more entries was cut at its start: what it says is of the stretch it kept."""
     traces = snapshot.get("device_traces") or []
     recorded = traces[device] if device < len(traces) else []
-    trace = [e for e in recorded if e.get("action") in ("alloc", "free_completed")]
+    trace = [e for e in recorded if e.get("action") in ("alloc", "free_requested")]
     sizes, now, peak, at = {}, before, before, 0
     for index, entry in enumerate(trace):  # first the point of the peak
         if entry["action"] == "alloc":
@@ -116,13 +118,16 @@ def peak_composition(snapshot: dict, before: int, top: int = 12, device: int = 0
     for entry in alive.values():
         where = _where(entry.get("frames", []))
         groups[where] = groups.get(where, 0) + entry["size"]
-    return peak, sorted(groups.items(), key=lambda item: -item[1])[:top]
+    return peak, sorted(groups.items(), key=lambda item: -item[1])[:top], len(recorded) >= MAX_ENTRIES
+
+
+TORCH_FOLDER = str(Path(torch.__file__).parent) + "/"  # torch's own files; its environment may be under /opt/torch/
 
 
 def _where(frames: list) -> str:
     """'name (folder/file.py:line)' of the innermost frame outside torch's own files."""
     for frame in frames:
         name = frame.get("filename", "")
-        if "/torch/" not in name and not name.startswith("<"):
+        if not name.startswith(TORCH_FOLDER) and not name.startswith("<"):
             return f"{frame.get('name', '?')} ({'/'.join(Path(name).parts[-2:])}:{frame.get('line', 0)})"
     return "torch itself"

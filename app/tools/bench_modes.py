@@ -21,7 +21,7 @@ from app.settings import Settings
 from app.data.loader import build_loader
 from app.tools.bench_common import Clock, TimedLoader, Workload, build_model, param_bytes
 from app.tools.bench_fsdp import run_fsdp2
-from app.tools.bench_profile import STEPS as PROFILED_STEPS, Profile, graphs_made
+from app.tools.bench_profile import EXTRA_STEPS as PROFILED_STEPS, Profile, graphs_made
 from app.tools.bench_report import TORCH_MODES
 from app.tools.bench_torch import run_torch
 
@@ -157,8 +157,12 @@ def _run(mode, args, world, work: Workload, loader, clock) -> tuple:
     total = args.warmup + args.steps + (PROFILED_STEPS if profiled else 0)  # profiled after the measured
     clock.after_tick, graphs = profile.tick if profile else None, graphs_made()
     runner = run_fsdp2 if mode == "fsdp2" else run_torch if mode in TORCH_MODES else run_app
-    with EagerFallbacks() as fallbacks:
-        zero, dtype, compiled, held = runner(mode, args, world, work, loader, clock, total)
+    try:
+        with EagerFallbacks() as fallbacks:
+            zero, dtype, compiled, held = runner(mode, args, world, work, loader, clock, total)
+    finally:
+        if profile:  # a mode that failed inside its recorded step records no further
+            profile.stop()
     graphs = tuple(after - before for after, before in zip(graphs_made(), graphs))
     if profile:
         try:
@@ -173,6 +177,7 @@ def _start_mode(world, threads: int):
     over), torch's TF32 defaults (the mode then sets TF32 as the app would), a fresh memory peak."""
     torch.set_num_threads(threads)
     torch_private.dynamo_reset()
+    torch_private.default_recompiles()  # an app mode before may have raised them for its ZeRO-3 blocks
     if world.device.type == "cuda":
         torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = False, True
     metrics.reset_peak_memory(world.device)  # the host's peak too (offload holds its states there)

@@ -12,14 +12,17 @@ from app.ds.internals import torch_private
 from app.observe import memory_snapshot
 
 STEPS = 3  # profiled steps, run after the measured ones so that the profiler's cost is in no measured step
+RECORDED = 1  # then, on a GPU, a step whose allocations are recorded (which costs the host time): in no profiled one
+EXTRA_STEPS = STEPS + RECORDED  # the steps a profiled mode runs after its measured ones
 
 
 class Profile:
-    """Started at the first tick after `after` steps, stopped STEPS ticks later; write() puts the tables in path."""
+    """Started at the first tick after `after` steps, stopped STEPS ticks later, then on a GPU the allocations of
+    RECORDED more steps recorded; write() puts the tables in path, stop() ends a recording cut short."""
 
     def __init__(self, device, after: int):
         self.device, self.after, self.ticks, self.profiler, self.wall = device, after, 0, None, 0.0
-        self.memory, self.before = None, 0  # on a GPU: the allocations recorded over the profiled steps
+        self.memory, self.before, self.recording = None, 0, False  # on a GPU: the recorded step's allocations
 
     def tick(self):
         """One step ended."""
@@ -29,22 +32,36 @@ class Profile:
             if self.device.type == "cuda":
                 activities.append(torch.profiler.ProfilerActivity.CUDA)
                 torch.cuda.synchronize()
-                self.before = torch.cuda.memory_allocated(self.device)
-                try:
-                    torch_private.record_memory_history(memory_snapshot.MAX_ENTRIES)
-                except RuntimeError:  # an allocator that keeps no record (backend:cudaMallocAsync): no peak table
-                    self.before = None
             self.profiler = torch.profiler.profile(activities=activities)
             self.profiler.__enter__()
             self.started = time.perf_counter()
         elif self.ticks == self.after + STEPS and self.profiler is not None:
             if self.device.type == "cuda":
                 torch.cuda.synchronize()
-                if self.before is not None:
-                    self.memory = torch_private.memory_snapshot()
-                    torch_private.stop_memory_history()
             self.wall = time.perf_counter() - self.started
             self.profiler.__exit__(None, None, None)
+            self._record()
+        elif self.ticks == self.after + EXTRA_STEPS and self.recording:
+            torch.cuda.synchronize()
+            self.memory = torch_private.memory_snapshot()
+            self.stop()
+
+    def _record(self):
+        """Record the next step's allocations, on a GPU whose allocator keeps a record (not backend:cudaMallocAsync)."""
+        if self.device.type != "cuda":
+            return
+        self.before = torch.cuda.memory_allocated(self.device)
+        try:
+            torch_private.record_memory_history(memory_snapshot.MAX_ENTRIES)
+            self.recording = True
+        except RuntimeError:
+            pass
+
+    def stop(self):
+        """Stop recording allocations, if it still is (also where the mode ended inside its recorded step)."""
+        if self.recording:
+            self.recording = False
+            torch_private.stop_memory_history()
 
     def write(self, path: Path, mode: str, graphs: tuple) -> str:
         """The tables of the profiled steps in path; the one-line summary."""
@@ -66,9 +83,10 @@ def peak_table(snapshot, before: int, device: int = 0) -> str:
     """The lines that say what was allocated at the peak of the recorded steps ('' when nothing was recorded)."""
     if not snapshot:
         return ""
-    peak, groups = memory_snapshot.peak_composition(snapshot, before, device=device)
+    peak, groups, cut = memory_snapshot.peak_composition(snapshot, before, device=device)
     rows = [f"{size / 1e9:10.3f} GB  {where}" for where, size in groups]
-    head = f"\nallocated at the profiled steps' peak: {peak / 1e9:.3f} GB, the largest parts:"
+    head = (f"\nallocated at the peak of the step after the profiled ones: {peak / 1e9:.3f} GB, the largest parts"
+            f"{' (the record was cut: of its last part alone)' if cut else ''}:")
     return "\n".join([head, *rows]) + "\n"
 
 

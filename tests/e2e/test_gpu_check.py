@@ -70,7 +70,7 @@ def test_only_runs_the_parts_it_names_in_the_order_it_names_them(tmp_path, monke
     fake = [gpu_check.Part(name, 10, ["true"], name) for name in ("first", "second", "third")]
     monkeypatch.setattr(gpu_check, "parts", lambda out: fake)
     monkeypatch.setattr(gpu_check, "cuda_available", lambda: True)
-    assert gpu_check.main([str(tmp_path / "out"), "--only", "third,first"]) == 0
+    assert gpu_check.main([str(tmp_path / "out"), "--only", "third, first,third,"]) == 0
     assert list(json.loads((tmp_path / "out" / "report.json").read_text())["parts"]) == ["third", "first"]
     with pytest.raises(SystemExit):
         gpu_check.main([str(tmp_path / "out"), "--only", "third,fourth"])

@@ -64,31 +64,34 @@ def test_a_cuda_allocator_that_cannot_record_leaves_the_run_going_without_snapsh
 
 
 def _alloc(addr, size, filename, line=1, name="forward"):
+    torch_file = memory_snapshot.TORCH_FOLDER + "nn/functional.py"  # on the H200, under /opt/torch/.venv/
     return {"action": "alloc", "addr": addr, "size": size, "frames": [
-        {"filename": "/venv/lib/python3.12/site-packages/torch/nn/functional.py", "line": 9, "name": "linear"},
-        {"filename": filename, "line": line, "name": name}]}
+        {"filename": torch_file, "line": 9, "name": "linear"}, {"filename": filename, "line": line, "name": name}]}
 
 
-def _free(addr, size):
-    return {"action": "free_completed", "addr": addr, "size": size, "frames": []}
+def _free(addr, size, action="free_requested"):
+    return {"action": action, "addr": addr, "size": size, "frames": []}
 
 
 def test_the_peak_of_a_recorded_stretch_is_told_apart_by_the_line_that_allocated_it():
     """A trace as torch's allocator records it (device_traces, innermost frame first): 1,000 bytes held before it
     began, 200 of which the stretch frees; the peak is where the most was held, not its end; each part goes under
-    its innermost frame outside torch, and 'free_requested' entries (a free not yet done) do not count."""
-    trace = [_alloc(1, 300, "/x/transformers/models/llama/modeling_llama.py", 40),
-             {"action": "free_requested", "addr": 1, "size": 300, "frames": []},
+    its innermost frame outside torch (a model under /opt/torch/ is not torch's), and a block counts as freed when
+    its free is requested, as memory_allocated counts it, not again when the free completes."""
+    trace = [_alloc(1, 300, "/opt/torch/.venv/lib/site-packages/transformers/models/llama/modeling_llama.py", 40),
              _free(99, 200),  # made before recording began
              _alloc(2, 500, "/tmp/torchinductor_root/ab/cabc.py", 7, "call"),
-             _alloc(3, 100, "/x/transformers/models/llama/modeling_llama.py", 40),
+             _alloc(3, 100, "/opt/torch/.venv/lib/site-packages/transformers/models/llama/modeling_llama.py", 40),
              _free(1, 300),
-             _alloc(4, 50, "/x/deepspeed/runtime/engine.py", 12, "allreduce")]
-    peak, groups = memory_snapshot.peak_composition({"device_traces": [trace], "segments": []}, before=1000)
-    assert peak == 1000 + 300 - 200 + 500 + 100  # before the free of 1: the end holds less (1,450)
+             _free(1, 300, "free_completed"),
+             _alloc(4, 50, "/opt/torch/.venv/lib/site-packages/deepspeed/runtime/engine.py", 12, "allreduce")]
+    peak, groups, cut = memory_snapshot.peak_composition({"device_traces": [trace], "segments": []}, before=1000)
+    assert peak == 1000 - 200 + 300 + 500 + 100 and not cut  # before the free of 1: the end holds less (1,450)
     assert groups == [("allocated before the recorded steps", 800), ("call (ab/cabc.py:7)", 500),
                       ("forward (llama/modeling_llama.py:40)", 400)]
     assert memory_snapshot.peak_composition({"device_traces": [[]]}, before=70) == (
-        70, [("allocated before the recorded steps", 70)]), "nothing recorded: what was there"
+        70, [("allocated before the recorded steps", 70)], False), "nothing recorded: what was there"
     assert memory_snapshot.peak_composition({"device_traces": [trace]}, before=0, top=1)[1] == [
         ("call (ab/cabc.py:7)", 500)]
+    full = [_alloc(i, 1, "/x/m.py") for i in range(memory_snapshot.MAX_ENTRIES)]
+    assert memory_snapshot.peak_composition({"device_traces": [full]}, before=0)[2], "as long as recording keeps: cut"

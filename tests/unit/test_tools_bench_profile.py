@@ -67,5 +67,5 @@ def test_the_peak_table_says_the_largest_parts_of_the_peak_and_nothing_where_not
              {"action": "free_completed", "addr": 1, "size": 3 * 10**9, "frames": []}]
     assert bench_profile.peak_table(None, 0) == ""
     assert bench_profile.peak_table({"device_traces": [[], trace]}, 10**9, device=1).splitlines() == [
-        "", "allocated at the profiled steps' peak: 4.000 GB, the largest parts:",
+        "", "allocated at the peak of the step after the profiled ones: 4.000 GB, the largest parts:",
         "     3.000 GB  forward (gpt2/modeling_gpt2.py:5)", "     1.000 GB  allocated before the recorded steps"]

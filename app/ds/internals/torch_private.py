@@ -9,7 +9,8 @@ from torch.utils._pytree import tree_flatten
 TORCH_WRITTEN_FOR = "2.14"
 DYNAMO_LOGGER = "torch._dynamo"
 __all__ = ["TorchDispatchMode", "tree_flatten", "default_store", "fake_tensor_mode", "fake_run", "dynamo_reset",
-           "is_dynamo_error", "compile_backward_with_forward", "dynamo_graphs", "allow_recompiles", "record_memory_history",
+           "is_dynamo_error", "compile_backward_with_forward", "dynamo_graphs", "allow_recompiles",
+           "default_recompiles", "record_memory_history",
            "stop_memory_history", "dump_memory_snapshot", "memory_snapshot", "DYNAMO_LOGGER", "TORCH_WRITTEN_FOR"]
 
 
@@ -52,13 +53,27 @@ def dynamo_graphs() -> tuple:
     return counters["stats"]["unique_graphs"], sum(counters["graph_break"].values())
 
 
+_DEFAULT_RECOMPILES = {}  # torch's own limits, kept before allow_recompiles first raises them
+
+
 def allow_recompiles(per_function: int) -> int:
     """Raise torch.compile's limit of graphs kept for one function (8 by default; past it the function runs eager)
     to at least per_function, and its limit of all recompiles with it; the limit now in force."""
     import torch._dynamo.config as config
+    if not _DEFAULT_RECOMPILES:
+        _DEFAULT_RECOMPILES.update(recompile_limit=config.recompile_limit,
+                                   accumulated_recompile_limit=config.accumulated_recompile_limit)
     config.recompile_limit = max(config.recompile_limit, per_function)
     config.accumulated_recompile_limit = max(config.accumulated_recompile_limit, 4 * config.recompile_limit)
     return config.recompile_limit
+
+
+def default_recompiles():
+    """Put back torch's own limits where allow_recompiles raised them (a benchmark mode starts as in a process of
+    its own)."""
+    import torch._dynamo.config as config
+    for name, value in _DEFAULT_RECOMPILES.items():
+        setattr(config, name, value)
 
 
 def is_dynamo_error(error: BaseException) -> bool:
