@@ -122,7 +122,7 @@ class Grpo(AgainstReference):
                         "grpo: sampling gathers the model layer by layer for each token, every rank in step "
                         "(--gather_for_generation)")
 
-    def eager_because(self, engine) -> str:
+    def eager_because(self, stage: int) -> str:
         return "completions are sampled inside the step (eager)"
 
     def make_step(self, engine, compile_model: bool, board=None) -> TrainStep:

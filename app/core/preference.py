@@ -175,10 +175,10 @@ class Preference(AgainstReference):
                     f"{f', gamma {self.gamma:g}' if self.loss_kind == 'simpo' else ''}; reference: "
                     f"{self.reference_kind}")
 
-    def eager_because(self, engine) -> str:
+    def eager_because(self, stage: int) -> str:
         """Under ZeRO-3, LoRA's reference forward inside the compiled step ended both ranks with a segmentation
         fault on an H100 (docs/preference-tuning.md, "On a GPU"); eager, the same run trains."""
-        if self.reference_kind == "adapters off" and engine.zero_optimization_stage() == 3:
+        if self.reference_kind == "adapters off" and stage == 3:
             return "LoRA's reference (the adapters off) inside ZeRO-3's compiled step crashed on a GPU"
         return ""
 

@@ -101,8 +101,9 @@ class Task:
         """Once the engine holds the initial weights, before a checkpoint loads into it (not called when the run
         has nothing left to train)."""
 
-    def eager_because(self, engine) -> str:
-        """Why the run trains eager whatever --compile asks ('' where it may compile)."""
+    def eager_because(self, stage: int) -> str:
+        """Why a run under ZeRO stage `stage` trains eager whatever --compile asks ('' where it may compile); the
+        memory plan asks it too, of each config."""
         return ""
 
     def make_step(self, engine, compile_model: bool, board=None) -> TrainStep:

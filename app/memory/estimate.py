@@ -4,18 +4,14 @@ of a micro batch adds, worked out from the model's shape alone (no weight is all
 Model states follow DeepSpeed's own layout, as the engine holds it (checked against a real engine's tensors):
 ZeRO 1-2 partition the optimizer state and keep an fp32 master partition; ZeRO-2 keeps the whole gradient of every
 parameter its partition touches, ZeRO-1 every gradient until the step (unless overlap_comm reduces them as they
-arrive); ZeRO-3 partitions each parameter on its own. Activations are measured:
-the model's forward and backward run under torch's FakeTensorMode, in the precision the config gets on a GPU,
-with activation checkpointing when the config asks, while a dispatch mode counts the bytes alive.
+arrive); ZeRO-3 partitions each parameter on its own. Activations are measured (activation_count): the eager
+step's on fake tensors, or the tensors the compiled step's graph keeps, in the precision the config gets on a GPU.
 """
 import math
-import weakref
 from dataclasses import dataclass, field
 
 import torch
 
-from app.ds.internals import torch_private
-from app.parallel import activations
 from app.ds.config import buckets_within, zero_stage
 
 FP32 = 4
@@ -42,6 +38,8 @@ class MemoryPlan:
     """Parameters that train (fewer than all with LoRA)."""
     smallest: int = 1
     """The fewest samples a micro batch trains on (2 where BatchNorm would see a 1x1 map of one sample)."""
+    counted: str = "eager"
+    """How the activations were counted: "compiled" (the compiled graph's), "eager", or eager and why."""
     sampling: tuple = (0, 0)
     """Online RL's sampling, before the training forward and freed by then: (bytes whatever the micro batch (the
     whole weights gathered under ZeRO-3, less the rank's partition), bytes per sample (its group's key-value cache
@@ -215,64 +213,6 @@ def working_bytes(sizes: list, ds: dict, ranks: int, largest_block: int, kinds: 
     prefetch = int(zero.get("stage3_prefetch_bucket_size", 5e7))
     flat = bucket if zero.get("reduce_scatter", True) is not False else 0  # a flushed bucket's flat copy
     return bucket + flat + FP32 * (min(total, 2 * largest_block + prefetch) + persistent)
-
-
-class LiveBytes(torch_private.TorchDispatchMode):
-    """Counts the bytes of every tensor storage made under it while they are alive, and their peak."""
-
-    def __init__(self):
-        super().__init__()
-        self.live, self.peak, self.seen = 0, 0, set()
-
-    def _freed(self, key, nbytes):
-        self.seen.discard(key)
-        self.live -= nbytes
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        for tensor in torch_private.tree_flatten(out)[0]:
-            if isinstance(tensor, torch.Tensor):
-                storage = tensor.untyped_storage()
-                if storage._cdata not in self.seen:
-                    self.seen.add(storage._cdata)
-                    self.live += storage.nbytes()
-                    weakref.finalize(storage, self._freed, storage._cdata, storage.nbytes())
-        self.peak = max(self.peak, self.live)
-        return out
-
-
-def activation_bytes(build, inputs, loss, micro: int, dtype, checkpointed: bool, fake: bool = True,
-                     weights16: bool = False) -> int:
-    """Peak bytes alive during a forward and backward of a micro batch, gradients excepted (each is dropped as it
-    arrives, as a ZeRO bucket takes it; the model states count them). build() makes the model, inputs(micro)
-    (inputs, labels), loss(logits, labels) per-sample losses; dtype: the autocast dtype (None: the weights')."""
-    import contextlib
-    with torch_private.fake_tensor_mode() if fake else contextlib.nullcontext():
-        if weights16:
-            torch.set_default_dtype(dtype)
-        try:
-            model = build()
-        finally:
-            torch.set_default_dtype(torch.float32)
-        inputs16, dtype = (dtype, None) if weights16 else (None, dtype)
-        if checkpointed:
-            activations.checkpoint_blocks(model)
-        model.train()
-        for param in model.parameters():
-            if param.requires_grad:  # LoRA's frozen base has none
-                param.register_post_accumulate_grad_hook(lambda p: setattr(p, "grad", None))
-        x, y = inputs(micro)
-        if inputs16:  # a model of bf16 weights takes its images in bf16, as the engine's step hands them
-            x = [t.to(inputs16) if isinstance(t, torch.Tensor) and t.is_floating_point() else t for t in x]
-        tracker = LiveBytes()
-        held = [*model.parameters(), *model.buffers(), *x, y]  # made before: a view of one (a weight's .t()) is free
-        tracker.seen.update(t.untyped_storage()._cdata for t in held if isinstance(t, torch.Tensor))
-        autocast = torch.autocast("cpu", dtype=dtype) if dtype else contextlib.nullcontext()
-        with tracker:
-            with autocast:
-                total = loss(model(*x), y).sum()
-            total.backward()
-        return tracker.peak
 
 
 def memory_plan(config: str, ds: dict, ranks: int, sizes: list, largest_block: int, measured: tuple,

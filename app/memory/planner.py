@@ -2,7 +2,6 @@
 precision "auto"), and precision "auto" weighed: on a GPU where the plan says bf16 autocast's fp32 weights do not
 fit and DeepSpeed's bf16 section's 16-bit weights do, a run takes bf16 weights and says so."""
 import dataclasses
-import functools
 
 import torch
 
@@ -13,7 +12,7 @@ from app.ds import auto as ds_auto, run_dict
 from app.ds.config import MICRO, zero_stage
 from app.ds.internals import torch_private
 from app.errors import UserError
-from app.memory import estimate, host
+from app.memory import activation_count, estimate, host
 from app.core.fused_loss import next_token_targets
 from app.parallel import activations, tiled
 
@@ -98,45 +97,33 @@ def sampling_of(task, seq_len: int = 0):
     return sampling
 
 
-def plans(work, named: dict, ranks: int, adapters=None, reference: bool = False, sampling=None) -> dict:
+def plans(work, named: dict, ranks: int, adapters=None, reference: bool = False, sampling=None,
+          compiles=None) -> dict:
     """{name: MemoryPlan} of each DeepSpeed dict in named: the model built once on fake tensors for its sizes, one
     fake forward and backward per precision and checkpointing asked; adapters: (rank, targets) of LoRA, or None;
     reference: a frozen copy of the model rides along (preference tuning), its weights alone, as its own engine
     lays them out (run_dict.for_reference: the config's precision, partitioned and offloaded under ZeRO-3 only);
     its no_grad forward's transients, freed before the policy's forward, stay below the policy's own peak;
-    sampling: sampling_of(task), online RL's sampling, or None."""
+    sampling: sampling_of(task), online RL's sampling, or None; compiles: compiles(ds), whether a run of ds compiles
+    its step (its activations are then the compiled graph's, except under activation checkpointing, counted
+    eager), or None (eager)."""
     build, inputs, loss = work
     sizes, trainable, kinds, largest = parameters_of(build, adapters)
     cache, found = {}, {}
     for name, ds in named.items():
         dtype = torch.bfloat16 if any((ds.get(s) or {}).get("enabled") is True
                                       for s in ("torch_autocast", "bf16")) else None
-        key = (dtype, activations.SECTION in ds, (ds.get("bf16") or {}).get("enabled") is True)
+        key = (dtype, activations.SECTION in ds, (ds.get("bf16") or {}).get("enabled") is True,
+               bool(compiles and compiles(ds)) and activations.SECTION not in ds)
         if key not in cache:
-            cache[key] = _measured(functools.partial(estimate.activation_bytes, build, inputs, loss, dtype=dtype,
-                                                     checkpointed=key[1], weights16=key[2]))
+            cache[key] = activation_count.measured(work, dtype, *key[1:])
         found[name] = estimate.memory_plan(name, ds, ranks, sizes, largest, cache[key][:3], kinds, trainable)
-        found[name].largest_layer, found[name].smallest = largest, cache[key][3]
+        found[name].largest_layer, found[name].smallest, found[name].counted = largest, *cache[key][3:]
         if sampling is not None:
             found[name].sampling = sampling(ds, sum(sizes), ranks)
         if reference:
             with_reference(found[name], sizes, ds, ranks)
     return found
-
-
-def _measured(peak) -> tuple:
-    """(bytes per sample, bytes whatever the micro batch, MemoryPlan.least, MemoryPlan.smallest) from
-    peak(micro=...): the slope from 2 to 4 samples, and 1 sample's peak as measured. A model that cannot train on
-    one sample (BatchNorm over a 1x1 map: one value per channel) takes 2 samples' peak as its least, so that no
-    plan picks a micro batch of 1, and 2 as the smallest it trains on."""
-    try:
-        one = peak(micro=1)
-    except ValueError as e:
-        if "value per channel" not in str(e):
-            raise
-        one = None
-    two, four = peak(micro=2), peak(micro=4)
-    return (four - two) // 2, two - (four - two), two if one is None else one, 1 if one is not None else 2
 
 
 def with_reference(plan, sizes: list, ds: dict, ranks: int):
@@ -182,12 +169,20 @@ def with_bf16_weights(ds: dict) -> dict:
     return {**{k: v for k, v in ds.items() if k != "torch_autocast"}, "bf16": {"enabled": True}}
 
 
+def compiles_under(task, choice: str):
+    """compiles(ds) for plans: whether a run of ds on a GPU compiles its step, as train.py decides it (--compile
+    choice; auto is on for a GPU) with the task's say (eager_because) under the config's ZeRO stage."""
+    return lambda ds: choice != "off" and not task.eager_because(zero_stage(ds))
+
+
 def weigh(ds: dict, note: str, task, settings, replicas: int, memory: int, sequence: int = 1) -> tuple:
     """(ds, note): where "auto" picked bf16 autocast on a GPU of memory bytes and its plan does not fit the micro
     batch while bf16 weights do, the dict with bf16 weights and a note saying why; else both as they were. Only
     transformers models, data parallel, a micro batch set in the JSON (an "auto" one is found at start). sequence:
     the sequence-parallel degree (ZeRO partitions over replicas x sequence ranks; a rank holds 1/sequence of each
-    sequence's activations)."""
+    sequence's activations). The activations are the eager step's, whether or not the run compiles: more than a
+    compiled step keeps, which covers what ZeRO 0-2's engine held beyond the plan's states on a GPU (docs/memory.md),
+    so the decision errs to the safe side."""
     micro = ds.get("train_micro_batch_size_per_gpu")
     if not (memory and note.startswith(AUTOCAST_BY_AUTO) and isinstance(micro, int) and task.spec):
         return ds, note

@@ -25,7 +25,7 @@ def add_planned_peaks(rows: list, configs: dict, work) -> list:
         name, lora_mode = row["mode"].split("+")[0], row["mode"].endswith(LORA)
         if row["mode"] in TORCH_MODES or name not in configs or (lora_mode and not work.task.spec):
             continue
-        key = (name, row["ranks"], lora_mode)
+        key = (name, row["ranks"], lora_mode, bool(row.get("compiled")))
         if key not in plans:
             if lora_mode not in builds:  # LoRA: the base frozen, the backward through it to the input
                 builds[lora_mode] = planner.workload(task, work.info.seq_len, work.info.image_size, frozen=lora_mode)
@@ -33,7 +33,8 @@ def add_planned_peaks(rows: list, configs: dict, work) -> list:
             ds = ds_auto.fill(configs[name], facts, row["ranks"])[0]  # as the mode ran it
             settings = work.task.settings  # the adapters build_model gives a LoRA mode: the task's own
             adapters = (settings.lora_rank, lora.targets_of(settings)) if lora_mode else None
-            plans[key] = planner.plans(builds[lora_mode], {name: ds}, row["ranks"], adapters)[name]
+            plans[key] = planner.plans(builds[lora_mode], {name: ds}, row["ranks"], adapters,
+                                       compiles=lambda _: key[3])[name]  # as the mode ran: compiled or eager
         planned, measured = plans[key].peak(row["micro_batch"]), max(row["peak_memory_bytes"])
         row["plan_peak_bytes"], row["plan_over_peak"] = planned, planned / measured if measured else None
         row["plan_host_bytes"] = offloaded = host.offloaded(plans[key])

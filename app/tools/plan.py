@@ -1,6 +1,7 @@
 """Will it fit? The memory plan of a model under each ds_config before the run: per rank, the weights, gradients,
-optimizer state and fp32 masters on the GPU and on the host, the activations a sample adds, the predicted peak,
-the largest micro batch that fits, and the fastest config that fits. No GPU and no download needed. With
+optimizer state and fp32 masters on the GPU and on the host, the activations a sample adds (a compiled step's, as a
+run on a GPU compiles; --compile off: the eager step's), the predicted peak, the largest micro batch that fits, and
+the fastest config that fits. No GPU and no download needed. With
 --preference, of preference tuning: a sample is a pair (two sequences) and the reference model is counted. With
 --grpo, of online RL: a sample is a prompt, its group of completions sampled (their key-value cache, and under
 ZeRO-3 the weights gathered whole) then trained on, seq_len tokens each, prompt and completion. With
@@ -21,7 +22,7 @@ import torch
 from app.ds import auto as ds_auto, config as ds_config, internals as ds_internals
 from app.core import lora, preference, resolver
 from app.memory import estimate, host, planner
-from app.tools.plan_notes import sequence_notes, task_notes
+from app.tools.plan_notes import activation_notes, sequence_notes, task_notes
 from app.settings import Settings
 from app.errors import UserError, report
 
@@ -68,11 +69,11 @@ def _parser() -> argparse.ArgumentParser:
                         help="images: side in pixels (default: 224 for torchvision models, 8 for cnn and mlp)")
     parser.add_argument("--tiled", default="auto", choices=("auto", "on", "off"), help="transformers models: the "
                         "MLPs and the output layer with the loss by tiles (train.py's --tiled; auto: under SP)")
+    parser.add_argument("--compile", default="auto", choices=("auto", "on", "off"), help="train.py's (auto: on)")
     parser.add_argument("--lora", action="store_true", help="transformers models: plan LoRA fine-tuning (train.py's "
                         "--lora): the adapters train, the base model is frozen")
     parser.add_argument("--lora_rank", type=int, default=8, help="LoRA: the adapters' inner size (train.py's)")
-    parser.add_argument("--lora_targets", default="all-linear", help="LoRA: the modules that get adapters "
-                        "(train.py's)")
+    parser.add_argument("--lora_targets", default="all-linear", help="LoRA: the modules with adapters (train.py's)")
     parser.add_argument("--preference", action="store_true", help="causal LMs: plan preference tuning (train.py's "
                         "--task preference): a sample is a pair of answers, two sequences, beside the reference model")
     parser.add_argument("--reference", choices=("live", "precompute"), default=Settings.reference,
@@ -169,9 +170,8 @@ def _speed_rank(name: str) -> tuple:
 def task_of(args):
     """The task train.py builds for these flags (LoRA or preference on an image model: the task says no)."""
     task = "preference" if args.preference else "grpo" if args.grpo else "auto"
-    return resolver.build(Settings(model=args.model, lora=args.lora, task=task, reference=args.reference,
-                                   preference_loss=args.preference_loss, tiled=args.tiled,
-                                   **{flag: getattr(args, flag) for flag in GRPO}))
+    same = (*GRPO, "model", "lora", "reference", "preference_loss", "tiled")
+    return resolver.build(Settings(task=task, **{flag: getattr(args, flag) for flag in same}))
 
 
 def measure(args, named: dict, task) -> dict:
@@ -183,7 +183,7 @@ def measure(args, named: dict, task) -> dict:
     zero = {name: {**ds, "zero_optimization": ds_auto.fill(ds, facts, args.world_size)[0]["zero_optimization"]}
             if "zero_optimization" in ds else ds for name, ds in named.items()}
     return planner.plans(work, zero, args.world_size, adapters, task.reference_kind == "frozen copy",
-                         planner.sampling_of(task, args.seq_len))
+                         planner.sampling_of(task, args.seq_len), planner.compiles_under(task, args.compile))
 
 
 def _gb(count) -> str:
@@ -288,8 +288,8 @@ def main(argv=None) -> int:
         plans = measure(args, named, task)
     except UserError as e:
         return report(e)
-    for line in table(args, named, plans, task, [*sequence_notes(args, task), *task_notes(task)]):
-        print(line)
+    lines = table(args, named, plans, task, [*sequence_notes(args, task), *task_notes(task)])
+    print("\n".join(lines + activation_notes(plans)))
     skipped = [f"{n} ({why})" for n, why in NOT_PLANNED.items() if not args.deepspeed_config]
     if skipped:
         print("not planned: " + "; ".join(skipped))

@@ -1,5 +1,5 @@
 """The plan's notes above its table (app/tools/plan.py): how sequence parallelism splits a text model's sequence,
-and what a sample and the reference are in preference tuning and online RL."""
+what a sample and the reference are in preference tuning and online RL, and how the activations were counted."""
 from app.memory import planner
 
 
@@ -38,3 +38,13 @@ REFERENCES = {"frozen copy": "its weights per rank in the ref column, in the con
               "adapters off": "the model itself with its LoRA adapters off: no memory of its own",
               "precomputed": "log-probabilities computed once before training: no model while training",
               "none (SimPO)": "SimPO's loss needs none"}
+
+
+def activation_notes(plans: dict) -> list:
+    """The lines below the table on how act/sample was counted: as torch.compile's forward graph keeps it, or eager (under
+    CUDA's autocast rules either way), for each way some row was counted."""
+    said = {"compiled": "the compiled step's (--compile auto or on: the tensors torch.compile's forward graph keeps "
+                        "for the backward)",
+            "eager": "the eager step's (--compile off, activation checkpointing, or a task that trains eager)"}
+    ways = dict.fromkeys(plan.counted for plan in plans.values())
+    return [f"act/sample: {said.get(way, way)}" for way in ways]

@@ -88,48 +88,6 @@ def test_the_largest_micro_batch_is_what_the_usable_memory_leaves():
     assert estimate.MemoryPlan("x", 1, {"weights": 90 * 2**30}, per_sample=1).largest_micro(80 * 2**30) == 0
 
 
-def _tiny_gpt():
-    from app.core import models
-    from transformers import AutoModelForCausalLM
-    spec = models.hf_spec("gpt2-tiny")
-    return models.HFLogits(AutoModelForCausalLM.from_config(spec.config))
-
-
-@pytest.mark.parametrize("checkpointed, weights16", [(False, False), (True, False), (False, True)])
-def test_fake_tensors_count_the_activation_bytes_real_ones_hold(checkpointed, weights16):
-    """No weight allocated, the same count: the plan measures a 7B model on a laptop."""
-    from app.core.tasks import next_token_loss
-    torch.manual_seed(0)
-
-    def inputs(b):
-        ids = torch.randint(8000, (b, 64))
-        return [ids], ids
-    counted = [estimate.activation_bytes(_tiny_gpt, inputs, next_token_loss, 2, torch.bfloat16, checkpointed, fake=fake,
-                                     weights16=weights16) for fake in (True, False)]
-    assert counted[0] == counted[1] > 0
-
-
-def test_a_view_of_a_weight_made_before_is_not_counted():
-    """bf16 weights are used as they are (a linear layer takes weight.t(), a view): nothing new is held."""
-    layer = torch.nn.Linear(256, 256, bias=False).requires_grad_(False)  # frozen: no gradient of its size either
-
-    def inputs(b):
-        return [torch.randn(b, 256, requires_grad=True)], torch.zeros(b, dtype=torch.long)
-    held = estimate.activation_bytes(lambda: layer, inputs, lambda out, y: out.sum(1), 1, None, False, fake=False)
-    assert held < 256 * 256 * 4 / 2, "the weight's transpose counted as new bytes"
-
-
-def test_checkpointing_holds_fewer_activations():
-    from app.core.tasks import next_token_loss
-
-    def inputs(b):
-        ids = torch.randint(8000, (b, 128))
-        return [ids], ids
-    plain, checkpointed = (estimate.activation_bytes(_tiny_gpt, inputs, next_token_loss, 4, torch.bfloat16, on)
-                           for on in (False, True))
-    assert checkpointed < 0.8 * plain
-
-
 def test_sampling_before_the_training_forward_peaks_on_its_own_and_bounds_the_micro_batch():
     """Online RL samples first, its cache freed before the forward: the peak is the larger of the two, and the
     largest micro batch the one both fit."""

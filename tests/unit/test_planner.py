@@ -8,7 +8,7 @@ from app.core import resolver
 from app.ds import precision
 from app.ds.config import DEFAULT_DS_CONFIG, load_ds_config
 from app.errors import UserError
-from app.memory import estimate, planner
+from app.memory import activation_count, estimate, planner
 from app.settings import Settings
 
 SETTINGS = Settings(model="gpt2-tiny", block_size=128)
@@ -67,7 +67,7 @@ def test_lora_plans_a_frozen_model_whose_backward_keeps_fewer_activations():
     input, as it reaches the adapters."""
     import torch
     task = resolver.build(SETTINGS)
-    held = {frozen: estimate.activation_bytes(*planner.workload(task, 128, frozen=frozen), 4, torch.bfloat16, False)
+    held = {frozen: activation_count.activation_bytes(*planner.workload(task, 128, frozen=frozen), 4, torch.bfloat16, False)
             for frozen in (False, True)}
     assert 0 < held[True] < held[False]
 
@@ -246,10 +246,10 @@ def test_a_model_that_cannot_train_on_one_sample_is_planned_from_two():
     work = planner.workload(task)
     build, inputs, loss = work
     with pytest.raises(ValueError, match="value per channel"):
-        estimate.activation_bytes(build, inputs, loss, 1, None, False)
+        activation_count.activation_bytes(build, inputs, loss, 1, None, False)
     plan_ds = load_ds_config(DEFAULT_DS_CONFIG.parent / "zero1.json")
     plan = planner.plans(work, {"zero1": plan_ds}, 1)["zero1"]
-    two = estimate.activation_bytes(build, inputs, loss, 2, None, False)
+    two = activation_count.activation_bytes(build, inputs, loss, 2, None, False)
     assert plan.least == plan.fixed + 2 * plan.per_sample == two and plan.per_sample > 0
     assert plan.peak(1) == plan.peak(2) and plan.smallest == 2
     larger = ImageClassification(Settings(model="resnet18"), Data(None, None, DataInfo(10, 3, 64)))  # a 2x2 map

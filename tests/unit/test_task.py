@@ -30,7 +30,7 @@ def test_a_task_that_overrides_only_its_loss_and_model_answers_every_hook():
     assert (task.tokens_per_sample, task.log_columns, task.reference_kind, task.spec) == (0, (), "", None)
     assert task.summary_metrics == ("eval_loss", "eval_accuracy")
     assert task.eval_metrics(1.0) == {} and task.per_sample() == {} and task.record() == {}
-    assert task.answer_prompts(3) == [] and task.eager_because(None) == ""
+    assert task.answer_prompts(3) == [] and task.eager_because(3) == ""
     assert task.flops_per_sample(task.build_model(None, {}), None) == 0.0
     assert task.before_search({}, 1) is None and task.after_trial() is None and task.save_files(None) is None
     with pytest.raises(UserError, match="the benchmark runs image classifiers and causal language models"):

@@ -47,16 +47,27 @@ def test_mistakes_are_one_line(argv, message, capsys):
 
 
 def test_a_config_only_folder_plans_and_the_fastest_config_that_fits_is_recommended(tmp_path, capsys):
+    """Eager (--compile off), dp's activations do not fit where checkpointed ones do; the compiled step keeps
+    fewer, and dp fits (--compile's default, as a run on a GPU compiles)."""
     from app.core import models
     models.hf_spec("gpt2-tiny").config.save_pretrained(tmp_path / "gpt2")  # config.json, no weights
-    assert plan_tool.main(["--model", str(tmp_path / "gpt2"), "--world_size", "2", "--micro_batch", "64",
-                           "--seq_len", "128", "--gpu_memory", "1.4GB"]) == 0
+    argv = ["--model", str(tmp_path / "gpt2"), "--world_size", "2", "--micro_batch", "64", "--seq_len", "128",
+            "--gpu_memory", "1.4GB"]
+    assert plan_tool.main([*argv, "--compile", "off"]) == 0
     out = capsys.readouterr().out
     rows = {line.split()[0]: line.split() for line in out.splitlines()[2:] if line.split()[0] in plan_tool.ORDER}
     assert list(rows) == list(plan_tool.ORDER), "every shipped data-parallel config, fastest first"
     assert rows["dp"][-3] == "no" and rows["activation_checkpointing"][-3] == "yes", out
     assert "recommended: activation_checkpointing" in out and "dp would peak at" in out
     assert "dp+bf16 would peak at" in out and "not planned: bf16" in out
+    assert "act/sample: the eager step's" in out and "compiled step's" not in out
+    assert plan_tool.main(argv) == 0
+    out = capsys.readouterr().out
+    compiled = {line.split()[0]: line.split() for line in out.splitlines()[2:] if line.split()[0] in rows}
+    assert compiled["dp"][-3] == "yes" and "recommended: dp," in out, out
+    assert int(compiled["dp"][-2]) > 2 * int(rows["dp"][-2]), "the largest micro batch: compiled keeps far less"
+    assert compiled["activation_checkpointing"][-2] == rows["activation_checkpointing"][-2]  # counted eager
+    assert "act/sample: the compiled step's" in out and "act/sample: the eager step's" in out
 
 
 def test_a_row_plans_the_micro_batch_the_run_takes_not_the_largest_that_fits(tmp_path, capsys):
@@ -99,25 +110,26 @@ def test_each_autocast_config_is_also_planned_with_bf16_weights_which_win_where_
     assert plan_tool.main([*argv, "--gpu_memory", "10GB"]) == 0
     out = capsys.readouterr().out
     rows = {line.split()[0]: line.split() for line in out.splitlines()[2:4]}
-    autocast, bf16 = rows[argv[-1]], rows[argv[-1] + "+bf16"]
+    config = argv[argv.index("--deepspeed_config") + 1]
+    autocast, bf16 = rows[config], rows[config + "+bf16"]
     assert float(bf16[1]) == pytest.approx(float(autocast[1]) / 2, abs=0.01), "weights: 2 bytes, not 4"
     peaks = float(autocast[9]), float(bf16[9])
-    assert peaks[1] < peaks[0] and f"recommended: {argv[-1]}," in out, "both fit: autocast, the more precise"
+    assert peaks[1] < peaks[0] and f"recommended: {config}," in out, "both fit: autocast, the more precise"
     memory = sum(peaks) / 2 / 0.92  # a run may use 92% of it: between the two peaks
     assert plan_tool.main([*argv, "--gpu_memory", f"{memory:.4f}GB"]) == 0
     out = capsys.readouterr().out
-    assert f"recommended: {argv[-1]}+bf16" in out and "with bf16 weights in place of autocast's fp32 ones" in out
-    assert f"({argv[-1]} would peak at" in out
+    assert f"recommended: {config}+bf16" in out and "with bf16 weights in place of autocast's fp32 ones" in out
+    assert f"({config} would peak at" in out
 
 
 PLANNED = ("dp", "dp+bf16", "zero2", "zero3", "zero3_offload")
 
 
-def command_plans(folder, *flags, world_size=4, only=PLANNED) -> dict:
+def command_plans(folder, *flags, world_size=4, only=PLANNED, compile="off") -> dict:
     """{config: MemoryPlan} of gpt2-tiny's shape at 128 tokens (unless flags say --seq_len), as the command plans
-    them with these flags."""
+    them with these flags; eager, unless compile says otherwise (a task that trains eager is counted so anyway)."""
     args = plan_tool.parse(["--model", str(folder), "--world_size", str(world_size), "--seq_len", "128",
-                            "--gpu_memory", "10GB", *flags])
+                            "--gpu_memory", "10GB", "--compile", compile, *flags])
     named = {name: ds for name, ds in plan_tool.configs(args).items() if name in only}
     return plan_tool.measure(args, named, plan_tool.task_of(args))
 
@@ -152,6 +164,21 @@ def test_a_preference_plan_counts_two_sequences_a_pair_and_the_frozen_copys_weig
     assert pairs["zero3"].device["reference"] == pytest.approx(4 * total / 4, rel=1e-4), "a quarter on each of 4 ranks"
     offloaded = pairs["zero3_offload"]
     assert offloaded.device["reference"] == 0 and offloaded.host["reference"] == pairs["zero3"].device["reference"]
+
+
+def test_a_compiled_plan_counts_a_pair_as_two_sequences_and_lora_through_the_frozen_base(gpt2_folder):
+    """Compiled (the default), the graph a pair's step traces keeps twice what a plain sample's does, as eager; LoRA
+    traces too (its base frozen); preference tuning's LoRA reference under ZeRO-3 trains eager, and is counted so."""
+    plain = command_plans(gpt2_folder, compile="auto", only=("dp", "zero3"))
+    pairs = command_plans(gpt2_folder, "--preference", compile="auto", only=("dp",))
+    assert plain["dp"].counted == pairs["dp"].counted == "compiled"
+    assert pairs["dp"].per_sample == pytest.approx(2 * plain["dp"].per_sample, rel=0.02)
+    eager = command_plans(gpt2_folder, only=("dp",))
+    assert plain["dp"].per_sample < eager["dp"].per_sample / 2, "the compiled step keeps less than half"
+    lora = command_plans(gpt2_folder, "--lora", compile="auto", only=("zero3",))
+    assert lora["zero3"].counted == "compiled" and 0 < lora["zero3"].per_sample < eager["dp"].per_sample
+    reference = command_plans(gpt2_folder, "--preference", "--lora", compile="auto", only=("dp", "zero3"))
+    assert (reference["dp"].counted, reference["zero3"].counted) == ("compiled", "eager")
 
 
 @pytest.mark.parametrize("flags, same_as", [(["--lora"], ["--lora"]), (["--reference", "precompute"], []),
@@ -269,7 +296,7 @@ def test_the_recommendation_gives_each_faster_config_the_peak_of_its_row(gpt2_fo
     """The configs' own micro batch (32): each faster config the recommendation passes over is said to peak where
     its row does."""
     assert plan_tool.main(["--model", str(gpt2_folder), "--world_size", "4", "--seq_len", "128", "--gpu_memory",
-                           "0.75GB"]) == 0
+                           "0.75GB", "--compile", "off"]) == 0
     out = capsys.readouterr().out
     lines = out.splitlines()
     rows = lines[2:next(i for i, line in enumerate(lines) if line.startswith("recommended: "))]

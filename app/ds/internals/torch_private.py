@@ -10,7 +10,7 @@ TORCH_WRITTEN_FOR = "2.14"
 DYNAMO_LOGGER = "torch._dynamo"
 __all__ = ["TorchDispatchMode", "tree_flatten", "default_store", "fake_tensor_mode", "fake_run", "dynamo_reset",
            "is_dynamo_error", "compile_backward_with_forward", "dynamo_graphs", "allow_recompiles",
-           "default_recompiles", "record_memory_history",
+           "default_recompiles", "record_memory_history", "compiled_forward_graph", "backward",
            "stop_memory_history", "dump_memory_snapshot", "memory_snapshot", "DYNAMO_LOGGER", "TORCH_WRITTEN_FOR"]
 
 
@@ -39,6 +39,38 @@ def fake_run():
             yield
     finally:
         quiet.setLevel(level)
+
+
+def compiled_forward_graph(step, *args):
+    """The forward graph torch.compile's AOTAutograd makes of step(*args) (fake tensors, parameters among args):
+    inductor's decompositions and its min-cut partitioner, whose outputs past step's own are the tensors the
+    backward keeps. Attention stays one operation, as CUDA's kernels run it (CPU's fused attention would be
+    decomposed); the compiling flag is up, as under torch.compile, so library code skips its eager-only checks."""
+    from torch._functorch.aot_autograd import aot_function
+    from torch._functorch.partitioners import min_cut_rematerialization_partition
+    from torch._inductor.decomposition import select_decomp_table
+    graphs = []
+
+    def forward(graph, _):
+        graphs.append(graph)
+        return graph
+
+    decompositions = {op: rule for op, rule in select_decomp_table().items() if "flash_attention" not in str(op)}
+    traced = aot_function(step, fw_compiler=forward, bw_compiler=lambda graph, _: graph,
+                          partition_fn=min_cut_rematerialization_partition, decompositions=decompositions)
+    before, torch.compiler._is_compiling_flag = torch.compiler._is_compiling_flag, True
+    try:
+        traced(*args)
+    finally:
+        torch.compiler._is_compiling_flag = before
+    return graphs[0]
+
+
+def backward(loss: torch.Tensor):
+    """loss.backward() under the torch function modes in force: Tensor.backward, itself a torch function, would
+    turn them off for its whole call (the memory plan's CUDA casts, for a checkpointed block's recomputation)."""
+    from torch.autograd.graph import _engine_run_backward
+    _engine_run_backward((loss,), (torch.ones_like(loss),), False, False, (), True, True)
 
 
 def dynamo_reset():

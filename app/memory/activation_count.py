@@ -1,0 +1,165 @@
+"""The activations a micro batch of a model holds on a GPU, counted on a machine without one: the model's forward
+and backward run on fake tensors under CUDA's autocast rules (cuda_casts) while a dispatch mode counts the bytes
+alive (the eager step), or torch.compile's forward graph of the step is traced and the tensors it keeps for the
+backward are counted (the compiled step). What the memory plan (estimate, planner) adds to the model states.
+"""
+import contextlib
+import functools
+import weakref
+
+import torch
+
+from app.ds.internals import torch_private
+from app.errors import first_line
+from app.memory import cuda_casts
+from app.parallel import activations
+
+
+class LiveBytes(torch_private.TorchDispatchMode):
+    """Counts the bytes of every tensor storage made under it while they are alive, and their peak."""
+
+    def __init__(self):
+        super().__init__()
+        self.live, self.peak, self.seen = 0, 0, set()
+
+    def _freed(self, key, nbytes):
+        self.seen.discard(key)
+        self.live -= nbytes
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for tensor in torch_private.tree_flatten(out)[0]:
+            if isinstance(tensor, torch.Tensor):
+                storage = tensor.untyped_storage()
+                if storage._cdata not in self.seen:
+                    self.seen.add(storage._cdata)
+                    self.live += storage.nbytes()
+                    weakref.finalize(storage, self._freed, storage._cdata, storage.nbytes())
+        self.peak = max(self.peak, self.live)
+        return out
+
+
+def activation_bytes(build, inputs, loss, micro: int, dtype, checkpointed: bool, fake: bool = True,
+                     weights16: bool = False) -> int:
+    """Peak bytes alive during a forward and backward of a micro batch, gradients excepted (each is dropped as it
+    arrives, as a ZeRO bucket takes it; the model states count them). build() makes the model, inputs(micro)
+    (inputs, labels), loss(logits, labels) per-sample losses; dtype: the autocast dtype (None: the weights'),
+    whose casts are CUDA's (cuda_casts)."""
+    with torch_private.fake_tensor_mode() if fake else contextlib.nullcontext():
+        model, x, y, casts = _prepared(build, inputs, micro, dtype, checkpointed, weights16)
+        for param in model.parameters():
+            if param.requires_grad:  # LoRA's frozen base has none
+                param.register_post_accumulate_grad_hook(lambda p: setattr(p, "grad", None))
+        tracker = LiveBytes()
+        held = [*model.parameters(), *model.buffers(), *x, y]  # made before: a view of one (a weight's .t()) is free
+        tracker.seen.update(t.untyped_storage()._cdata for t in held if isinstance(t, torch.Tensor))
+        with tracker, casts or contextlib.nullcontext():  # a checkpointed block recomputed casts as in its forward
+            with casts.forward() if casts else contextlib.nullcontext():
+                total = loss(model(*x), y).sum()
+            torch_private.backward(total)
+        return tracker.peak
+
+
+def compiled_activation_bytes(build, inputs, loss, micro: int, dtype, weights16: bool = False) -> int:
+    """What activation_bytes counts, for a compiled step: the bytes torch.compile's forward graph keeps for the
+    backward (its partitioner's choice; inductor fuses the rest into kernels that keep nothing), the loss's among
+    them. A frozen model (LoRA's base; the plan's model has no adapters) is traced as if its weights trained:
+    all-linear adapters keep each layer's input as its weight's gradient would."""
+    with torch_private.fake_tensor_mode():
+        model, x, y, casts = _prepared(build, inputs, micro, dtype, False, weights16)
+        if not any(param.requires_grad for param in model.parameters()):
+            model.requires_grad_(True)
+        state = {**dict(model.named_parameters()), **dict(model.named_buffers())}
+        places = [i for i, t in enumerate(x) if isinstance(t, torch.Tensor)]
+
+        def step(state, tensors, y):
+            given = list(x)
+            for i, t in zip(places, tensors):
+                given[i] = t
+            return loss(torch.func.functional_call(model, state, tuple(given)), y).sum()
+        with casts or contextlib.nullcontext(), casts.forward() if casts else contextlib.nullcontext():
+            graph = torch_private.compiled_forward_graph(step, state, [x[i] for i in places], y)
+    return kept_bytes(graph)
+
+
+def forward_runs(build, inputs, micro: int) -> bool:
+    """True once the model's forward has run on a micro batch of fake tensors (a ValueError where it cannot)."""
+    with torch_private.fake_tensor_mode():
+        model = build()
+        model.train()
+        model(*inputs(micro)[0])
+    return True
+
+
+def kept_bytes(graph) -> int:
+    """Bytes of the distinct storages a forward graph returns other than its inputs' (the loss and the tensors its
+    backward keeps; a view counts once, with the tensor it views), and the gradient of the largest: the backward's
+    first (the logits' of a language model) arrives while they are all kept."""
+    def storage(node):
+        value = node.meta.get("val") if hasattr(node, "meta") else None
+        return value.untyped_storage() if isinstance(value, torch.Tensor) else None
+    given = {s._cdata for node in graph.graph.nodes if node.op == "placeholder" and (s := storage(node)) is not None}
+    output = next(node for node in graph.graph.nodes if node.op == "output").args[0]
+    kept = {s._cdata: s.nbytes() for node in output if (s := storage(node)) is not None and s._cdata not in given}
+    return sum(kept.values()) + max(kept.values(), default=0)
+
+
+def _prepared(build, inputs, micro: int, dtype, checkpointed: bool, weights16: bool) -> tuple:
+    """(model in training mode, inputs, labels, CUDA's autocast to dtype (None: none)) of activation_bytes'
+    measurement: with weights16 the model is built in dtype and takes its floating inputs in it, as the engine's
+    step hands them, with no autocast."""
+    if weights16:
+        torch.set_default_dtype(dtype)
+    try:
+        model = build()
+    finally:
+        torch.set_default_dtype(torch.float32)
+    if checkpointed:
+        activations.checkpoint_blocks(model)
+    model.train()
+    x, y = inputs(micro)
+    if weights16:
+        x = [t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t for t in x]
+    return model, x, y, cuda_casts.CudaAutocast(dtype) if dtype and not weights16 else None
+
+
+def measured(work, dtype, checkpointed: bool, weights16: bool, compiled: bool) -> tuple:
+    """_measured's tuple and how the activations were counted ("compiled", "eager", or eager where the compiled
+    graph could not be traced, and why: the eager count is the larger, so the plan errs to the safe side)."""
+    build, inputs, loss = work
+    if compiled:
+        try:
+            one_runs = _unless_one_value_per_channel(functools.partial(forward_runs, build, inputs))
+            return (*_measured(functools.partial(compiled_activation_bytes, build, inputs, loss,
+                                                 dtype=dtype, weights16=weights16), one_runs), "compiled")
+        except Exception as e:  # the plan advises: a step it cannot trace is counted eager
+            why = f"eager (the compiled step could not be traced: {type(e).__name__}: {first_line(e)[:120]})"
+    return (*_measured(functools.partial(activation_bytes, build, inputs, loss, dtype=dtype,
+                                         checkpointed=checkpointed, weights16=weights16)),
+            why if compiled else "eager")
+
+
+def _measured(peak, one_runs=False) -> tuple:
+    """(bytes per sample, bytes whatever the micro batch, MemoryPlan.least, MemoryPlan.smallest) from
+    peak(micro=...): the slope from 2 to 4 samples, and 1 sample's peak as measured; for a compiled graph's bytes,
+    linear in the micro batch, one_runs says whether a sample's forward runs (True or None), and 1 sample's peak is
+    the slope's (its graph may differ in shape). A model that cannot train on one sample (BatchNorm over a 1x1 map:
+    one value per channel) takes 2 samples' peak as its least, so that no plan picks a micro batch of 1, and 2 as
+    the smallest it trains on."""
+    if one_runs is not False:
+        two, four = peak(micro=2), peak(micro=4)
+        one = two - (four - two) // 2 if one_runs else None
+    else:
+        one = _unless_one_value_per_channel(peak)
+        two, four = peak(micro=2), peak(micro=4)
+    return (four - two) // 2, two - (four - two), two if one is None else one, 1 if one is not None else 2
+
+
+def _unless_one_value_per_channel(peak, micro: int = 1):
+    """peak(micro=micro), or None where BatchNorm would see one value per channel (a 1x1 map of one sample)."""
+    try:
+        return peak(micro=micro)
+    except ValueError as e:
+        if "value per channel" not in str(e):
+            raise
+        return None

@@ -1,0 +1,75 @@
+"""The activations the memory plan counts (app/memory/activation_count.py): the eager step's on fake tensors as real
+ones hold them, and the compiled step's graph's."""
+import pytest
+import torch
+
+from app.memory import activation_count
+
+
+def _tiny_gpt():
+    from app.core import models
+    from transformers import AutoModelForCausalLM
+    spec = models.hf_spec("gpt2-tiny")
+    return models.HFLogits(AutoModelForCausalLM.from_config(spec.config))
+
+
+@pytest.mark.parametrize("checkpointed, weights16", [(False, False), (True, False), (False, True)])
+def test_fake_tensors_count_the_activation_bytes_real_ones_hold(checkpointed, weights16):
+    """No weight allocated, the same count: the plan measures a 7B model on a laptop."""
+    from app.core.tasks import next_token_loss
+    torch.manual_seed(0)
+
+    def inputs(b):
+        ids = torch.randint(8000, (b, 64))
+        return [ids], ids
+    counted = [activation_count.activation_bytes(_tiny_gpt, inputs, next_token_loss, 2, torch.bfloat16, checkpointed, fake=fake,
+                                     weights16=weights16) for fake in (True, False)]
+    assert counted[0] == counted[1] > 0
+
+
+def test_a_view_of_a_weight_made_before_is_not_counted():
+    """bf16 weights are used as they are (a linear layer takes weight.t(), a view): nothing new is held."""
+    layer = torch.nn.Linear(256, 256, bias=False).requires_grad_(False)  # frozen: no gradient of its size either
+
+    def inputs(b):
+        return [torch.randn(b, 256, requires_grad=True)], torch.zeros(b, dtype=torch.long)
+    held = activation_count.activation_bytes(lambda: layer, inputs, lambda out, y: out.sum(1), 1, None, False, fake=False)
+    assert held < 256 * 256 * 4 / 2, "the weight's transpose counted as new bytes"
+
+
+def test_checkpointing_holds_fewer_activations():
+    from app.core.tasks import next_token_loss
+
+    def inputs(b):
+        ids = torch.randint(8000, (b, 128))
+        return [ids], ids
+    plain, checkpointed = (activation_count.activation_bytes(_tiny_gpt, inputs, next_token_loss, 4, torch.bfloat16, on)
+                           for on in (False, True))
+    assert checkpointed < 0.8 * plain
+
+
+def test_a_compiled_step_keeps_what_its_graph_saves_linear_in_the_micro_batch_and_less_than_eager():
+    """torch.compile's forward graph of the step, traced on fake tensors: the bytes it keeps grow by the same step
+    with each sample, and are far fewer than the eager step's peak (inductor recomputes the cheap ones)."""
+    from app.core.tasks import next_token_loss
+
+    def inputs(b):
+        ids = torch.randint(8000, (b, 128))
+        return [ids], ids
+    kept = [activation_count.compiled_activation_bytes(_tiny_gpt, inputs, next_token_loss, b, torch.bfloat16)
+            for b in (2, 4, 8)]
+    assert kept[2] - kept[1] == pytest.approx(2 * (kept[1] - kept[0]), rel=0.01)
+    eager = activation_count.activation_bytes(_tiny_gpt, inputs, next_token_loss, 8, torch.bfloat16, False)
+    assert kept[2] < 0.6 * eager
+
+
+def test_a_graph_keeps_its_outputs_but_not_its_inputs_views_and_the_largests_gradient():
+    """sin(x @ w).sum(): the graph returns the loss (4 bytes), x @ w or its cosine (4 x 8 fp32) for the backward,
+    and x's transpose for w's gradient, a view of an input (held anyway): not counted. The backward's first
+    gradient is the size of the largest."""
+    from app.ds.internals import torch_private
+    w, x = torch.randn(8, 8, requires_grad=True), torch.randn(4, 8)
+    graph = torch_private.compiled_forward_graph(lambda w, x: (x @ w).sin().sum(), w, x)
+    returned = next(node for node in graph.graph.nodes if node.op == "output").args[0]
+    assert len(returned) == 3 and "permute" in str(returned[2].target), graph.code
+    assert activation_count.kept_bytes(graph) == 4 + 2 * 4 * 8 * 4
