@@ -14,33 +14,50 @@ from app.tools.bench_report import TORCH_MODES
 
 def add_planned_peaks(rows: list, configs: dict, work) -> list:
     """Set plan_peak_bytes, plan_over_peak and plan_host_bytes (what the rank offloads to the host) on each app row
-    the plan covers (a LoRA mode planned with the adapters the benchmark gave it); the lines that say them. On a CPU
-    the measured peak is the process's resident set, which the plan does not predict."""
-    task = copy.copy(work.task)
-    task.data = Data(work.train_set, None, work.info)  # the plan's model is the benchmark's: its classes and images
-    builds = {}
-    plans, lines = {}, []
+    the plan covers (a LoRA mode planned with the adapters the benchmark gave it, compiled or eager as the mode
+    ran); the lines that say them. On a CPU the measured peak is the process's resident set, which the plan does
+    not predict."""
+    planned_rows = [row for row in rows if _planned(row, configs, work)]
     for row in rows:
         row["plan_peak_bytes"] = row["plan_over_peak"] = row["plan_host_bytes"] = None
-        name, lora_mode = row["mode"].split("+")[0], row["mode"].endswith(LORA)
-        if row["mode"] in TORCH_MODES or name not in configs or (lora_mode and not work.task.spec):
-            continue
-        key = (name, row["ranks"], lora_mode, bool(row.get("compiled")))
-        if key not in plans:
-            if lora_mode not in builds:  # LoRA: the base frozen, the backward through it to the input
-                builds[lora_mode] = planner.workload(task, work.info.seq_len, work.info.image_size, frozen=lora_mode)
-            facts = resolver.auto_facts(work.task.spec, "cuda" if torch.cuda.is_available() else "cpu")
-            ds = ds_auto.fill(configs[name], facts, row["ranks"])[0]  # as the mode ran it
-            settings = work.task.settings  # the adapters build_model gives a LoRA mode: the task's own
-            adapters = (settings.lora_rank, lora.targets_of(settings)) if lora_mode else None
-            plans[key] = planner.plans(builds[lora_mode], {name: ds}, row["ranks"], adapters,
-                                       compiles=lambda _: key[3])[name]  # as the mode ran: compiled or eager
-        planned, measured = plans[key].peak(row["micro_batch"]), max(row["peak_memory_bytes"])
+    plans, lines = _plans(planned_rows, configs, work), []
+    for row in planned_rows:
+        plan = plans[_group(row)][row["mode"].split("+")[0]]
+        planned, measured = plan.peak(row["micro_batch"]), max(row["peak_memory_bytes"])
         row["plan_peak_bytes"], row["plan_over_peak"] = planned, planned / measured if measured else None
-        row["plan_host_bytes"] = offloaded = host.offloaded(plans[key])
+        row["plan_host_bytes"] = offloaded = host.offloaded(plan)
         lines.append(f"plan {row['mode']} x{row['ranks']}: {planned / 2**20:.0f} MB planned, {measured / 2**20:.0f} "
                      f"MB measured, plan/peak {row['plan_over_peak']:.3f}" if measured else "")
         if offloaded and row.get("host_peak_bytes"):  # beside the whole process's: the offloaded states are part
             lines.append(f"plan host {row['mode']} x{row['ranks']}: {offloaded / 2**20:.0f} MB offloaded planned, "
                          f"host peak {max(row['host_peak_bytes']) / 2**20:.0f} MB measured")
     return [line for line in lines if line]
+
+
+def _planned(row: dict, configs: dict, work) -> bool:
+    """Whether the plan covers the row: an app mode of a shipped config (LoRA on a transformers model only)."""
+    lora_mode = row["mode"].endswith(LORA)
+    return row["mode"] not in TORCH_MODES and row["mode"].split("+")[0] in configs and not (
+        lora_mode and not work.task.spec)
+
+
+def _group(row: dict) -> tuple:
+    """The rows one plan measures for: (ranks, LoRA, compiled)."""
+    return row["ranks"], row["mode"].endswith(LORA), bool(row.get("compiled"))
+
+
+def _plans(rows: list, configs: dict, work) -> dict:
+    """{group: {config: MemoryPlan}}: each group's configs planned together, its activations measured once."""
+    task = copy.copy(work.task)
+    task.data = Data(work.train_set, None, work.info)  # the plan's model is the benchmark's: its classes and images
+    facts = resolver.auto_facts(work.task.spec, "cuda" if torch.cuda.is_available() else "cpu")
+    settings, found = work.task.settings, {}  # the adapters build_model gives a LoRA mode: the task's own
+    for ranks, lora_mode, compiled in dict.fromkeys(_group(row) for row in rows):
+        names = dict.fromkeys(row["mode"].split("+")[0] for row in rows if _group(row) == (ranks, lora_mode,
+                                                                                            compiled))
+        named = {name: ds_auto.fill(configs[name], facts, ranks)[0] for name in names}  # as the modes ran them
+        adapters = (settings.lora_rank, lora.targets_of(settings)) if lora_mode else None
+        work_of = planner.workload(task, work.info.seq_len, work.info.image_size, frozen=lora_mode)  # LoRA: frozen
+        found[ranks, lora_mode, compiled] = planner.plans(work_of, named, ranks, adapters,
+                                                          compiles=lambda _, on=compiled: on)
+    return found

@@ -99,8 +99,8 @@ def test_the_plan_predicts_the_peak_the_gpu_reaches(tmp_path):
               "--block_size", 128, "--compile", "off")
     measured = read_summary(tmp_path / "run")["peak_memory_bytes"]
     planned = subprocess.run([sys.executable, "-m", "app.tools.plan", "--model", "gpt2-tiny", "--seq_len", "128",
-                              "--world_size", "1", "--deepspeed_config", str(config)], cwd=REPO, capture_output=True,
-                             text=True, env=cuda_env(), timeout=300)
+                              "--world_size", "1", "--deepspeed_config", str(config), "--compile", "off"], cwd=REPO,
+                             capture_output=True, text=True, env=cuda_env(), timeout=300)
     assert planned.returncode == 0, planned.stderr
     header, row = (line.split() for line in planned.stdout.splitlines()[1:3])
     peak = float(row[header.index("peak")]) * 1e9
@@ -207,7 +207,8 @@ def test_tiled_mlps_lower_the_peak_of_a_long_sequence_on_the_gpu(tmp_path):
                base_env=cuda_env())
     peaks = {choice: read_summary(tmp_path / choice)["peak_memory_bytes"] for choice in ("on", "off")}
     planned = subprocess.run([sys.executable, "-m", "app.tools.plan", "--model", "llama-1b", "--seq_len", "16384",
-                              "--micro_batch", "1", "--world_size", "1", "--deepspeed_config", str(config)], cwd=REPO,
+                              "--micro_batch", "1", "--world_size", "1", "--deepspeed_config", str(config),
+                              "--compile", "off"], cwd=REPO,
                              capture_output=True, text=True, env=cuda_env(), timeout=300)
     assert planned.returncode == 0, planned.stderr
     header, row = (line.split() for line in planned.stdout.splitlines()[1:3])
