@@ -180,9 +180,8 @@ def weigh(ds: dict, note: str, task, settings, replicas: int, memory: int, seque
     batch while bf16 weights do, the dict with bf16 weights and a note saying why; else both as they were. Only
     transformers models, data parallel, a micro batch set in the JSON (an "auto" one is found at start). sequence:
     the sequence-parallel degree (ZeRO partitions over replicas x sequence ranks; a rank holds 1/sequence of each
-    sequence's activations). The activations are the eager step's, whether or not the run compiles: more than a
-    compiled step keeps, which covers what ZeRO 0-2's engine held beyond the plan's states on a GPU (docs/memory.md),
-    so the decision errs to the safe side."""
+    sequence's activations). The activations are the eager step's, whether or not the run compiles: a run whose
+    compile fails on any rank trains eager (compiling.Compiled), and the decision must fit it too."""
     micro = ds.get("train_micro_batch_size_per_gpu")
     if not (memory and note.startswith(AUTOCAST_BY_AUTO) and isinstance(micro, int) and task.spec):
         return ds, note

@@ -85,9 +85,10 @@ def run_app(mode, args, world, work: Workload, loader, clock, total):  # long: t
 
 def forget_engines():
     """Let go of what DeepSpeed's globals keep of a mode's engine, so that the next mode of this process starts as
-    in a process of its own: ZeRO-3's module stack (which holds the engine, its states and partitions, on the
-    GPU), a pipeline's grid, and DeepSpeed's memory-efficient linear in torch's place."""
+    in a process of its own: ZeRO-3's module stack and its coordinator's cache (either holds the engine, its states
+    and partitions, on the GPU), a pipeline's grid, and DeepSpeed's memory-efficient linear in torch's place."""
     ds_internals.forget_unfinished_forward()
+    ds_internals.forget_released_params()
     ds_internals.forget_parallel_groups()
     ds_internals.restore_torch_linear()
 
