@@ -14,6 +14,8 @@ import contextlib
 import torch
 from torch.overrides import TorchFunctionMode
 
+from app.ds.internals import torch_private
+
 LOWER = {"_convolution", "conv1d", "conv2d", "conv3d", "conv_tbc", "conv_transpose1d", "conv_transpose2d",
          "conv_transpose3d", "convolution", "prelu", "addmm", "addmv", "addr", "matmul", "einsum", "mm", "mv",
          "linalg_vecdot", "linear", "addbmm", "baddbmm", "bmm", "chain_matmul", "linalg_multi_dot", "lstm_cell",
@@ -70,17 +72,16 @@ class CudaAutocast(TorchFunctionMode):
 
     def _cast(self, tree, dtype: torch.dtype):
         """tree with each floating tensor (one of 16 or 32 bits) in dtype; a weight's cast is made once."""
-        if isinstance(tree, (list, tuple)):
-            return type(tree)(self._cast(item, dtype) for item in tree)
-        if isinstance(tree, dict):
-            return {key: self._cast(value, dtype) for key, value in tree.items()}
-        if not _floating(tree) or tree.dtype == dtype or tree.dtype not in (*SIXTEEN, torch.float32):
-            return tree
-        if not (tree.is_leaf and tree.requires_grad):
-            return tree.to(dtype)
-        key = (id(tree), dtype)
+        return torch_private.tree_map(lambda value: self._cast_one(value, dtype), tree)
+
+    def _cast_one(self, value, dtype: torch.dtype):
+        if not _floating(value) or value.dtype == dtype or value.dtype not in (*SIXTEEN, torch.float32):
+            return value
+        if not (value.is_leaf and value.requires_grad):
+            return value.to(dtype)
+        key = (id(value), dtype)
         if key not in self.cached:
-            self.cached[key] = (tree, tree.to(dtype))  # the weight itself is kept so that its id is not reused
+            self.cached[key] = (value, value.to(dtype))  # the weight itself is kept so that its id is not reused
         return self.cached[key][1]
 
 
@@ -88,9 +89,5 @@ def _floating(value) -> bool:
     return isinstance(value, torch.Tensor) and value.is_floating_point()
 
 
-def _tensors(tree):
-    if isinstance(tree, (list, tuple)):
-        return [t for item in tree for t in _tensors(item)]
-    if isinstance(tree, dict):
-        return [t for value in tree.values() for t in _tensors(value)]
-    return [tree] if isinstance(tree, torch.Tensor) else []
+def _tensors(tree) -> list:
+    return [value for value in torch_private.tree_flatten(tree)[0] if isinstance(value, torch.Tensor)]

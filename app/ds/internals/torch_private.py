@@ -4,11 +4,11 @@ import contextlib
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode  # the memory plan counts the bytes each op allocates
-from torch.utils._pytree import tree_flatten
+from torch.utils._pytree import tree_flatten, tree_map
 
 TORCH_WRITTEN_FOR = "2.14"
 DYNAMO_LOGGER = "torch._dynamo"
-__all__ = ["TorchDispatchMode", "tree_flatten", "default_store", "fake_tensor_mode", "fake_run", "dynamo_reset",
+__all__ = ["TorchDispatchMode", "tree_flatten", "tree_map", "default_store", "fake_tensor_mode", "fake_run", "dynamo_reset",
            "is_dynamo_error", "compile_backward_with_forward", "dynamo_graphs", "allow_recompiles",
            "default_recompiles", "record_memory_history", "compiled_forward_graph", "backward",
            "stop_memory_history", "dump_memory_snapshot", "memory_snapshot", "DYNAMO_LOGGER", "TORCH_WRITTEN_FOR"]
