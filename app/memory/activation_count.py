@@ -124,34 +124,39 @@ def _prepared(build, inputs, micro: int, dtype, checkpointed: bool, weights16: b
 
 
 def measured(work, dtype, checkpointed: bool, weights16: bool, compiled: bool) -> tuple:
-    """_measured's tuple and how the activations were counted ("compiled", "eager", or eager where the compiled
+    """_slope's tuple and how the activations were counted ("compiled", "eager", or eager where the compiled
     graph could not be traced, and why: the eager count is the larger, so the plan errs to the safe side)."""
     build, inputs, loss = work
     if compiled:
         try:
-            one_runs = _unless_one_value_per_channel(functools.partial(forward_runs, build, inputs))
-            return (*_measured(functools.partial(compiled_activation_bytes, build, inputs, loss,
+            one_runs = _unless_one_value_per_channel(functools.partial(forward_runs, build, inputs)) is not None
+            return (*_compiled(functools.partial(compiled_activation_bytes, build, inputs, loss,
                                                  dtype=dtype, weights16=weights16), one_runs), "compiled")
         except Exception as e:  # the plan advises: a step it cannot trace is counted eager
             why = f"eager (the compiled step could not be traced: {type(e).__name__}: {first_line(e)[:120]})"
-    return (*_measured(functools.partial(activation_bytes, build, inputs, loss, dtype=dtype,
-                                         checkpointed=checkpointed, weights16=weights16)),
+    return (*_eager(functools.partial(activation_bytes, build, inputs, loss, dtype=dtype,
+                                      checkpointed=checkpointed, weights16=weights16)),
             why if compiled else "eager")
 
 
-def _measured(peak, one_runs=False) -> tuple:
-    """(bytes per sample, bytes whatever the micro batch, MemoryPlan.least, MemoryPlan.smallest) from
-    peak(micro=...): the slope from 2 to 4 samples, and 1 sample's peak as measured; for a compiled graph's bytes,
-    linear in the micro batch, one_runs says whether a sample's forward runs (True or None), and 1 sample's peak is
-    the slope's (its graph may differ in shape). A model that cannot train on one sample (BatchNorm over a 1x1 map:
-    one value per channel) takes 2 samples' peak as its least, so that no plan picks a micro batch of 1, and 2 as
-    the smallest it trains on."""
-    if one_runs is not False:
-        two, four = peak(micro=2), peak(micro=4)
-        one = two - (four - two) // 2 if one_runs else None
-    else:
-        one = _unless_one_value_per_channel(peak)
-        two, four = peak(micro=2), peak(micro=4)
+def _eager(peak) -> tuple:
+    """_slope's tuple from peak(micro=...) of an eager step, with 1 sample's peak as measured."""
+    one = _unless_one_value_per_channel(peak)
+    return _slope(one, peak(micro=2), peak(micro=4))
+
+
+def _compiled(peak, one_runs: bool) -> tuple:
+    """_slope's tuple from peak(micro=...) of a compiled graph, whose bytes are linear in the micro batch: 1
+    sample's peak is the slope's (its graph may differ in shape), where one sample's forward runs (one_runs)."""
+    two, four = peak(micro=2), peak(micro=4)
+    return _slope(two - (four - two) // 2 if one_runs else None, two, four)
+
+
+def _slope(one, two: int, four: int) -> tuple:
+    """(bytes per sample, bytes whatever the micro batch, MemoryPlan.least, MemoryPlan.smallest) from the peaks of
+    1 (None where one sample cannot train), 2 and 4 samples: the slope from 2 to 4. A model that cannot train on
+    one sample (BatchNorm over a 1x1 map: one value per channel) takes 2 samples' peak as its least, so that no
+    plan picks a micro batch of 1, and 2 as the smallest it trains on."""
     return (four - two) // 2, two - (four - two), two if one is None else one, 1 if one is not None else 2
 
 
