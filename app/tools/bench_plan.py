@@ -52,12 +52,14 @@ def _plans(rows: list, configs: dict, work) -> dict:
     task.data = Data(work.train_set, None, work.info)  # the plan's model is the benchmark's: its classes and images
     facts = resolver.auto_facts(work.task.spec, "cuda" if torch.cuda.is_available() else "cpu")
     settings, found = work.task.settings, {}  # the adapters build_model gives a LoRA mode: the task's own
-    for ranks, lora_mode, compiled in dict.fromkeys(_group(row) for row in rows):
+    groups = dict.fromkeys(_group(row) for row in rows)
+    workloads = {lora_mode: planner.workload(task, work.info.seq_len, work.info.image_size, frozen=lora_mode)
+                 for lora_mode in {lora_mode for _, lora_mode, _ in groups}}  # LoRA: the model frozen
+    for ranks, lora_mode, compiled in groups:
         names = dict.fromkeys(row["mode"].split("+")[0] for row in rows if _group(row) == (ranks, lora_mode,
                                                                                             compiled))
         named = {name: ds_auto.fill(configs[name], facts, ranks)[0] for name in names}  # as the modes ran them
         adapters = (settings.lora_rank, lora.targets_of(settings)) if lora_mode else None
-        work_of = planner.workload(task, work.info.seq_len, work.info.image_size, frozen=lora_mode)  # LoRA: frozen
-        found[ranks, lora_mode, compiled] = planner.plans(work_of, named, ranks, adapters,
+        found[ranks, lora_mode, compiled] = planner.plans(workloads[lora_mode], named, ranks, adapters,
                                                           compiles=lambda _, on=compiled: on)
     return found
