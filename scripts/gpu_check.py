@@ -177,7 +177,7 @@ def figures(text: str, figures_file: Path) -> dict:
         name, _, value = line.partition(" ")
         found[name] = value
     found.update({line.split(":")[0]: line for line in text.splitlines()  # the benchmark's summary lines
-                  if line.startswith(("headline", "plan ", "profile ", "failed ", "recommended"))})
+                  if line.startswith(("headline", "plan ", "profile ", "failed ", "held ", "recommended"))})
     return found
 
 

@@ -1,7 +1,9 @@
 """What the benchmark measures: each mode's training loop on the same model, data and global batch, timed
 step by step on every rank. The app modes run the app's own loop (app/core/loop.py), not a copy of it."""
+import gc
 import logging
 import statistics
+import weakref
 
 import torch
 
@@ -25,6 +27,7 @@ from app.tools.bench_profile import EXTRA_STEPS as PROFILED_STEPS, Profile, grap
 from app.tools.bench_report import TORCH_MODES
 from app.tools.bench_torch import run_torch
 
+_ended = []  # (mode, weak reference to its engine) of each app mode this process ran
 LORA = "+lora"  # the app mode's name for its run with LoRA adapters on the frozen model
 COMPILE_SUFFIX = {"on": "compile", "off": "eager", "auto": "auto"}  # app mode names: zero1+compile, zero1+eager
 
@@ -81,6 +84,14 @@ def run_app(mode, args, world, work: Workload, loader, clock, total):  # long: t
     finally:
         engine.destroy()  # its hooks on the parameters (held by torch's autograd, out of gc's sight) go
         forget_engines()
+        _ended.append((mode, weakref.ref(engine)))
+
+
+def still_held() -> list:
+    """The app modes ended in this process whose engine something still holds (collected first), such as a global
+    of DeepSpeed's that forget_engines does not clear: its memory then counts in every later mode's peak."""
+    gc.collect()
+    return [mode for mode, engine in _ended if engine() is not None]
 
 
 def forget_engines():
@@ -116,7 +127,7 @@ def zero_state(engine, name, backward_grads: int = 0) -> dict:
 
 def measure(mode, args, world, threads, per_rank_batch, work: Workload) -> dict:
     """Run one mode for warm-up + measured steps on every rank of this group; the reduced fields (rank 0 uses them)."""
-    _start_mode(world, threads)
+    _start_mode(mode, world, threads)
     clock = Clock(world.device)
     ranks = rank_layout_of(mode, args, world)
     loader = build_loader(work.train_set, per_rank_batch, ranks.replica, ranks.replicas, True, 0)
@@ -173,15 +184,20 @@ def _run(mode, args, world, work: Workload, loader, clock) -> tuple:
     return zero, dtype, bool(compiled) and not fallbacks.model_frames, held, graphs
 
 
-def _start_mode(world, threads: int):
+def _start_mode(mode, world, threads: int):
     """Start a mode as if in its own process: its threads, an empty compile cache (no recompile limit carried
-    over), torch's TF32 defaults (the mode then sets TF32 as the app would), a fresh memory peak."""
+    over), torch's TF32 defaults (the mode then sets TF32 as the app would), a fresh memory peak; a line where an
+    engine of an earlier mode is still alive."""
     torch.set_num_threads(threads)
     torch_private.dynamo_reset()
     torch_private.default_recompiles()  # an app mode before may have raised them for its ZeRO-3 blocks
     if world.device.type == "cuda":
         torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = False, True
     metrics.reset_peak_memory(world.device)  # the host's peak too (offload holds its states there)
+    kept = still_held()
+    if kept:
+        dist.print0(f"held {mode}: the engine of {', '.join(kept)} is still alive (a reference forget_engines does "
+                    f"not clear); this mode's peak memory includes it")
     dist.barrier()
 
 

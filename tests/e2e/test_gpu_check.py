@@ -37,8 +37,9 @@ def test_a_part_past_its_limit_is_ended_and_the_next_still_runs(tmp_path, monkey
     figure = f"open('{tmp_path}/out/' + 'writes.figures', 'a').write('ratio 0.97\\n')"
     fake = [gpu_check.Part("sleeps", 2, ["sleep", "30"], "past its limit"),
             gpu_check.Part("fails", 10, [sys.executable, "-c", "raise SystemExit(3)"], "exits 3"),
-            gpu_check.Part("writes", 10, [sys.executable, "-c", f"{figure}; print('headline (app speed): dp 0.97')"],
-                           "a figure and a headline"),
+            gpu_check.Part("writes", 10, [sys.executable, "-c", f"{figure}; print('headline (app speed): dp 0.97'); "
+                                                 f"print('held dp: the engine of zero3 is still alive')"],
+                           "a figure, a headline and a mode's start that found an earlier engine"),
             gpu_check.Part("skips", 60, gpu_check.cuda_test("plan_predicts"), "pytest, every test skipped")]
     monkeypatch.setattr(gpu_check, "parts", lambda out: fake)
     monkeypatch.setattr(gpu_check, "cuda_available", lambda: True)
@@ -47,7 +48,8 @@ def test_a_part_past_its_limit_is_ended_and_the_next_still_runs(tmp_path, monkey
     assert parts["sleeps"]["status"] == "timed out" and parts["sleeps"]["seconds"] < 10
     assert parts["fails"]["status"] == "failed (exit 3)"
     assert parts["writes"]["status"] == "passed"
-    assert parts["writes"]["figures"] == {"ratio": "0.97", "headline (app speed)": "headline (app speed): dp 0.97"}
+    assert parts["writes"]["figures"] == {"ratio": "0.97", "headline (app speed)": "headline (app speed): dp 0.97",
+                                          "held dp": "held dp: the engine of zero3 is still alive"}
     assert parts["skips"]["status"] == "no test passed"
     assert parts["skips"]["tests"] == {"SKIPPED": ["test_the_plan_predicts_the_peak_the_gpu_reaches"]}
 

@@ -172,6 +172,47 @@ def test_a_zero3_mode_leaves_nothing_of_its_engine_to_the_next(tmp_path):
     assert not left, "the engine outlives forget_engines()"
 
 
+def _modes_after(rank, world, report):
+    """The lines of the bench's modes zero3 then dp, twice: the second time with zero3's engine held from outside."""
+    import contextlib
+    import io
+    from app.distributed import dist, launch
+    from app.tools import bench, bench_modes
+    args = bench.parse(["--model", "gpt2-tiny", "--modes", "app", "--configs", "zero3,dp", "--seq_len", "32",
+                        "--batch", "4", "--steps", "2", "--warmup", "1", "--ranks", "1", "--quick"])
+    args.flops_per_sample, args.lora_flops_per_sample = 1.0, False  # as bench.main counts them, in its process
+    here = launch.setup(timeout_s=120)
+    held, build = [], bench_modes.loop.build_engine
+
+    def holding(*a, **kw):
+        held.append(build(*a, **kw))
+        return held[-1]
+    try:
+        work, said = bench_modes.build_workload(args), []
+        for builds in (build, holding):
+            bench_modes.loop.build_engine = builds
+            for mode in ("zero3", "dp"):
+                with contextlib.redirect_stdout(io.StringIO()) as out:
+                    bench_modes.measure(mode, args, here, 1, 4, work)
+                said.append([line for line in out.getvalue().splitlines() if line.startswith("held ")])
+            held.clear()
+        report.write_text(json.dumps(said))
+    finally:
+        bench_modes.loop.build_engine = build
+        dist.teardown()
+
+
+def test_a_mode_says_when_an_earlier_modes_engine_is_still_held(tmp_path):
+    """Each mode starts as in a process of its own: the ZeRO-3 mode's engine is gone when dp starts; where
+    something the bench does not know keeps it (here the test), dp's start says so, as its peak includes it."""
+    from conftest import spawn_ranks
+    spawn_ranks(1, _modes_after, tmp_path / "said.json")
+    said = json.loads((tmp_path / "said.json").read_text())
+    assert said[:2] == [[], []], "nothing held"
+    assert said[2] == [] and said[3] == ["held dp: the engine of zero3 is still alive (a reference forget_engines "
+                                         "does not clear); this mode's peak memory includes it"]
+
+
 def test_a_mode_that_fails_is_reported_and_the_next_mode_runs_profiled(tmp_path):
     """An optimizer DeepSpeed does not have passes the app's check of the file (DeepSpeed's own types are its to
     say) and fails in deepspeed.initialize, inside its mode: a row that says why, then zero3 runs, profiled."""
