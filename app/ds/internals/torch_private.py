@@ -8,8 +8,8 @@ from torch.utils._pytree import tree_flatten, tree_map
 
 TORCH_WRITTEN_FOR = "2.14"
 DYNAMO_LOGGER = "torch._dynamo"
-__all__ = ["TorchDispatchMode", "tree_flatten", "tree_map", "default_store", "fake_tensor_mode", "fake_run", "dynamo_reset",
-           "is_dynamo_error", "compile_backward_with_forward", "dynamo_graphs", "allow_recompiles",
+__all__ = ["TorchDispatchMode", "tree_flatten", "tree_map", "default_store", "fake_tensor_mode", "fake_run",
+           "dynamo_reset", "is_dynamo_error", "compile_backward_with_forward", "dynamo_graphs", "allow_recompiles",
            "default_recompiles", "record_memory_history", "compiled_forward_graph", "backward",
            "stop_memory_history", "dump_memory_snapshot", "memory_snapshot", "DYNAMO_LOGGER", "TORCH_WRITTEN_FOR"]
 
