@@ -26,15 +26,19 @@ class LiveBytes(torch_private.TorchDispatchMode):
         self.seen.discard(key)
         self.live -= nbytes
 
+    def hold(self, tensor: torch.Tensor):
+        """Count tensor's storage from now until it is freed (once, however many tensors view it)."""
+        storage = tensor.untyped_storage()
+        if storage._cdata not in self.seen:
+            self.seen.add(storage._cdata)
+            self.live += storage.nbytes()
+            weakref.finalize(storage, self._freed, storage._cdata, storage.nbytes())
+
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         for tensor in torch_private.tree_flatten(out)[0]:
             if isinstance(tensor, torch.Tensor):
-                storage = tensor.untyped_storage()
-                if storage._cdata not in self.seen:
-                    self.seen.add(storage._cdata)
-                    self.live += storage.nbytes()
-                    weakref.finalize(storage, self._freed, storage._cdata, storage.nbytes())
+                self.hold(tensor)
         self.peak = max(self.peak, self.live)
         return out
 

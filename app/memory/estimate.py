@@ -6,6 +6,8 @@ ZeRO 1-2 partition the optimizer state and keep an fp32 master partition; ZeRO-2
 parameter its partition touches, ZeRO-1 every gradient until the step (unless overlap_comm reduces them as they
 arrive); ZeRO-3 partitions each parameter on its own. Activations are measured (activation_count): the eager
 step's on fake tensors, or the tensors the compiled step's graph keeps, in the precision the config gets on a GPU.
+The peak is the states the forward holds and the larger of its activations and what the backward's end and the
+optimizer step hold (between_steps).
 """
 import math
 from dataclasses import dataclass, field
@@ -44,19 +46,27 @@ class MemoryPlan:
     """Online RL's sampling, before the training forward and freed by then: (bytes whatever the micro batch (the
     whole weights gathered under ZeRO-3, less the rank's partition), bytes per sample (its group's key-value cache
     and a decoding step's scores))."""
+    freed: int = 0
+    """Bytes of the device states that live from the backward to the optimizer step only, not through the forward
+    (between_steps)."""
+    after: int = 0
+    """The most bytes the backward's end and the optimizer step hold beyond the states the forward holds, freed
+    ones included (between_steps)."""
 
     def states(self) -> int:
         return sum(self.device.values())
 
     def peak(self, micro: int) -> int:
-        """Predicted peak of the GPU's allocated bytes of one rank at this micro batch."""
+        """Predicted peak of the GPU's allocated bytes of one rank at this micro batch: the states the forward holds,
+        and the larger of its activations (or the sampling before it) and what the backward and step add to them."""
         fixed, each = self.sampling
-        return self.states() + max(self.least, self.fixed + micro * self.per_sample, fixed + micro * each)
+        return self.states() - self.freed + max(self.least, self.fixed + micro * self.per_sample,
+                                                fixed + micro * each, self.after)
 
     def largest_micro(self, memory: int) -> int:
         """The largest micro batch whose peak fits in memory bytes of GPU (0: not even one sample)."""
-        room = USABLE * memory - self.states()
-        if not self.per_sample or room < max(self.least, self.sampling[0] + self.sampling[1]):
+        room = USABLE * memory - self.states() + self.freed
+        if not self.per_sample or room < max(self.least, self.sampling[0] + self.sampling[1], self.after):
             return 0
         fits = int((room - self.fixed) // self.per_sample)
         return max(0, min(fits, int((room - self.sampling[0]) // self.sampling[1])) if self.sampling[1] else fits)
@@ -137,13 +147,50 @@ def offloaded_share(zero: dict, parts: list) -> int:
     """Elements of a ZeRO-3 rank's partitions (parts: each trained parameter's, in order) whose optimizer
     offload_optimizer moves to the host: DeepSpeed's sub-groups close at the parameter that brings them to
     sub_group_size elements, and its ratio offloads the last of them, as many as it gives (all of them at 1)."""
+    groups = sub_groups(zero, parts)
+    ratio = float((zero.get("offload_optimizer") or {}).get("ratio", 1.0))
+    return sum(groups[int((1 - ratio) * len(groups)):])
+
+
+def sub_groups(zero: dict, parts: list) -> list:
+    """Elements of each of ZeRO-3's optimizer sub-groups of a rank (parts: each trained parameter's partition, in
+    order): a group closes at the parameter that brings it to sub_group_size elements."""
     limit, groups, size = int(zero.get("sub_group_size", 1e9)), [], 0
     for index, part in enumerate(parts):
         size += part
         if size >= limit or index == len(parts) - 1:
             groups, size = groups + [size], 0
-    ratio = float((zero.get("offload_optimizer") or {}).get("ratio", 1.0))
-    return sum(groups[int((1 - ratio) * len(groups)):])
+    return groups
+
+
+def between_steps(sizes: list, ds: dict, ranks: int, device: dict, trainable: list = None) -> tuple:
+    """(MemoryPlan.freed, MemoryPlan.after) of a rank's device states (model_states' and working_bytes'), as
+    DeepSpeed 0.19.8 holds them (a real engine's step: tests/e2e/test_plan.py). ZeRO 0-2 make their gradients in the
+    backward and free them at the step, and their reduce buffers with them; with gradient accumulation the gradients
+    live on through the forwards to the last micro batch's step. The largest gradient counts beside the activations:
+    a language model's output layer makes it first, and a compiled backward, one graph, holds every gradient it makes
+    to its end (gpt2-124m's tied embedding on an H200: docs/memory.md). ZeRO-3 keeps its flat gradient partition,
+    and works with its buckets through the forward. The step copies: ZeRO 0 with 16-bit weights each gradient in
+    fp32 for its master (freeing the 16-bit one, one at a time); ZeRO's norm takes one gradient at a time in fp64;
+    ZeRO 1-2 copy the flat gradient partition in the weights' dtype, then in fp32 (ZeRO-3: each optimizer
+    sub-group's). Offload: every state as held through the step (0, 0)."""
+    if any(offloads(ds)):
+        return 0, 0
+    learnt = [size for size, trains in zip(sizes, trainable or [True] * len(sizes)) if trains]
+    width = 2 if any((ds.get(name) or {}).get("enabled") is True for name in ("bf16", "fp16")) else FP32
+    copy = width + (FP32 if width == 2 else 0)  # the flat partition, then its fp32 copy (none for fp32 weights)
+    stage, parts = zero_stage(ds), [math.ceil(size / ranks) for size in learnt]
+    if stage == 3:
+        group = max(sub_groups(ds.get("zero_optimization") or {}, parts), default=0)
+        return 0, max(8 * max(parts, default=0), copy * group)
+    grads = device["gradients"] if ds.get("gradient_accumulation_steps", 1) == 1 else 0  # else held by the forward
+    largest, working = max(learnt, default=0), device.get("working", 0)
+    first = min(grads, width * largest)  # the output layer's, made beside nearly all the activations
+    if stage == 0:
+        masters = FP32 * sum(learnt) + width * largest if width == 2 else 0
+        return grads - first + working, max(grads + working, masters) - first
+    part = _partition(sum(learnt), ranks)
+    return grads - first + working, grads - first + working + max(8 * min(largest, part), copy * part)
 
 
 def _offloaded(ds: dict, stage: int, width: int, part: int, learnt: list, ranks: int) -> dict:
@@ -204,8 +251,9 @@ def working_bytes(sizes: list, ds: dict, ranks: int, largest_block: int, kinds: 
     stage, total = zero_stage(ds), sum(sizes)
     learnt = total if learnt is None else learnt
     zero = ds.get("zero_optimization") or {}
-    if stage == 0:
-        return FP32 * min(learnt, int(5e8)) if ranks > 1 else 0
+    if stage == 0:  # flattened in the gradients' dtype, the weights'
+        width = 2 if any((ds.get(name) or {}).get("enabled") is True for name in ("bf16", "fp16")) else FP32
+        return width * min(learnt, int(5e8)) if ranks > 1 else 0
     bucket = bucket_bytes(learnt, ds, kinds)
     if stage < 3:
         return bucket
@@ -222,4 +270,6 @@ def memory_plan(config: str, ds: dict, ranks: int, sizes: list, largest_block: i
     device, host = model_states(sizes, ds, ranks, trainable)
     learnt = sum(size for size, trains in zip(sizes, trainable) if trains) if trainable else None
     device["working"] = working_bytes(sizes, ds, ranks, largest_block, kinds, learnt)
-    return MemoryPlan(config, sum(sizes), device, host, *measured, trained=sum(sizes) if learnt is None else learnt)
+    freed, after = between_steps(sizes, ds, ranks, device, trainable)
+    return MemoryPlan(config, sum(sizes), device, host, *measured, trained=sum(sizes) if learnt is None else learnt,
+                      freed=freed, after=after)

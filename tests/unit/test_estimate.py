@@ -136,3 +136,36 @@ def test_zero1_with_offload_keeps_every_gradient_whole_on_the_gpu_until_the_boun
     zero1 = estimate.model_states(CNN, {"zero_optimization": {"stage": 1, **offload}}, ranks=2)[0]
     zero2 = estimate.model_states(CNN, {"zero_optimization": {"stage": 2, **offload}}, ranks=2)[0]
     assert zero1["gradients"] == 4 * (max(CNN) + sum(CNN)) and zero2["gradients"] == 4 * max(CNN)
+
+
+def test_zero_0_to_2_free_their_gradients_at_the_step_and_the_step_copies_them():
+    """ZeRO 0-2 make their gradients in the backward and free them, and their buckets, at the step: the forward's
+    peak does not hold them, unless accumulation keeps the gradients for the next micro batch. The step adds its
+    copies: 16-bit gradients in fp32 (ZeRO 0), ZeRO's fp64 norm of one gradient, the flat partition in the
+    weights' dtype then fp32; ZeRO-3 keeps its gradient partition; offload keeps everything as it was planned."""
+    n, largest = sum(CNN), max(CNN)
+    dp = estimate.model_states(CNN, {}, 1)[0]
+    rest = 4 * (n - largest)  # the largest gradient counts beside the activations
+    assert estimate.between_steps(CNN, {}, 1, dp) == (rest, rest)
+    assert estimate.between_steps(CNN, {"gradient_accumulation_steps": 2}, 1, dp) == (0, 0)
+    bf16 = {"bf16": {"enabled": True}}
+    assert estimate.between_steps(CNN, bf16, 1, estimate.model_states(CNN, bf16, 1)[0]) == \
+        (2 * (n - largest), 4 * n), "each gradient's fp32 copy, the 16-bit one freed as it is made"
+    zero2 = {"zero_optimization": {"stage": 2}}
+    device = {**estimate.model_states(CNN, zero2, 1)[0], "working": 1000}
+    assert estimate.between_steps(CNN, zero2, 1, device) == (rest + 1000, rest + 1000 + max(8 * largest, 4 * n))
+    zero3 = {"zero_optimization": {"stage": 3, "sub_group_size": 10_000}}
+    groups = estimate.sub_groups(zero3["zero_optimization"], [-(-size // 2) for size in CNN])
+    assert sum(groups) == sum(-(-size // 2) for size in CNN) and len(groups) > 1
+    assert estimate.between_steps(CNN, {**zero3, **bf16}, 2, {}) == (0, max(8 * -(-largest // 2), 6 * max(groups)))
+    offload = {"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}}
+    assert estimate.between_steps(CNN, offload, 1, estimate.model_states(CNN, offload, 1)[0]) == (0, 0)
+
+
+def test_the_peak_is_the_forwards_states_and_the_larger_of_the_activations_and_the_steps_bytes():
+    p = estimate.MemoryPlan("dp", 10, {"weights": 40 * 2**30, "gradients": 8 * 2**30}, per_sample=2**30,
+                            freed=8 * 2**30, after=12 * 2**30)
+    assert p.peak(4) == (40 + 12) * 2**30, "4 samples' activations under the step's 12 GiB"
+    assert p.peak(16) == (40 + 16) * 2**30
+    assert p.largest_micro(int((40 + 11) * 2**30 / estimate.USABLE)) == 0, "the step itself does not fit"
+    assert p.largest_micro(int((40 + 20) * 2**30 / estimate.USABLE) + 1) == 20
