@@ -88,13 +88,25 @@ def _touched(sizes: list, rank: int, part: int) -> int:
     return total
 
 
+def weight_bytes(ds: dict) -> int:
+    """Bytes of a weight (and of its gradient) under ds: 2 with DeepSpeed's bf16 or fp16 section, else fp32's 4
+    (bf16 autocast keeps fp32 weights)."""
+    return 2 if any((ds.get(name) or {}).get("enabled") is True for name in ("bf16", "fp16")) else FP32
+
+
+def accumulates(ds: dict) -> bool:
+    """Whether ds accumulates gradients over several micro batches a step ("auto" and unset: one, as a run takes
+    them unless its micro batch search raises the accumulation, which the plan is then run again for)."""
+    steps = ds.get("gradient_accumulation_steps", 1)
+    return isinstance(steps, int) and steps > 1
+
+
 def _reduced_as_they_arrive(ds: dict, stage: int) -> bool:
     """Whether a ZeRO 1-2 rank drops each gradient it does not own as backward makes it: always under ZeRO-2;
     under ZeRO-1 only with overlap_comm and no accumulation (DeepSpeed's stage 1 otherwise keeps every gradient
     whole until the accumulation boundary, then reduces them all at once)."""
     zero = ds.get("zero_optimization") or {}
-    accumulation = ds.get("gradient_accumulation_steps", 1)
-    return stage == 2 or zero.get("overlap_comm") is True and accumulation in (1, "auto")
+    return stage == 2 or zero.get("overlap_comm") is True and not accumulates(ds)
 
 
 def offloads(ds: dict) -> tuple:
@@ -112,7 +124,7 @@ def model_states(sizes: list, ds: dict, ranks: int, trainable: list = None) -> t
     base model, whose weights then have no gradient, optimizer state nor master copy). Weights in fp32 (autocast
     keeps them so) unless the config's bf16 or fp16 section makes them 16-bit.
     """
-    width = 2 if any((ds.get(name) or {}).get("enabled") is True for name in ("bf16", "fp16")) else FP32
+    width = weight_bytes(ds)
     learnt = [size for size, trains in zip(sizes, trainable or [True] * len(sizes)) if trains]
     stage, total, learnt_total = zero_stage(ds), sum(sizes), sum(learnt)
     offload, offload_params = offloads(ds)
@@ -169,28 +181,43 @@ def between_steps(sizes: list, ds: dict, ranks: int, device: dict, trainable: li
     backward and free them at the step, and their reduce buffers with them; with gradient accumulation the gradients
     live on through the forwards to the last micro batch's step. The largest gradient counts beside the activations:
     a language model's output layer makes it first, and a compiled backward, one graph, holds every gradient it makes
-    to its end (gpt2-124m's tied embedding on an H200: docs/memory.md). ZeRO-3 keeps its flat gradient partition,
-    and works with its buckets through the forward. The step copies: ZeRO 0 with 16-bit weights each gradient in
-    fp32 for its master (freeing the 16-bit one, one at a time); ZeRO's norm takes one gradient at a time in fp64;
-    ZeRO 1-2 copy the flat gradient partition in the weights' dtype, then in fp32 (ZeRO-3: each optimizer
-    sub-group's). Offload: every state as held through the step (0, 0)."""
-    if any(offloads(ds)):
+    to its end (gpt2-124m's tied embedding on an H200: docs/memory.md), so ZeRO-2's are all whole there at once.
+    ZeRO-3 keeps its flat gradient partition, and works with its buckets through the forward. The step copies:
+    ZeRO's norm takes one gradient at a time in fp64; ZeRO 1-2 copy the flat gradient partition in the weights'
+    dtype, then in fp32 (ZeRO-3: each optimizer sub-group's); ZeRO 0 with 16-bit weights each gradient in fp32
+    (masters_copies). Offloading the optimizer: every state as held through the step (0, 0)."""
+    if offloads(ds)[0]:
         return 0, 0
     learnt = [size for size, trains in zip(sizes, trainable or [True] * len(sizes)) if trains]
-    width = 2 if any((ds.get(name) or {}).get("enabled") is True for name in ("bf16", "fp16")) else FP32
+    width, stage, parts = weight_bytes(ds), zero_stage(ds), [math.ceil(size / ranks) for size in learnt]
     copy = width + (FP32 if width == 2 else 0)  # the flat partition, then its fp32 copy (none for fp32 weights)
-    stage, parts = zero_stage(ds), [math.ceil(size / ranks) for size in learnt]
     if stage == 3:
         group = max(sub_groups(ds.get("zero_optimization") or {}, parts), default=0)
         return 0, max(8 * max(parts, default=0), copy * group)
-    grads = device["gradients"] if ds.get("gradient_accumulation_steps", 1) == 1 else 0  # else held by the forward
+    grads = 0 if accumulates(ds) else device["gradients"]  # with accumulation the forward holds them
     largest, working = max(learnt, default=0), device.get("working", 0)
     first = min(grads, width * largest)  # the output layer's, made beside nearly all the activations
     if stage == 0:
-        masters = FP32 * sum(learnt) + width * largest if width == 2 else 0
-        return grads - first + working, max(grads + working, masters) - first
-    part = _partition(sum(learnt), ranks)
-    return grads - first + working, grads - first + working + max(8 * min(largest, part), copy * part)
+        return grads - first + working, max(grads + working, masters_copies(ds, learnt, grads)) - first
+    part, held = _partition(sum(learnt), ranks), device["gradients"] - grads
+    steps = grads + working + max(8 * min(largest, part), copy * part)
+    return grads - first + working, max(steps, width * sum(learnt) - held + working) - first
+
+
+def masters_copies(ds: dict, learnt: list, grads: int) -> int:
+    """Bytes ZeRO 0's step with 16-bit weights holds for its fp32 masters (learnt: the trained parameters' sizes;
+    grads: the 16-bit gradients' bytes not held by the forward): under bf16 with torch's fused Adam, the app's step
+    (ds_internals.step_bf16_weights_on_device) copies each gradient and frees the 16-bit one; DeepSpeed's own steps
+    keep the 16-bit gradients, FP16_UnfusedOptimizer beside an fp32 copy of each, FP16_Optimizer (DeepSpeed's
+    FusedAdam) beside the copies and their flat concatenation."""
+    if weight_bytes(ds) == FP32:
+        return 0
+    params = (ds.get("optimizer") or {}).get("params") or {}
+    if params.get("torch_adam") is not True:
+        return grads + 2 * FP32 * sum(learnt)
+    if (ds.get("bf16") or {}).get("enabled") is True and params.get("fused") is True:
+        return FP32 * sum(learnt) + 2 * max(learnt, default=0)
+    return grads + FP32 * sum(learnt)
 
 
 def _offloaded(ds: dict, stage: int, width: int, part: int, learnt: list, ranks: int) -> dict:
@@ -204,9 +231,7 @@ def _offloaded(ds: dict, stage: int, width: int, part: int, learnt: list, ranks:
         moved = offloaded_share(zero, [math.ceil(size / ranks) for size in learnt]) \
             if offloads(ds)[0] == "cpu" else 0
         return {"optimizer": 2 * FP32 * moved, "masters": FP32 * moved, "gradients": FP32 * moved + width * part}
-    accumulation = ds.get("gradient_accumulation_steps", 1)
-    touched = max(_touched(learnt, rank, part) for rank in range(ranks)) \
-        if isinstance(accumulation, int) and accumulation > 1 else 0
+    touched = max(_touched(learnt, rank, part) for rank in range(ranks)) if accumulates(ds) else 0
     return {"optimizer": 2 * FP32 * part, "masters": FP32 * part, "gradients": FP32 * part,
             "copies": width * (part + max(learnt, default=0) + touched)}
 
@@ -232,7 +257,7 @@ def bucket_bytes(total: int, ds: dict, kinds: tuple = (True, True)) -> int:
     ZeRO 1-2's buckets hold the weights' dtype, ZeRO-3's each its own."""
     zero = buckets_within(ds, total).get("zero_optimization") or {}
     elements, stage = int(zero["reduce_bucket_size"]), zero_stage(ds)
-    width = 2 if any((ds.get(name) or {}).get("enabled") is True for name in ("bf16", "fp16")) else FP32
+    width = weight_bytes(ds)
     autocast = ds.get("torch_autocast") or {}
     lower, full = kinds if autocast.get("enabled") is True and autocast.get("lower_precision_safe_modules") != [] \
         else (False, True)
@@ -252,7 +277,7 @@ def working_bytes(sizes: list, ds: dict, ranks: int, largest_block: int, kinds: 
     learnt = total if learnt is None else learnt
     zero = ds.get("zero_optimization") or {}
     if stage == 0:  # flattened in the gradients' dtype, the weights'
-        width = 2 if any((ds.get(name) or {}).get("enabled") is True for name in ("bf16", "fp16")) else FP32
+        width = weight_bytes(ds)
         return width * min(learnt, int(5e8)) if ranks > 1 else 0
     bucket = bucket_bytes(learnt, ds, kinds)
     if stage < 3:

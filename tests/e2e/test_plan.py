@@ -142,15 +142,13 @@ def test_the_plan_counts_what_offload_keeps_on_the_host(tmp_path):
 
 def _step_peaks(rank, world, cases, report):
     """Per case (config, gradient accumulation, bf16 weights, tokens a sample, micro batch): the most bytes this
-    rank's tensors held at once over a real engine's third step (the states alive when it began, and all that the
-    step made: activations, gradients, buckets, the optimizer's copies), counted as torch makes and frees them, and
-    the plan's peak of the same config, model and micro batch (in report.<rank>.json)."""
+    rank's tensors held at once over a real engine's third step (_counted), and the plan's peak of the same config,
+    model and micro batch (in report.<rank>.json)."""
     import gc
     import torch
     from app.core import resolver
     from app.distributed import launch
-    from app.ds import auto as ds_auto
-    from app.memory import activation_count, planner
+    from app.memory import planner
     from app.settings import Settings
     from app.tools import bench_modes
     from conftest import engine_of
@@ -158,12 +156,7 @@ def _step_peaks(rank, world, cases, report):
     launch.setup(timeout_s=60)
     task, found = resolver.build(Settings(model="gpt2-tiny")), []
     for name, accumulation, bf16, tokens, micro in cases:
-        ds = {**json.loads((REPO / "ds_configs" / f"{name}.json").read_text()), "gradient_accumulation_steps":
-              accumulation, "train_micro_batch_size_per_gpu": micro}
-        for section in ("scheduler", "torch_autocast"):  # fp32 on a CPU: the plan counts CUDA's autocast
-            ds.pop(section)
-        ds = ds_auto.fill({**ds, **({"bf16": {"enabled": True}} if bf16 else {})},
-                          resolver.auto_facts(task.spec, "cpu"), world)[0]
+        ds = _case_config(task, name, accumulation, bf16, micro, world)
         build, inputs, loss = work = planner.workload(task, tokens)
         planned = planner.plans(work, {name: ds}, world)[name].peak(micro)
         torch.manual_seed(0)
@@ -173,23 +166,46 @@ def _step_peaks(rank, world, cases, report):
             x, y = inputs(micro)
             engine.backward(loss(engine(*x), y).sum())
             engine.step()
-        for _ in range(2 * accumulation):
-            micro_step()
-        gc.collect()
-        held = activation_count.LiveBytes()
-        for tensor in [o for o in gc.get_objects() if isinstance(o, torch.Tensor)]:
-            if tensor.untyped_storage().device.type != "meta":  # not the plan's fake tensors
-                held.hold(tensor)
-        held.peak = held.live
-        with held:
-            for _ in range(accumulation):
-                micro_step()
-        found.append([held.peak, planned])
+        found.append([_counted(micro_step, accumulation), planned])
         engine.destroy()
         del engine, micro_step
         bench_modes.forget_engines()  # what DeepSpeed's globals keep of an engine would count in the next case
         gc.collect()
     report.with_suffix(f".{rank}.json").write_text(json.dumps(found))
+
+
+def _case_config(task, name: str, accumulation: int, bf16: bool, micro: int, world: int) -> dict:
+    """ds_configs/<name>.json at this accumulation and micro batch, in fp32 (the plan counts CUDA's autocast, which a
+    CPU does not run) or with bf16 weights, its "auto" filled for the task's model on CPU ranks."""
+    from app.core import resolver
+    from app.ds import auto as ds_auto
+    ds = {**json.loads((REPO / "ds_configs" / f"{name}.json").read_text()), "gradient_accumulation_steps":
+          accumulation, "train_micro_batch_size_per_gpu": micro}
+    for section in ("scheduler", "torch_autocast"):
+        ds.pop(section)
+    return ds_auto.fill({**ds, **({"bf16": {"enabled": True}} if bf16 else {})},
+                        resolver.auto_facts(task.spec, "cpu"), world)[0]
+
+
+def _counted(micro_step, accumulation: int) -> int:
+    """The most bytes of tensors alive at once over the third step of micro_step() x accumulation: the states alive
+    when it begins (every tensor but the plan's fake ones), and all that the step makes (activations, gradients,
+    buckets, the optimizer's copies), counted as torch makes and frees them."""
+    import gc
+    import torch
+    from app.memory import activation_count
+    for _ in range(2 * accumulation):
+        micro_step()
+    gc.collect()
+    held = activation_count.LiveBytes()
+    for tensor in [o for o in gc.get_objects() if isinstance(o, torch.Tensor)]:
+        if tensor.untyped_storage().device.type != "meta":
+            held.hold(tensor)
+    held.peak = held.live
+    with held:
+        for _ in range(accumulation):
+            micro_step()
+    return held.peak
 
 
 def test_the_plans_peak_is_what_a_real_engines_step_holds(tmp_path):

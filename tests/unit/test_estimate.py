@@ -149,17 +149,28 @@ def test_zero_0_to_2_free_their_gradients_at_the_step_and_the_step_copies_them()
     assert estimate.between_steps(CNN, {}, 1, dp) == (rest, rest)
     assert estimate.between_steps(CNN, {"gradient_accumulation_steps": 2}, 1, dp) == (0, 0)
     bf16 = {"bf16": {"enabled": True}}
-    assert estimate.between_steps(CNN, bf16, 1, estimate.model_states(CNN, bf16, 1)[0]) == \
-        (2 * (n - largest), 4 * n), "each gradient's fp32 copy, the 16-bit one freed as it is made"
+    fused = {**bf16, "optimizer": {"type": "AdamW", "params": {"torch_adam": True, "fused": True}}}
+    sixteen = estimate.model_states(CNN, bf16, 1)[0]
+    assert estimate.between_steps(CNN, fused, 1, sixteen) == (2 * (n - largest), 4 * n), \
+        "the app's step: each gradient's fp32 copy, the 16-bit one freed as it is made"
+    unfused = {**bf16, "optimizer": {"type": "AdamW", "params": {"torch_adam": True}}}
+    assert estimate.between_steps(CNN, unfused, 1, sixteen) == (2 * (n - largest), 2 * n + 4 * n - 2 * largest)
+    assert estimate.between_steps(CNN, bf16, 1, sixteen) == (2 * (n - largest), 2 * n + 8 * n - 2 * largest), \
+        "DeepSpeed's FusedAdam: FP16_Optimizer copies each gradient to fp32, then all of them flat"
     zero2 = {"zero_optimization": {"stage": 2}}
     device = {**estimate.model_states(CNN, zero2, 1)[0], "working": 1000}
     assert estimate.between_steps(CNN, zero2, 1, device) == (rest + 1000, rest + 1000 + max(8 * largest, 4 * n))
+    even = [1000] * 8  # on 8 ranks each touches one; a compiled backward makes all 8 whole at once
+    on_eight = {**estimate.model_states(even, zero2, 8)[0], "working": 1000}
+    assert on_eight["gradients"] == 4 * 1000 and estimate.between_steps(even, zero2, 8, on_eight)[1] == 4 * 7000 + 1000
     zero3 = {"zero_optimization": {"stage": 3, "sub_group_size": 10_000}}
     groups = estimate.sub_groups(zero3["zero_optimization"], [-(-size // 2) for size in CNN])
     assert sum(groups) == sum(-(-size // 2) for size in CNN) and len(groups) > 1
     assert estimate.between_steps(CNN, {**zero3, **bf16}, 2, {}) == (0, max(8 * -(-largest // 2), 6 * max(groups)))
     offload = {"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}}
     assert estimate.between_steps(CNN, offload, 1, estimate.model_states(CNN, offload, 1)[0]) == (0, 0)
+    weights_away = {"zero_optimization": {"stage": 3, "offload_param": {"device": "cpu"}}}
+    assert estimate.between_steps(CNN, weights_away, 1, {})[1] == max(8 * largest, 4 * n), "the step copies on the GPU"
 
 
 def test_the_peak_is_the_forwards_states_and_the_larger_of_the_activations_and_the_steps_bytes():
