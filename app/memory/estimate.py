@@ -181,11 +181,11 @@ def between_steps(sizes: list, ds: dict, ranks: int, device: dict, trainable: li
     backward and free them at the step, and their reduce buffers with them; with gradient accumulation the gradients
     live on through the forwards to the last micro batch's step. The largest gradient counts beside the activations:
     a language model's output layer makes it first, and a compiled backward, one graph, holds every gradient it makes
-    to its end (gpt2-124m's tied embedding on an H200: docs/memory.md), so ZeRO-2's are all whole there at once.
-    ZeRO-3 keeps its flat gradient partition, and works with its buckets through the forward. The step copies:
-    ZeRO's norm takes one gradient at a time in fp64; ZeRO 1-2 copy the flat gradient partition in the weights'
-    dtype, then in fp32 (ZeRO-3: each optimizer sub-group's); ZeRO 0 with 16-bit weights each gradient in fp32
-    (masters_copies). Offloading the optimizer: every state as held through the step (0, 0)."""
+    to its end (gpt2-124m's tied embedding on an H200: docs/memory.md), so ZeRO-2's are all whole there at once (an
+    eager step's counted so too). ZeRO-3 keeps its flat gradient partition, and works with its buckets through the
+    forward. The step copies: ZeRO's norm one gradient at a time in fp64; ZeRO 1-2 the flat gradient partition in
+    the weights' dtype, then in fp32 (ZeRO-3: each optimizer sub-group's); ZeRO 0 with 16-bit weights each gradient
+    in fp32 (masters_copies). Offloading the optimizer: every state as held through the step (0, 0)."""
     if offloads(ds)[0]:
         return 0, 0
     learnt = [size for size, trains in zip(sizes, trainable or [True] * len(sizes)) if trains]
@@ -197,19 +197,19 @@ def between_steps(sizes: list, ds: dict, ranks: int, device: dict, trainable: li
     grads = 0 if accumulates(ds) else device["gradients"]  # with accumulation the forward holds them
     largest, working = max(learnt, default=0), device.get("working", 0)
     first = min(grads, width * largest)  # the output layer's, made beside nearly all the activations
+    made = width * sum(learnt)  # a compiled backward's gradients, whole at once (beside any accumulated)
     if stage == 0:
-        return grads - first + working, max(grads + working, masters_copies(ds, learnt, grads)) - first
-    part, held = _partition(sum(learnt), ranks), device["gradients"] - grads
+        return grads - first + working, max(grads + working, made, masters_copies(ds, learnt, grads)) - first
+    part = _partition(sum(learnt), ranks)
     steps = grads + working + max(8 * min(largest, part), copy * part)
-    return grads - first + working, max(steps, width * sum(learnt) - held + working) - first
+    return grads - first + working, max(steps, made + working) - first
 
 
 def masters_copies(ds: dict, learnt: list, grads: int) -> int:
     """Bytes ZeRO 0's step with 16-bit weights holds for its fp32 masters (learnt: the trained parameters' sizes;
-    grads: the 16-bit gradients' bytes not held by the forward): under bf16 with torch's fused Adam, the app's step
-    (ds_internals.step_bf16_weights_on_device) copies each gradient and frees the 16-bit one; DeepSpeed's own steps
-    keep the 16-bit gradients, FP16_UnfusedOptimizer beside an fp32 copy of each, FP16_Optimizer (DeepSpeed's
-    FusedAdam) beside the copies and their flat concatenation."""
+    grads: the 16-bit gradients' bytes the forward does not hold): bf16 with torch's fused Adam takes the app's step
+    (ds_internals.step_bf16_weights_on_device), which frees each 16-bit gradient as it copies it; DeepSpeed's keep
+    them, beside an fp32 copy of each (FP16_UnfusedOptimizer) and their flat concatenation (FP16_Optimizer)."""
     if weight_bytes(ds) == FP32:
         return 0
     params = (ds.get("optimizer") or {}).get("params") or {}

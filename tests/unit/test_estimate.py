@@ -147,7 +147,6 @@ def test_zero_0_to_2_free_their_gradients_at_the_step_and_the_step_copies_them()
     dp = estimate.model_states(CNN, {}, 1)[0]
     rest = 4 * (n - largest)  # the largest gradient counts beside the activations
     assert estimate.between_steps(CNN, {}, 1, dp) == (rest, rest)
-    assert estimate.between_steps(CNN, {"gradient_accumulation_steps": 2}, 1, dp) == (0, 0)
     bf16 = {"bf16": {"enabled": True}}
     fused = {**bf16, "optimizer": {"type": "AdamW", "params": {"torch_adam": True, "fused": True}}}
     sixteen = estimate.model_states(CNN, bf16, 1)[0]
@@ -163,6 +162,9 @@ def test_zero_0_to_2_free_their_gradients_at_the_step_and_the_step_copies_them()
     even = [1000] * 8  # on 8 ranks each touches one; a compiled backward makes all 8 whole at once
     on_eight = {**estimate.model_states(even, zero2, 8)[0], "working": 1000}
     assert on_eight["gradients"] == 4 * 1000 and estimate.between_steps(even, zero2, 8, on_eight)[1] == 4 * 7000 + 1000
+    accumulated = {**zero2, "gradient_accumulation_steps": 2}  # the partition's held through the forward, beside them
+    assert estimate.between_steps(even, accumulated, 8, on_eight) == (1000, 4 * 8000 + 1000)
+    assert estimate.between_steps(CNN, {"gradient_accumulation_steps": 2}, 1, dp) == (0, 4 * n)
     zero3 = {"zero_optimization": {"stage": 3, "sub_group_size": 10_000}}
     groups = estimate.sub_groups(zero3["zero_optimization"], [-(-size // 2) for size in CNN])
     assert sum(groups) == sum(-(-size // 2) for size in CNN) and len(groups) > 1
