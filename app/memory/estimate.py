@@ -94,6 +94,11 @@ def weight_bytes(ds: dict) -> int:
     return 2 if any((ds.get(name) or {}).get("enabled") is True for name in ("bf16", "fp16")) else FP32
 
 
+def trained(sizes: list, trainable: list = None) -> list:
+    """The sizes of the parameters that train (trainable: whether each one does; None: all)."""
+    return [size for size, trains in zip(sizes, trainable or [True] * len(sizes)) if trains]
+
+
 def accumulates(ds: dict) -> bool:
     """Whether ds accumulates gradients over several micro batches a step ("auto" and unset: one, as a run takes
     them unless its micro batch search raises the accumulation, which the plan is then run again for)."""
@@ -125,7 +130,7 @@ def model_states(sizes: list, ds: dict, ranks: int, trainable: list = None) -> t
     keeps them so) unless the config's bf16 or fp16 section makes them 16-bit.
     """
     width = weight_bytes(ds)
-    learnt = [size for size, trains in zip(sizes, trainable or [True] * len(sizes)) if trains]
+    learnt = trained(sizes, trainable)
     stage, total, learnt_total = zero_stage(ds), sum(sizes), sum(learnt)
     offload, offload_params = offloads(ds)
     if stage == 0:
@@ -138,7 +143,6 @@ def model_states(sizes: list, ds: dict, ranks: int, trainable: list = None) -> t
         part, weights = _partition(learnt_total, ranks), total
         grads = max(_touched(learnt, rank, part) for rank in range(ranks)) \
             if _reduced_as_they_arrive(ds, stage) else learnt_total
-    optimizer = {"optimizer": 2 * FP32 * part, "masters": FP32 * part}
     device = {"weights": width * weights, "gradients": width * grads}
     host = {}
     if offload:
@@ -148,7 +152,7 @@ def model_states(sizes: list, ds: dict, ranks: int, trainable: list = None) -> t
         kept = part - host["masters"] // FP32 if offload == "cpu" else 0  # the sub-groups ZeRO-3's ratio keeps
         device.update({"optimizer": 2 * FP32 * kept, "masters": FP32 * kept, "gradients": FP32 * kept} if kept else {})
     else:
-        device.update(optimizer)
+        device.update({"optimizer": 2 * FP32 * part, "masters": FP32 * part})
     if offload_params and stage == 3:  # DeepSpeed offloads weights under ZeRO-3 only, NVMe's to disk
         weights = device.pop("weights")
         host.update({"weights": weights} if offload_params == "cpu" else {})
@@ -159,8 +163,7 @@ def offloaded_share(zero: dict, parts: list) -> int:
     """Elements of a ZeRO-3 rank's partitions (parts: each trained parameter's, in order) whose optimizer
     offload_optimizer moves to the host: DeepSpeed's sub-groups close at the parameter that brings them to
     sub_group_size elements, and its ratio offloads the last of them, as many as it gives (all of them at 1)."""
-    groups = sub_groups(zero, parts)
-    ratio = float((zero.get("offload_optimizer") or {}).get("ratio", 1.0))
+    groups, ratio = sub_groups(zero, parts), float((zero.get("offload_optimizer") or {}).get("ratio", 1.0))
     return sum(groups[int((1 - ratio) * len(groups)):])
 
 
@@ -175,8 +178,9 @@ def sub_groups(zero: dict, parts: list) -> list:
     return groups
 
 
-def between_steps(sizes: list, ds: dict, ranks: int, device: dict, trainable: list = None) -> tuple:
-    """(MemoryPlan.freed, MemoryPlan.after) of a rank's device states (model_states' and working_bytes'), as
+def between_steps(learnt: list, ds: dict, ranks: int, device: dict) -> tuple:
+    """(MemoryPlan.freed, MemoryPlan.after) of a rank's device states (model_states' and working_bytes'; learnt:
+    the sizes of the parameters that train, in order), as
     DeepSpeed 0.19.8 holds them (a real engine's step: tests/e2e/test_plan.py). ZeRO 0-2 make their gradients in the
     backward and free them at the step, and their reduce buffers with them; with gradient accumulation the gradients
     live on through the forwards to the last micro batch's step. The largest gradient counts beside the activations:
@@ -188,7 +192,6 @@ def between_steps(sizes: list, ds: dict, ranks: int, device: dict, trainable: li
     in fp32 (masters_copies). Offloading the optimizer: every state as held through the step (0, 0)."""
     if offloads(ds)[0]:
         return 0, 0
-    learnt = [size for size, trains in zip(sizes, trainable or [True] * len(sizes)) if trains]
     width, stage, parts = weight_bytes(ds), zero_stage(ds), [math.ceil(size / ranks) for size in learnt]
     copy = width + (FP32 if width == 2 else 0)  # the flat partition, then its fp32 copy (none for fp32 weights)
     if stage == 3:
@@ -256,8 +259,7 @@ def bucket_bytes(total: int, ds: dict, kinds: tuple = (True, True)) -> int:
     unless lower_precision_safe_modules is [] (kinds: comm_kinds of the model), so there may be two dtypes:
     ZeRO 1-2's buckets hold the weights' dtype, ZeRO-3's each its own."""
     zero = buckets_within(ds, total).get("zero_optimization") or {}
-    elements, stage = int(zero["reduce_bucket_size"]), zero_stage(ds)
-    width = weight_bytes(ds)
+    elements, stage, width = int(zero["reduce_bucket_size"]), zero_stage(ds), weight_bytes(ds)
     autocast = ds.get("torch_autocast") or {}
     lower, full = kinds if autocast.get("enabled") is True and autocast.get("lower_precision_safe_modules") != [] \
         else (False, True)
@@ -277,8 +279,7 @@ def working_bytes(sizes: list, ds: dict, ranks: int, largest_block: int, kinds: 
     learnt = total if learnt is None else learnt
     zero = ds.get("zero_optimization") or {}
     if stage == 0:  # flattened in the gradients' dtype, the weights'
-        width = weight_bytes(ds)
-        return width * min(learnt, int(5e8)) if ranks > 1 else 0
+        return weight_bytes(ds) * min(learnt, int(5e8)) if ranks > 1 else 0
     bucket = bucket_bytes(learnt, ds, kinds)
     if stage < 3:
         return bucket
@@ -293,8 +294,7 @@ def memory_plan(config: str, ds: dict, ranks: int, sizes: list, largest_block: i
     """The MemoryPlan of one config: measured is (bytes of one sample, bytes of a micro batch whatever its size); kinds:
     comm_kinds of the model; trainable: whether each parameter trains (None: all)."""
     device, host = model_states(sizes, ds, ranks, trainable)
-    learnt = sum(size for size, trains in zip(sizes, trainable) if trains) if trainable else None
-    device["working"] = working_bytes(sizes, ds, ranks, largest_block, kinds, learnt)
-    freed, after = between_steps(sizes, ds, ranks, device, trainable)
-    return MemoryPlan(config, sum(sizes), device, host, *measured, trained=sum(sizes) if learnt is None else learnt,
-                      freed=freed, after=after)
+    learnt = trained(sizes, trainable)
+    device["working"] = working_bytes(sizes, ds, ranks, largest_block, kinds, sum(learnt))
+    freed, after = between_steps(learnt, ds, ranks, device)
+    return MemoryPlan(config, sum(sizes), device, host, *measured, trained=sum(learnt), freed=freed, after=after)

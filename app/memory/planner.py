@@ -87,7 +87,7 @@ def sampling_of(task, seq_len: int = 0):
     config, rows = task.spec.config, task.sampled
 
     def sampling(ds: dict, parameters: int, ranks: int) -> tuple:
-        sixteen = any((ds.get(s) or {}).get("enabled") is True for s in ("bf16", "fp16"))
+        sixteen = estimate.weight_bytes(ds) == 2
         compute = 2 if sixteen or (ds.get("torch_autocast") or {}).get("enabled") is True else 4
         mine = -(-rows // ds.get("sequence_parallel_size", 1))  # a group's ranks each sample a share whole
         each = rollout.cache_bytes(config, mine, seq, compute) + mine * models.vocab_size(config) * 28
