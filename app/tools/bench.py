@@ -33,6 +33,7 @@ FIELDS = ("mode", "ranks", "threads_per_rank", "micro_batch", "global_batch", "d
           "mfu_datasheet", "datasheet_flops", "data_wait_share", "time_to_first_step_s", "peak_memory_bytes",
           "param_bytes", "scaling_efficiency", "zero_state", "plan_peak_bytes", "plan_over_peak", "plan_host_bytes",
           "host_peak_bytes", "graphs")
+SETUP = "bench-args.json"  # in the output folder: what app.tools.bench_replan reads
 
 
 def parse(argv=None):
@@ -63,6 +64,9 @@ def parse(argv=None):
                         "after the measured steps: output_dir/profile-<mode>.txt")
     parser.add_argument("--ranks", type=int, default=2, help="ranks of the multi-rank modes")
     parser.add_argument("--output_dir", default="", help="where bench.json and bench.png go")
+    parser.add_argument("--plan", default="on", choices=("on", "off"),
+                        help="the memory plan's peak beside each app mode's (off: none; python -m "
+                        "app.tools.bench_replan OUTPUT_DIR plans the rows later, on any machine)")
     parser.add_argument("--quick", action="store_true", help="3 steps after 1 warm-up, short matmul probe (tests)")
     return _checked(parser.parse_args(argv))
 
@@ -113,7 +117,7 @@ def _config_path(name: str) -> Path:
 def group_modes(args, cores: int, gpus: int) -> tuple:
     """{world size: [(mode, threads, per-rank batch)]} and [(mode, why it is skipped)]."""
     groups, skipped = {1: [], args.ranks: []}, []
-    threads = lambda ranks: 1 if gpus else max(1, cores // ranks)  # noqa: E731 (ranks share the node's cores)
+    threads = lambda ranks: max(1, cores // ranks)  # noqa: E731 (the node's cores shared, on a GPU too: CPU Adam)
     for mode in ("raw", "raw-compile"):
         if mode in args.modes:
             groups[1].append((mode, threads(1), args.batch))
@@ -221,12 +225,14 @@ def main(argv=None) -> int:
         args.output_dir.mkdir(parents=True, exist_ok=True)
     except UserError as e:
         return report(e)
+    argv = list(map(str, argv if argv is not None else sys.argv[1:]))
+    write_setup(args.output_dir, argv, args.configs)
     rows = run_groups(groups, args)
     failed, rows = [r for r in rows if "failed" in r], [r for r in rows if "failed" not in r]
     add_ratios(rows)
-    planned = add_planned_peaks(rows, args.configs, work) if rows else []
+    planned = add_planned_peaks(rows, args.configs if args.plan == "on" else {}, work) if rows else []
     rows = [{key: r[key] for key in FIELDS} for r in rows]
-    result = {"command": " ".join(["python -m app.tools.bench", *(argv if argv is not None else sys.argv[1:])]),
+    result = {"command": " ".join(["python -m app.tools.bench", *argv]),
               "model": args.model, "parameters": sum(p.numel() for p in model.parameters()),
               "seq_len": work.info.seq_len or None, "global_batch": args.batch, "steps": args.steps,
               "warmup": args.warmup, "flops_per_sample": args.flops_per_sample, "torch_dtype": args.dtype,
@@ -239,6 +245,13 @@ def main(argv=None) -> int:
         return 1
     _print_report(rows, planned, failed, skipped, args.output_dir)
     return 0
+
+
+def write_setup(output_dir: Path, argv: list, configs: dict):
+    """output_dir/bench-args.json: the flags, the device and the configs' dicts, all a plan of the rows needs later
+    on another machine (app.tools.bench_replan), however the benchmark ends."""
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    (output_dir / SETUP).write_text(json.dumps({"argv": argv, "device": device, "configs": configs}, indent=1) + "\n")
 
 
 def _print_report(rows: list, planned: list, failed: list, skipped: list, output_dir: Path):

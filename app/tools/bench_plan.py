@@ -12,15 +12,17 @@ from app.tools.bench_modes import LORA
 from app.tools.bench_report import TORCH_MODES
 
 
-def add_planned_peaks(rows: list, configs: dict, work) -> list:
+def add_planned_peaks(rows: list, configs: dict, work, device: str = "") -> list:
     """Set plan_peak_bytes, plan_over_peak and plan_host_bytes (what the rank offloads to the host) on each app row
     the plan covers (a LoRA mode planned with the adapters the benchmark gave it, compiled or eager as the mode
-    ran); the lines that say them. On a CPU the measured peak is the process's resident set, which the plan does
-    not predict."""
+    ran, the configs' "auto" filled for the device the rows ran on: "cuda" or "cpu", default this machine's);
+    the lines that say them. On a CPU the measured peak is the process's resident set, which the plan does not
+    predict."""
     planned_rows = [row for row in rows if _planned(row, configs, work)]
     for row in rows:
         row["plan_peak_bytes"] = row["plan_over_peak"] = row["plan_host_bytes"] = None
-    plans, lines = _plans(planned_rows, configs, work), []
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    plans, lines = _plans(planned_rows, configs, work, device), []
     for row in planned_rows:
         plan = plans[_group(row)][row["mode"].split("+")[0]]
         planned, measured = plan.peak(row["micro_batch"]), max(row["peak_memory_bytes"])
@@ -46,11 +48,11 @@ def _group(row: dict) -> tuple:
     return row["ranks"], row["mode"].endswith(LORA), bool(row.get("compiled"))
 
 
-def _plans(rows: list, configs: dict, work) -> dict:
+def _plans(rows: list, configs: dict, work, device: str) -> dict:
     """{group: {config: MemoryPlan}}: each group's configs planned together, its activations measured once."""
     task = copy.copy(work.task)
     task.data = Data(work.train_set, None, work.info)  # the plan's model is the benchmark's: its classes and images
-    facts = resolver.auto_facts(work.task.spec, "cuda" if torch.cuda.is_available() else "cpu")
+    facts = resolver.auto_facts(work.task.spec, device)
     settings, found = work.task.settings, {}  # the adapters build_model gives a LoRA mode: the task's own
     groups = dict.fromkeys(_group(row) for row in rows)
     workloads = {lora_mode: planner.workload(task, work.info.seq_len, work.info.image_size, frozen=lora_mode)

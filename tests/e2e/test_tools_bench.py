@@ -242,3 +242,27 @@ def test_a_mode_that_fails_is_reported_and_the_next_mode_runs_profiled(tmp_path)
     assert not any(line.startswith("profile raw") for line in lines), "--profile names zero3 alone"
     kept = json.loads((out / "rows-1-ranks.json").read_text())
     assert [(r["mode"], "failed" in r) for r in kept] == [("raw", False), ("broken", True), ("zero3", False)]
+
+
+def test_a_benchmark_run_without_its_plan_is_planned_later_from_its_folder(tmp_path):
+    """--plan off: the rows without a plan, as the GPU check runs it; app.tools.bench_replan then plans them from
+    the folder alone, its config's file gone (on the GPU machine), as the benchmark would have."""
+    mine = tmp_path / "mine.json"
+    mine.write_text((REPO / "ds_configs" / "zero2.json").read_text())
+    out = tmp_path / "out"
+    result = run([str(BIN / "python"), "-m", "app.tools.bench", "--model", "gpt2-tiny", "--ranks", "1", "--modes",
+                  "app", "--configs", mine, "--seq_len", "32", "--quick", "--plan", "off", "--output_dir", out],
+                 timeout=300)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert not [line for line in result.stdout.splitlines() if line.startswith("plan ")]
+    measured = json.loads((out / "bench.json").read_text())["modes"][0]
+    assert measured["plan_peak_bytes"] is None
+    mine.unlink()
+    later = run([str(BIN / "python"), "-m", "app.tools.bench_replan", out], timeout=300)
+    assert later.returncode == 0, later.stdout[-3000:] + later.stderr[-3000:]
+    planned = json.loads((out / "plan.json").read_text())
+    assert [(r["mode"], r["ranks"], r["peak_memory_bytes"]) for r in planned] == \
+        [("mine", 1, measured["peak_memory_bytes"])]
+    peak = planned[0]["plan_peak_bytes"]
+    assert peak > 0 and planned[0]["plan_over_peak"] == peak / measured["peak_memory_bytes"][0]
+    assert f"plan mine x1: {peak / 2**20:.0f} MB planned" in later.stdout

@@ -40,6 +40,17 @@ def test_lora_runs_each_app_mode_beside_the_whole_model_or_alone(flag, modes):
     assert [mode for mode, _, _ in groups[1]] == modes and skipped == []
 
 
+def test_ranks_share_the_cores_on_a_gpu_as_on_a_cpu():
+    """Each rank takes its share of the node's cores whatever runs the step: offload's CPU Adam runs on torch's
+    threads, which a run of train.py on a GPU leaves at torch's default."""
+    from app.tools import bench
+    args = bench.parse(["--modes", "raw,app", "--configs", "zero3_offload", "--ranks", "2"])
+    for gpus in (0, 2):
+        groups, _ = bench.group_modes(args, cores=16, gpus=gpus)
+        assert [(mode, threads) for mode, threads, _ in groups[1]] == [("raw", 16), ("zero3_offload", 16)]
+        assert [(mode, threads) for mode, threads, _ in groups[2]] == [("zero3_offload", 8)]
+
+
 def test_profile_names_a_list_of_modes():
     from app.tools import bench
     assert bench.parse(["--modes", "raw", "--profile", "raw,zero3+lora,"]).profile == ["raw", "zero3+lora"]
