@@ -11,7 +11,6 @@ written (the check's own plumbing).
 import argparse
 import json
 import os
-import shlex
 import subprocess
 import sys
 import time
@@ -20,6 +19,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 NEEDS_CUDA = 77  # a part's exit code when the machine has no CUDA GPU
+BENCHES = ("llama-1b", "llama-8b", "gpt2-124m", "bf16-weights", "llama-1b-zero3", "llama-3b")  # bench() folders
 
 
 @dataclass
@@ -38,14 +38,22 @@ def cuda_test(expression: str) -> list:
 
 
 def bench(out: Path, name: str, *argv) -> list:
-    """python -m app.tools.bench with argv, its bench.json and profiles in out/name."""
-    return [sys.executable, "-m", "app.tools.bench", *map(str, argv), "--output_dir", str(out / name)]
+    """python -m app.tools.bench with argv, its rows and profiles in out/name, unplanned: the plan is CPU work, made
+    after the check on any machine (python -m app.tools.bench_replan OUT/name), not in the GPU's minutes."""
+    return [sys.executable, "-m", "app.tools.bench", *map(str, argv), "--plan", "off", "--output_dir", str(out / name)]
 
 
-def chain(*commands) -> list:
-    """One command that runs each of commands in turn, whatever the one before gave, and fails if any failed."""
-    return ["bash", "-c", "failed=0; " + "".join(f"{shlex.join(map(str, command))} || failed=1; "
-                                                 for command in commands) + "exit $failed"]
+def bf16_weights(out: Path) -> dict:
+    """{name: path} of ds_configs' dp.json and zero3.json with DeepSpeed's bf16 section (16-bit weights, fp32
+    masters) in place of bf16 autocast, written in out/configs."""
+    paths = {}
+    for name in ("dp", "zero3"):
+        ds = json.loads((REPO / "ds_configs" / f"{name}.json").read_text())
+        ds = {**{k: v for k, v in ds.items() if k != "torch_autocast"}, "bf16": {"enabled": True}}
+        paths[name] = out / "configs" / f"{name}-bf16.json"
+        paths[name].parent.mkdir(parents=True, exist_ok=True)
+        paths[name].write_text(json.dumps(ds, indent=1) + "\n")
+    return paths
 
 
 def zero3_variants(out: Path) -> dict:
@@ -68,36 +76,39 @@ def zero3_variants(out: Path) -> dict:
 
 
 def parts(out: Path) -> list:
-    """The parts, in the order they run: what the GPU path must prove first comes first."""
-    z3 = zero3_variants(out)
-    # the shipped files first, so that a part cut off by its limit has measured them; then what one setting buys
-    llama_configs = ",".join(["zero3", "dp", "zero1", "zero2", str(z3["zero3-stock"]), str(z3["zero3-nomel"]),
-                              str(z3["zero3-persist"])])
+    """The parts, in the order they run: what the GPU path must prove first comes first. The first two fit the
+    check's 9 minutes; a later call takes the rest (--only)."""
+    z3, sixteen = zero3_variants(out), bf16_weights(out)
+    llama = ("--model", "llama-1b", "--batch", 8, "--seq_len", 2048, "--ranks", 1, "--steps", 4, "--warmup", 2)
+    gpt2 = ("--model", "gpt2-124m", "--batch", 32, "--seq_len", 1024, "--ranks", 1, "--steps", 3, "--warmup", 1)
     return [
-        Part("llama_1b", 300, bench(out, "llama-1b", "--model", "llama-1b", "--batch", 8, "--seq_len", 2048,
-                                    "--ranks", 1, "--modes", "raw-compile,fsdp2,app", "--configs", llama_configs,
-                                    "--steps", 4, "--warmup", 2, "--profile", "zero3,dp"),
-             "llama-1b, micro 8 x 2,048, bf16, compiled: raw + compile, FSDP2, the app at ZeRO 0-3, ZeRO-3 with "
-             "DeepSpeed's defaults and with one setting changed; the plan's peak beside each; ZeRO-3 and ZeRO 0 "
-             "profiled, with what their peak holds"),
-        Part("llama_8b_lora", 180, bench(out, "llama-8b", "--model", "llama-8b", "--lora", "only", "--batch", 2,
-                                         "--seq_len", 2048, "--ranks", 1, "--modes", "app", "--configs", "zero3",
-                                         "--steps", 3, "--warmup", 1),
-             "llama-8b (Llama 3.1 8B's shape) with LoRA under ZeRO-3, micro 2 x 2,048, bf16, compiled"),
+        Part("llama_1b", 290, bench(out, "llama-1b", *llama, "--modes", "raw-compile,fsdp2,app", "--configs",
+                                    "zero3,dp,zero1,zero2", "--profile", "zero3"),
+             "llama-1b, micro 8 x 2,048, bf16, compiled: raw + compile, FSDP2, the app at ZeRO 0-3, ZeRO-3's step "
+             "profiled, with what its peak holds"),
         Part("long_context", 240, cuda_test("long_sequence"),
              "llama-tiny-long at 8,192 tokens split over 2 ranks sharing the GPU against one process; llama-1b at "
              "16,384 tokens under ZeRO-3 with its MLPs tiled and whole: peaks against each other and the plan's"),
-        Part("gpt2_plan", 120, bench(out, "gpt2-124m", "--model", "gpt2-124m", "--batch", 32, "--seq_len", 1024,
-                                     "--ranks", 1, "--modes", "raw-compile,app", "--configs", "dp,zero1,zero2,zero3",
-                                     "--compile", "on,off", "--steps", 3, "--warmup", 1),
-             "gpt2-124m, micro 32 x 1,024: the app at ZeRO 0-3 compiled and eager, the plan's peak beside each"),
-        Part("offload", 240, chain([sys.executable, "-m", "app.tools.plan", "--model", "llama-8b", "--micro_batch", 1,
-                                    "--seq_len", 2048, "--deepspeed_config", "ds_configs/zero3_offload.json"],
-                                   bench(out, "llama-3b", "--model", "llama-3b", "--batch", 1, "--seq_len", 2048,
-                                         "--ranks", 1, "--modes", "app", "--configs", "zero3_offload", "--steps", 2,
-                                         "--warmup", 1)),
-             "the plan of llama-8b under zero3_offload on this GPU and this machine's memory; llama-3b (Llama 3.2 "
-             "3B's shape) fully fine-tuned under it, micro 1 x 2,048: tokens/s, GPU and host peaks against the plan"),
+        Part("llama_8b_lora", 150, bench(out, "llama-8b", "--model", "llama-8b", "--lora", "only", "--batch", 2,
+                                         "--seq_len", 2048, "--ranks", 1, "--modes", "app", "--configs", "zero3",
+                                         "--steps", 3, "--warmup", 1),
+             "llama-8b (Llama 3.1 8B's shape) with LoRA under ZeRO-3, micro 2 x 2,048, bf16, compiled"),
+        Part("gpt2_plan", 200, bench(out, "gpt2-124m", *gpt2, "--modes", "raw-compile,app", "--configs",
+                                     "dp,zero1,zero2,zero3", "--compile", "on,off"),
+             "gpt2-124m, micro 32 x 1,024, bf16 autocast: the app at ZeRO 0-3 compiled and eager, for their peaks"),
+        Part("bf16_weights", 150, bench(out, "bf16-weights", *gpt2, "--modes", "app", "--configs",
+                                        f"{sixteen['dp']},{sixteen['zero3']}", "--compile", "on,off"),
+             "gpt2-124m, micro 32 x 1,024, bf16 weights (DeepSpeed's bf16 section) under ZeRO 0 and 3, compiled "
+             "and eager, for their peaks"),
+        Part("zero3_settings", 240, bench(out, "llama-1b-zero3", *llama, "--modes", "raw-compile,app", "--configs",
+                                          ",".join(["zero3", *map(str, z3.values())]), "--profile", "zero3-stock"),
+             "llama-1b as in llama_1b: ZeRO-3 as shipped, with DeepSpeed's defaults, with torch's linear "
+             "(memory_efficient_linear false) and with every parameter persistent: what each setting buys"),
+        Part("offload", 240, bench(out, "llama-3b", "--model", "llama-3b", "--batch", 1, "--seq_len", 2048,
+                                   "--ranks", 1, "--modes", "app", "--configs", "zero3_offload", "--steps", 2,
+                                   "--warmup", 1),
+             "llama-3b (Llama 3.2 3B's shape) fully fine-tuned under zero3_offload, micro 1 x 2,048: tokens/s, the "
+             "GPU's and the host's peaks"),
         Part("sync_debug", 90, cuda_test("synchronises"),
              'the step under torch.cuda.set_sync_debug_mode("error"), ZeRO 0 and 2, eager and compiled'),
         Part("stock_steps", 60, cuda_test("stock_deepspeed_on_two_ranks"),
@@ -220,6 +231,9 @@ def main(argv=None) -> int:
     report["seconds"] = round(time.perf_counter() - started, 1)
     (out / "report.json").write_text(json.dumps(report, indent=1) + "\n")
     print(table(report))
+    benches = [str(out / name) for name in BENCHES if (out / name / "bench-args.json").is_file()]
+    if benches:  # the plan beside their peaks: CPU work, left for after the GPU's minutes
+        print(f"the plan of the benchmarks' rows, on any machine: python -m app.tools.bench_replan {' '.join(benches)}")
     return 0 if all(r["status"] in ("passed", "needs a CUDA GPU") for r in report["parts"].values()) else 1
 
 

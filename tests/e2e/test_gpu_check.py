@@ -91,35 +91,40 @@ def test_the_zero3_variants_are_configs_the_app_takes_each_one_setting_apart(tmp
     assert variants["zero3-persist"]["stage3_param_persistence_threshold"] == 10**10
 
 
-def test_each_parts_benchmark_and_plan_take_their_flags(tmp_path):
-    """A misspelled flag in a part would cost a GPU session that part: each bench and plan command of the check,
-    chained ones included, parses here, and names a model the app builds."""
-    import shlex
+def test_each_parts_benchmark_takes_its_flags_and_leaves_its_plan_to_a_cpu(tmp_path):
+    """A misspelled flag in a part would cost a GPU session that part: each bench command of the check parses here,
+    names a model the app builds, plans nothing on the device (--plan off) and writes its rows where the check's
+    last line sends app.tools.bench_replan."""
     from app.core import models
-    from app.tools import bench, plan
-    commands = []
-    for part in _driver().parts(tmp_path):
-        chained = part.command[:2] == ["bash", "-c"]
-        commands += [shlex.split(c.removesuffix(" || failed=1")) for c in part.command[2].split("; ")[1:-1]] \
-            if chained else [part.command]
-    checked = {"bench": 0, "plan": 0}
+    from app.tools import bench
+    gpu_check = _driver()
+    commands = [part.command for part in gpu_check.parts(tmp_path) if part.command[1:3] == ["-m", "app.tools.bench"]]
     for command in commands:
-        if command[1:3] == ["-m", "app.tools.bench"]:
-            args = bench.parse(command[3:])
-        elif command[1:3] == ["-m", "app.tools.plan"]:
-            args = plan._parser().parse_args(command[3:])
-        else:
-            continue
-        checked[command[2].split(".")[-1]] += 1
+        args = bench.parse(command[3:])
         assert args.model in models.PRESETS or args.model in models.BUILTIN, command
-    assert checked["bench"] >= 4 and checked["plan"] >= 1, checked
+        assert args.plan == "off" and args.output_dir.parent == tmp_path, command
+        assert args.output_dir.name in gpu_check.BENCHES, command
+    assert len(commands) == len(gpu_check.BENCHES)
 
 
-def test_a_chained_part_runs_each_command_and_fails_if_one_failed(tmp_path):
-    """The offload part's plan and benchmark: the second runs whatever the first gave, and the part says failed if
-    either did."""
-    chain = _driver().chain
-    marks = [["touch", str(tmp_path / name)] for name in ("first", "last")]
-    failing = subprocess.run(chain(marks[0], ["false"], marks[1]))
-    assert failing.returncode == 1 and (tmp_path / "first").exists() and (tmp_path / "last").exists()
-    assert subprocess.run(chain(*marks)).returncode == 0
+def test_the_last_line_says_how_to_plan_the_benchmarks_rows(tmp_path, monkeypatch, capsys):
+    """A benchmark part that ran (its folder has its bench-args.json, however it ended) is named in the command
+    that plans its rows afterwards; one that did not run is not."""
+    gpu_check = _driver()
+    out = tmp_path / "out"
+    leaves = f"import pathlib; d = pathlib.Path('{out}/llama-1b'); d.mkdir(); (d / 'bench-args.json').write_text('{{}}')"
+    monkeypatch.setattr(gpu_check, "parts", lambda out: [gpu_check.Part("bench", 10, [sys.executable, "-c", leaves],
+                                                                         "leaves a benchmark's folder")])
+    monkeypatch.setattr(gpu_check, "cuda_available", lambda: True)
+    assert gpu_check.main([str(out)]) == 0
+    assert capsys.readouterr().out.splitlines()[-1] == \
+        f"the plan of the benchmarks' rows, on any machine: python -m app.tools.bench_replan {out / 'llama-1b'}"
+
+
+def test_the_bf16_weights_configs_are_the_shipped_ones_with_deepspeeds_bf16_section(tmp_path):
+    from app.ds import config as ds_config
+    for name, path in _driver().bf16_weights(tmp_path).items():
+        shipped = json.loads((REPO / "ds_configs" / f"{name}.json").read_text())
+        written = ds_config.load_ds_config(path, resolve=False)
+        assert "torch_autocast" in shipped and "torch_autocast" not in written, name
+        assert written == {**{k: v for k, v in shipped.items() if k != "torch_autocast"}, "bf16": {"enabled": True}}
