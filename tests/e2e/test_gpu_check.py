@@ -128,3 +128,18 @@ def test_the_bf16_weights_configs_are_the_shipped_ones_with_deepspeeds_bf16_sect
         written = ds_config.load_ds_config(path, resolve=False)
         assert "torch_autocast" in shipped and "torch_autocast" not in written, name
         assert written == {**{k: v for k, v in shipped.items() if k != "torch_autocast"}, "bf16": {"enabled": True}}
+
+
+def test_the_budget_counts_from_the_scripts_start_its_install_included(tmp_path, monkeypatch):
+    """gpu_check.sh marks its start before it installs the wheels; a check started 535 s before the driver, on a
+    budget of 540 s, has no time left for a part."""
+    import time
+    gpu_check = _driver()
+    monkeypatch.setattr(gpu_check, "parts", lambda out: [gpu_check.Part("first", 10, ["true"], "first")])
+    monkeypatch.setattr(gpu_check, "cuda_available", lambda: True)
+    monkeypatch.setenv("GPU_CHECK_STARTED", str(time.time() - 535))
+    assert gpu_check.main([str(tmp_path / "out")]) == 1
+    report = json.loads((tmp_path / "out" / "report.json").read_text())
+    assert report["parts"]["first"]["status"] == "not run: no time left" and report["seconds"] >= 535
+    monkeypatch.setenv("GPU_CHECK_STARTED", str(time.time()))
+    assert gpu_check.main([str(tmp_path / "again")]) == 0
