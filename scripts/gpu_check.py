@@ -76,8 +76,8 @@ def zero3_variants(out: Path) -> dict:
 
 
 def parts(out: Path) -> list:
-    """The parts, in the order they run: what the GPU path must prove first comes first. The first two fit the
-    check's 9 minutes; a later call takes the rest (--only)."""
+    """The parts, in the order they run: what the GPU path must prove first comes first. The first two are sized
+    for the check's 9 minutes; a later call takes the rest (--only)."""
     z3, sixteen = zero3_variants(out), bf16_weights(out)
     llama = ("--model", "llama-1b", "--batch", 8, "--seq_len", 2048, "--ranks", 1, "--steps", 4, "--warmup", 2)
     gpt2 = ("--model", "gpt2-124m", "--batch", 32, "--seq_len", 1024, "--ranks", 1, "--steps", 3, "--warmup", 1)

@@ -6,7 +6,7 @@
 #
 #     bash scripts/gpu_check.sh OUT_DIR [WHEEL_DIR]
 set -euo pipefail
-export GPU_CHECK_STARTED=${GPU_CHECK_STARTED:-$(date +%s.%N)}  # the budget counts the install below
+export GPU_CHECK_STARTED=$(date +%s.%N)  # the budget counts the install below
 out=$(realpath -m "${1:?usage: bash scripts/gpu_check.sh OUT_DIR [WHEEL_DIR]}")
 wheels=${2:+$(realpath "$2")}
 cd "$(dirname "$0")/.."

@@ -249,7 +249,9 @@ def main(argv=None) -> int:
 
 def write_setup(output_dir: Path, argv: list, configs: dict):
     """output_dir/bench-args.json: the flags, the device and the configs' dicts, all a plan of the rows needs later
-    on another machine (app.tools.bench_replan), however the benchmark ends."""
+    on another machine (app.tools.bench_replan), however the benchmark ends; the rows of an earlier run there go."""
+    for old in output_dir.glob("rows-*-ranks.json"):
+        old.unlink()
     device = "cuda" if torch.cuda.is_available() else "cpu"
     (output_dir / SETUP).write_text(json.dumps({"argv": argv, "device": device, "configs": configs}, indent=1) + "\n")
 

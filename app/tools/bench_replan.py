@@ -27,7 +27,8 @@ def replan(folder: Path) -> list:
     if not setup.is_file():
         raise UserError(f"{folder} holds no {bench.SETUP}: name the --output_dir of a run of python -m app.tools.bench")
     saved = json.loads(setup.read_text())
-    args = bench.parse(_without_configs(saved["argv"]) + ["--output_dir", str(folder)])
+    # the last --configs and --output_dir win over the other machine's paths (however abbreviated)
+    args = bench.parse(saved["argv"] + ["--configs", "dp", "--output_dir", str(folder)])
     args.configs = saved["configs"]  # as the benchmark loaded them: their files may be on another machine
     rows = [row for path in sorted(folder.glob("rows-*-ranks.json")) for row in json.loads(path.read_text())
             if "failed" not in row]
@@ -35,19 +36,6 @@ def replan(folder: Path) -> list:
     planned = [{key: row.get(key) for key in KEPT} for row in rows if row["plan_peak_bytes"] is not None]
     (folder / "plan.json").write_text(json.dumps(planned, indent=1) + "\n")
     return lines
-
-
-def _without_configs(argv: list) -> list:
-    """argv less its --configs entry and --output_dir (paths of the machine that ran it)."""
-    kept, skip = [], False
-    for arg in argv:
-        if skip:
-            skip = False
-        elif arg in ("--configs", "--output_dir"):
-            skip = True
-        elif not arg.startswith(("--configs=", "--output_dir=")):
-            kept.append(arg)
-    return kept
 
 
 def main(argv=None) -> int:

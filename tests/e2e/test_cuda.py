@@ -204,20 +204,27 @@ def test_tiled_mlps_lower_the_peak_of_a_long_sequence_on_the_gpu(tmp_path):
     args = ["--model", "llama-1b", "--dataset", _long_corpus(tmp_path), "--block_size", 16384, "--max_steps", 2,
             "--log_interval", 1, "--eval_interval", 0, "--compile", "off", "--deepspeed_config",
             config_variant(tmp_path, "zero3", train_micro_batch_size_per_gpu=1)]
+    said = {name: open(tmp_path / f"plan.{name}", "w+") for name in ("out", "err")}  # no pipe to fill and stall
     planning = subprocess.Popen([sys.executable, "-m", "app.tools.plan", "--model", "llama-1b", "--seq_len", "16384",
                                  "--micro_batch", "1", "--world_size", "1", "--deepspeed_config", str(config),
-                                 "--compile", "off", "--gpu_memory", "150GB"], cwd=REPO, stdout=subprocess.PIPE,
-                                stderr=subprocess.PIPE, text=True, env={**cuda_env(), "CUDA_VISIBLE_DEVICES": ""})
+                                 "--compile", "off", "--gpu_memory", "150GB"], cwd=REPO, stdout=said["out"],
+                                stderr=said["err"], env={**cuda_env(), "CUDA_VISIBLE_DEVICES": ""})
     try:
         train_jobs("python", 1, [[*args, "--tiled", choice, "--output_dir", tmp_path / choice]
                                  for choice in ("on", "off")], base_env=cuda_env())
-        stdout, stderr = planning.communicate(timeout=300)
+        planning.wait(timeout=300)
     finally:
-        planning.kill()
+        if planning.poll() is None:
+            planning.kill()
+            planning.wait()
+        for file in said.values():
+            file.close()
     peaks = {choice: read_summary(tmp_path / choice)["peak_memory_bytes"] for choice in ("on", "off")}
-    assert planning.returncode == 0, stderr
+    stdout = (tmp_path / "plan.out").read_text()
+    assert planning.returncode == 0, (tmp_path / "plan.err").read_text()[-3000:]
     lines = stdout.splitlines()  # after DeepSpeed's line that it found no GPU (hidden from the plan)
-    at = next(i for i, line in enumerate(lines) if line.startswith("config "))
+    at = next((i for i, line in enumerate(lines) if line.startswith("config ")), None)
+    assert at is not None, stdout
     header, row = lines[at].split(), lines[at + 1].split()
     figure("long_llama1b_16k_peak_gb_tiled", peaks["on"] / 1e9)
     figure("long_llama1b_16k_peak_gb_whole", peaks["off"] / 1e9)

@@ -18,7 +18,7 @@ ARGV = ["--model", "gpt2-tiny", "--seq_len", "16", "--batch", "4", "--ranks", "2
 def _left(folder, configs: dict, device: str, rows: list):
     """A benchmark's folder as one that ran on device leaves it: its flags (with paths of that machine), its
     configs, the rows its modes kept."""
-    argv = [*ARGV, "--configs", "/elsewhere/mine.json", "--output_dir", "/elsewhere/out"]
+    argv = [*ARGV, "--config", "/elsewhere/mine.json", "--output_d=/elsewhere/out"]  # argparse's abbreviations
     (folder / bench.SETUP).write_text(json.dumps({"argv": argv, "device": device, "configs": configs}))
     (folder / "rows-2-ranks.json").write_text(json.dumps(rows))
 
@@ -54,6 +54,8 @@ def test_a_folder_no_benchmark_left_is_one_line(tmp_path, capsys):
         bench_replan.replan(tmp_path / "missing")
 
 
-def test_the_other_machines_paths_are_left_out_of_the_flags():
-    argv = ["--model", "m", "--configs", "a.json", "--output_dir=/x", "--configs=b", "--output_dir", "/y", "--quick"]
-    assert bench_replan._without_configs(argv) == ["--model", "m", "--quick"]
+def test_a_benchmark_starting_in_a_folder_drops_the_rows_an_earlier_one_left(tmp_path):
+    """The rows of another run there (other ranks, other configs) would be planned with this run's flags."""
+    (tmp_path / "rows-4-ranks.json").write_text("[]")
+    bench.write_setup(tmp_path, ["--quick"], {})
+    assert not list(tmp_path.glob("rows-*")) and json.loads((tmp_path / bench.SETUP).read_text())["argv"] == ["--quick"]
