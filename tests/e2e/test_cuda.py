@@ -290,6 +290,33 @@ def test_auto_takes_bf16_weights_where_only_they_fit_the_gpu(tmp_path):
     assert read_summary(tmp_path / "run")["precision"] == "bfloat16"
 
 
+def test_micro_batch_auto_at_the_gpus_edge_trains_without_running_out_of_memory(tmp_path):
+    """"train_micro_batch_size_per_gpu": "auto" where the global batch is far past what the GPU holds: gpt2-124m at
+    1,024 tokens, 512 samples a step, compiled in bf16 autocast as a GPU run is. The search's real steps run out of
+    memory at the large micro batches and take the largest that ran; the run then trains and evaluates on it
+    without an out-of-memory error of its own."""
+    need(1)
+    import json
+    from conftest import write_text_rows
+    config = tmp_path / "dp-auto.json"
+    shipped = json.loads((REPO / "ds_configs" / "dp.json").read_text())
+    config.write_text(json.dumps({**{k: v for k, v in shipped.items() if k != "gradient_accumulation_steps"},
+                                  "train_micro_batch_size_per_gpu": "auto", "train_batch_size": 512}))
+    result = train("python", 1, "--max_steps", 2, "--log_interval", 1, "--eval_interval", 2, "--output_dir",
+                   tmp_path / "run", "--deepspeed_config", config, "--model", "gpt2-124m", "--dataset",
+                   write_text_rows(tmp_path / "corpus.txt", 40000), "--block_size", 1024, base_env=cuda_env(),
+                   timeout=900)
+    line = next(line for line in result.stdout.splitlines() if line.startswith("micro batch: "))
+    micro = int(line.split('"auto" picked ')[1].split(",")[0])
+    summary = read_summary(tmp_path / "run")
+    memory = int(subprocess.run([sys.executable, "-c", "import torch; print(torch.cuda.get_device_properties(0)"
+                                 ".total_memory)"], capture_output=True, text=True, env=cuda_env()).stdout)
+    figure("auto_micro_batch_gpt2_124m_1024", micro)
+    figure("auto_micro_batch_peak_over_gpu", summary["peak_memory_bytes"] / memory)
+    assert "out of memory" in line and micro < 512, line  # the search met the edge
+    assert len(read_metrics(tmp_path / "run")[0]) == 2, "both steps trained"
+
+
 def test_one_gpu_auto_mode_compiles_and_picks_bf16(tmp_path):
     need(1)
     result = gpu_train(tmp_path / "run")
