@@ -6,9 +6,7 @@ ZeRO 1-2 partition the optimizer state and keep an fp32 master partition; ZeRO-2
 parameter its partition touches, ZeRO-1 every gradient until the step (unless overlap_comm reduces them as they
 arrive); ZeRO-3 partitions each parameter on its own. Activations are measured (activation_count): the eager
 step's on fake tensors, or the tensors the compiled step's graph keeps, in the precision the config gets on a GPU.
-The peak is the states the forward holds and the larger of its activations and what the backward's end and the
-optimizer step hold (between_steps).
-"""
+The peak: the states the forward holds and the larger of its activations and the backward's end (between_steps)."""
 import math
 from dataclasses import dataclass, field
 
@@ -179,17 +177,18 @@ def sub_groups(zero: dict, parts: list) -> list:
 
 
 def between_steps(learnt: list, ds: dict, ranks: int, device: dict) -> tuple:
-    """(MemoryPlan.freed, MemoryPlan.after) of a rank's device states (model_states' and working_bytes'; learnt:
-    the sizes of the parameters that train, in order), as
-    DeepSpeed 0.19.8 holds them (a real engine's step: tests/e2e/test_plan.py). ZeRO 0-2 make their gradients in the
-    backward and free them at the step, and their reduce buffers with them; with gradient accumulation the gradients
-    live on through the forwards to the last micro batch's step. The largest gradient counts beside the activations:
-    a language model's output layer makes it first, and a compiled backward, one graph, holds every gradient it makes
-    to its end (gpt2-124m's tied embedding on an H200: docs/memory.md), so ZeRO-2's are all whole there at once (an
-    eager step's counted so too). ZeRO-3 keeps its flat gradient partition, and works with its buckets through the
-    forward. The step copies: ZeRO's norm one gradient at a time in fp64; ZeRO 1-2 the flat gradient partition in
-    the weights' dtype, then in fp32 (ZeRO-3: each optimizer sub-group's); ZeRO 0 with 16-bit weights each gradient
-    in fp32 (masters_copies). Offloading the optimizer: every state as held through the step (0, 0)."""
+    """(MemoryPlan.freed, MemoryPlan.after) of a rank's device states (model_states' and working_bytes'; learnt: the
+    trained parameters' sizes, in order), as DeepSpeed 0.19.8 holds them (a real engine's step: tests/e2e/test_plan.py).
+    ZeRO 0-2 make their gradients in the backward and free them at the step, and their reduce buffers with them; with
+    gradient accumulation the gradients live on through the forwards to the last micro batch's step. The largest
+    gradient counts beside the activations: a language model's output layer makes it first, and a compiled backward,
+    one graph, holds every gradient it makes to its end (gpt2-124m's tied embedding on an H200: docs/memory.md), so
+    ZeRO-2's are all whole there at once (an eager step's counted so too). ZeRO-2 flushes a bucket through a flat copy
+    of it (allreduce_bucket) beside the gradient partition an earlier flush made. ZeRO-3 keeps its flat gradient
+    partition, and works with its buckets through the forward. The step copies: ZeRO's norm one gradient at a time in
+    fp64; ZeRO 1-2 the flat gradient partition in the weights' dtype, then in fp32 (ZeRO-3: each optimizer
+    sub-group's); ZeRO 0 with 16-bit weights each gradient in fp32 (masters_copies). Offloading the optimizer: every
+    state as held through the step (0, 0)."""
     if offloads(ds)[0]:
         return 0, 0
     width, stage, parts = weight_bytes(ds), zero_stage(ds), [math.ceil(size / ranks) for size in learnt]
@@ -203,9 +202,10 @@ def between_steps(learnt: list, ds: dict, ranks: int, device: dict) -> tuple:
     made = width * sum(learnt)  # a compiled backward's gradients, whole at once (beside any accumulated)
     if stage == 0:
         return grads - first + working, max(grads + working, made, masters_copies(ds, learnt, grads)) - first
-    part = _partition(sum(learnt), ranks)
+    part, bucket = _partition(sum(learnt), ranks), buckets_within(ds, sum(learnt))["zero_optimization"]
     steps = grads + working + max(8 * min(largest, part), copy * part)
-    return grads - first + working, max(steps, made + working) - first
+    flush = grads + working + min(width * int(bucket["reduce_bucket_size"]), made) if stage == 2 else 0
+    return grads - first + working, max(steps, made + working, flush) - first
 
 
 def masters_copies(ds: dict, learnt: list, grads: int) -> int:

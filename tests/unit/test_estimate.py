@@ -161,7 +161,13 @@ def test_zero_0_to_2_free_their_gradients_at_the_step_and_the_step_copies_them()
     assert estimate.between_steps(CNN, zero2, 1, device) == (rest + 1000, rest + 1000 + max(8 * largest, 4 * n))
     even = [1000] * 8  # on 8 ranks each touches one; a compiled backward makes all 8 whole at once
     on_eight = {**estimate.model_states(even, zero2, 8)[0], "working": 1000}
-    assert on_eight["gradients"] == 4 * 1000 and estimate.between_steps(even, zero2, 8, on_eight)[1] == 4 * 7000 + 1000
+    # its flush: the bucket (8000 elements: the app's cap) copied flat beside it and the partition's gradient, less
+    # the first gradient, which the activations' count holds; ZeRO-1 moves its gradients into the bucket instead
+    assert on_eight["gradients"] == 4 * 1000 and estimate.between_steps(even, zero2, 8, on_eight)[1] == \
+        4 * 1000 + 1000 + 4 * 8000 - 4 * 1000
+    zero1 = {"zero_optimization": {"stage": 1}}
+    whole = {**on_eight, "gradients": 4 * 8000}  # ZeRO-1's: every gradient until the step; its norm's fp64 copy
+    assert estimate.between_steps(even, zero1, 8, whole)[1] == 4 * 8000 + 1000 + 8 * 1000 - 4000
     accumulated = {**zero2, "gradient_accumulation_steps": 2}  # the partition's held through the forward, beside them
     assert estimate.between_steps(even, accumulated, 8, on_eight) == (1000, 4 * 8000 + 1000)
     assert estimate.between_steps(CNN, {"gradient_accumulation_steps": 2}, 1, dp) == (0, 4 * n)
