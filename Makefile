@@ -34,7 +34,7 @@ test: setup cluster-packages
 cluster-packages:
 	bash scripts/cluster-packages.sh
 
-# The fast tier: tests/unit, no subprocess, launcher, spawned ranks nor DeepSpeed engine (about eight minutes).
+# The fast tier: tests/unit, no subprocess, launcher, spawned ranks nor DeepSpeed engine (about ten minutes).
 test-fast: setup
 	$(PY) -m pytest -q tests/unit
 

@@ -64,11 +64,14 @@ def activation_bytes(build, inputs, loss, micro: int, dtype, checkpointed: bool,
         return tracker.peak
 
 
-def compiled_activation_bytes(build, inputs, loss, micro: int, dtype, weights16: bool = False) -> int:
+def compiled_activation_bytes(build, inputs, loss, micro: int, dtype, weights16: bool = False,
+                              recast: bool = False) -> int:
     """What activation_bytes counts, for a compiled step: the bytes torch.compile's forward graph keeps for the
     backward (its partitioner's choice; inductor fuses the rest into kernels that keep nothing), the loss's among
     them. A frozen model (LoRA's base; the plan's model has no adapters) is traced as if its weights trained:
-    all-linear adapters keep each layer's input as its weight's gradient would."""
+    all-linear adapters keep each layer's input as its weight's gradient would. recast: F.linear is DeepSpeed's
+    autograd function (ZeRO-3), which dynamo compiles keeping what it saves, the weight itself, so that its backward
+    casts the weight anew: no Linear weight's cast is kept (the H200's ZeRO-3 peak holds none: docs/memory.md)."""
     with torch_private.fake_tensor_mode():
         model, x, y, casts = _prepared(build, inputs, micro, dtype, False, weights16)
         if not any(param.requires_grad for param in model.parameters()):
@@ -83,7 +86,8 @@ def compiled_activation_bytes(build, inputs, loss, micro: int, dtype, weights16:
             return loss(torch.func.functional_call(model, state, tuple(given)), y).sum()
         with casts or contextlib.nullcontext(), casts.forward() if casts else contextlib.nullcontext():
             graph = torch_private.compiled_forward_graph(step, state, [x[i] for i in places], y)
-    return kept_bytes(graph)
+        linear = {id(m.weight) for m in model.modules() if isinstance(m, torch.nn.Linear)} if recast else set()
+        return kept_bytes(graph, {i for i, value in enumerate(state.values()) if id(value) in linear})
 
 
 def forward_runs(build, inputs, micro: int) -> bool:
@@ -95,15 +99,23 @@ def forward_runs(build, inputs, micro: int) -> bool:
     return True
 
 
-def kept_bytes(graph) -> int:
+CASTS = ("prims.convert_element_type.default", "aten._to_copy.default")
+
+
+def kept_bytes(graph, recast: set = frozenset()) -> int:
     """Bytes of the distinct storages a forward graph returns other than its inputs' (the loss and the tensors its
     backward keeps; a view counts once, with the tensor it views), and the gradient of the largest: the backward's
-    first (the logits' of a language model) arrives while they are all kept."""
+    first (the logits' of a language model) arrives while they are all kept. recast: the positions among the graph's
+    inputs of weights whose casts the backward makes anew (compiled_activation_bytes), not kept."""
     def storage(node):
         value = node.meta.get("val") if hasattr(node, "meta") else None
         return value.untyped_storage() if isinstance(value, torch.Tensor) else None
-    given = {s._cdata for node in graph.graph.nodes if node.op == "placeholder" and (s := storage(node)) is not None}
+    placeholders = [node for node in graph.graph.nodes if node.op == "placeholder"]
+    fresh = {placeholders[i] for i in recast}
+    given = {s._cdata for node in placeholders if (s := storage(node)) is not None}
     output = next(node for node in graph.graph.nodes if node.op == "output").args[0]
+    output = [node for node in output if not (getattr(node, "op", "") == "call_function" and
+                                              str(node.target) in CASTS and node.args[0] in fresh)]
     kept = {s._cdata: s.nbytes() for node in output if (s := storage(node)) is not None and s._cdata not in given}
     return sum(kept.values()) + max(kept.values(), default=0)
 
@@ -127,15 +139,16 @@ def _prepared(build, inputs, micro: int, dtype, checkpointed: bool, weights16: b
     return model, x, y, cuda_casts.CudaAutocast(dtype) if dtype and not weights16 else None
 
 
-def measured(work, dtype, checkpointed: bool, weights16: bool, compiled: bool) -> tuple:
+def measured(work, dtype, checkpointed: bool, weights16: bool, compiled: bool, recast: bool = False) -> tuple:
     """_slope's tuple and how the activations were counted ("compiled", "eager", or eager where the compiled
-    graph could not be traced, and why: the eager count is the larger, so the plan errs to the safe side)."""
+    graph could not be traced, and why: the eager count is the larger, so the plan errs to the safe side); recast:
+    compiled_activation_bytes'."""
     build, inputs, loss = work
     if compiled:
         try:
             one_runs = _unless_one_value_per_channel(functools.partial(forward_runs, build, inputs)) is not None
-            return (*_compiled(functools.partial(compiled_activation_bytes, build, inputs, loss,
-                                                 dtype=dtype, weights16=weights16), one_runs), "compiled")
+            return (*_compiled(functools.partial(compiled_activation_bytes, build, inputs, loss, dtype=dtype,
+                                                 weights16=weights16, recast=recast), one_runs), "compiled")
         except Exception as e:  # the plan advises: a step it cannot trace is counted eager
             why = f"eager (the compiled step could not be traced: {type(e).__name__}: {first_line(e)[:120]})"
     return (*_eager(functools.partial(activation_bytes, build, inputs, loss, dtype=dtype,

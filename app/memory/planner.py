@@ -1,6 +1,7 @@
 """The memory plan of a model under DeepSpeed dicts, measured from its shape alone (for app.tools.plan and for
 precision "auto"), and precision "auto" weighed: on a GPU where the plan says bf16 autocast's fp32 weights do not
 fit and DeepSpeed's bf16 section's 16-bit weights do, a run takes bf16 weights and says so."""
+import contextlib
 import dataclasses
 
 import torch
@@ -8,7 +9,7 @@ import torch
 from app.core import lora, models, rollout
 from app.data import DataInfo
 from app.distributed import dist
-from app.ds import auto as ds_auto, run_dict
+from app.ds import auto as ds_auto, internals as ds_internals, run_dict
 from app.ds.config import MICRO, zero_stage
 from app.ds.internals import torch_private
 from app.errors import UserError
@@ -114,9 +115,11 @@ def plans(work, named: dict, ranks: int, adapters=None, reference: bool = False,
         dtype = torch.bfloat16 if any((ds.get(s) or {}).get("enabled") is True
                                       for s in ("torch_autocast", "bf16")) else None
         key = (dtype, activations.SECTION in ds, (ds.get("bf16") or {}).get("enabled") is True,
-               bool(compiles and compiles(ds)) and activations.SECTION not in ds)
+               bool(compiles and compiles(ds)) and activations.SECTION not in ds,
+               ds_internals.runs_deepspeed_linear(ds))  # ZeRO-3's linear keeps no bf16 weights for the backward
         if key not in cache:
-            cache[key] = activation_count.measured(work, dtype, *key[1:])
+            with ds_internals.deepspeed_linear() if key[-1] else contextlib.nullcontext():
+                cache[key] = activation_count.measured(work, dtype, *key[1:])
         found[name] = estimate.memory_plan(name, ds, ranks, sizes, largest, cache[key][:3], kinds, trainable)
         found[name].largest_layer, found[name].smallest, found[name].counted = largest, *cache[key][3:]
         if sampling is not None:

@@ -73,3 +73,22 @@ def test_a_graph_keeps_its_outputs_but_not_its_inputs_views_and_the_largests_gra
     returned = next(node for node in graph.graph.nodes if node.op == "output").args[0]
     assert len(returned) == 3 and "permute" in str(returned[2].target), graph.code
     assert activation_count.kept_bytes(graph) == 4 + 2 * 4 * 8 * 4
+
+
+def test_under_deepspeeds_linear_a_compiled_step_keeps_no_cast_of_a_linear_weight():
+    """DeepSpeed's linear (ZeRO-3) saves the weight itself, and dynamo keeps what an autograd function saves, so its
+    backward casts the weight anew: counted so (recast), the graph keeps less by exactly the bf16 bytes of every
+    Linear weight (a llama's, its tied output layer once). Under torch's linear, which saves the cast, recast
+    changes nothing."""
+    from app.core import resolver
+    from app.ds import internals as ds_internals
+    from app.memory import planner
+    from app.settings import Settings
+    build, inputs, loss = planner.workload(resolver.build(Settings(model="llama-tiny")), 256)
+    weights = {id(m.weight): m.weight.numel() for m in build().modules() if isinstance(m, torch.nn.Linear)}
+
+    def kept(recast):
+        return activation_count.compiled_activation_bytes(build, inputs, loss, 2, torch.bfloat16, recast=recast)
+    with ds_internals.deepspeed_linear():
+        assert kept(False) - kept(True) == 2 * sum(weights.values()) > 0
+    assert kept(True) == kept(False)

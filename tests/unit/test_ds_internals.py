@@ -28,20 +28,3 @@ def test_the_version_note_is_silent_on_that_version_and_names_both_versions_on_a
     else:
         assert note.startswith(f"warning: DeepSpeed {deepspeed.__version__} is installed")
         assert f"install deepspeed=={ds_internals.WRITTEN_FOR}" in note and "\n" not in note
-
-
-def test_torch_linear_comes_back_after_deepspeeds_memory_efficient_one():
-    """zero.Init swaps F.linear for DeepSpeed's for the rest of the process, keeping torch's as `linear_bk`; the
-    benchmark's next mode gets torch's back."""
-    import inspect
-    import torch.nn.functional as F
-    from deepspeed.runtime.zero import partition_parameters
-    patcher = partition_parameters.InsertPostInitMethodToModuleSubClasses
-    swap = inspect.getsource(partition_parameters.Init._enable_mem_efficient_linear)
-    assert "linear_bk = torch.nn.functional.linear" in swap and "functional.linear = zero3_linear_wrap" in swap
-    torchs = F.linear
-    if not hasattr(patcher, "linear_bk"):  # the swap as DeepSpeed makes it (its method prints through dist)
-        patcher.linear_bk = F.linear
-    F.linear = partition_parameters.zero3_linear_wrap
-    ds_internals.restore_torch_linear()
-    assert F.linear is torchs

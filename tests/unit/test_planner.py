@@ -72,6 +72,24 @@ def test_lora_plans_a_frozen_model_whose_backward_keeps_fewer_activations():
     assert 0 < held[True] < held[False]
 
 
+def test_a_zero3_plan_counts_the_compiled_step_through_deepspeeds_linear():
+    """ZeRO-3 runs F.linear as DeepSpeed's function (memory_efficient_linear, its default), whose backward keeps each
+    layer's input as it came and the weight itself, not autocast's bf16 copies: a compiled llama keeps fewer bytes a
+    sample and a micro batch than under ZeRO-2, the same with memory_efficient_linear false; torch's F.linear is back
+    after the count."""
+    import torch
+    ds, _ = on_a_gpu(8, DEFAULT_DS_CONFIG.parent / "zero2.json")
+    zero3 = {**ds, "zero_optimization": {"stage": 3}}
+    torchs = {**ds, "zero_optimization": {"stage": 3, "memory_efficient_linear": False}}
+    task = resolver.build(dataclasses.replace(SETTINGS, model="llama-tiny"))
+    found = planner.plans(planner.workload(task, 128), {"zero2": ds, "zero3": zero3, "torchs": torchs}, 1,
+                          compiles=lambda _: True)
+    assert {plan.counted for plan in found.values()} == {"compiled"}
+    assert found["zero3"].per_sample < found["zero2"].per_sample == found["torchs"].per_sample
+    assert found["zero3"].fixed < found["zero2"].fixed == found["torchs"].fixed, "no bf16 copy of the weights"
+    assert torch.nn.functional.linear is torch._C._nn.linear
+
+
 def test_a_preference_run_is_weighed_with_its_pairs_and_its_frozen_copy():
     """A pair is two sequences and the reference a frozen copy of the weights (fp32 under autocast): on a GPU where
     the pairs fit under autocast only without the copy, and bf16 weights with a bf16 copy fit, the preference run

@@ -147,18 +147,23 @@ def test_a_preference_plan_counts_two_sequences_a_pair_and_the_frozen_copys_weig
     the policy's weights as its engine does: fp32 under autocast, bf16 with the bf16 section, whole on every rank
     under ZeRO 0-2, a quarter each on 4 ranks under ZeRO-3, on the host with parameter offload; no gradient,
     optimizer state nor master of its own."""
+    from app.core import models
     plain, pairs = command_plans(gpt2_folder), command_plans(gpt2_folder, "--preference")
-    total = plain["dp"].parameters
+    total, shape = plain["dp"].parameters, models.hf_spec("gpt2-tiny").config
     for name in PLANNED:
         # the answers' log-probabilities and the next-token loss differ in their own small tensors: measured 0.09%
-        # less a sample, and up to 0.2% (dp: 18 KB) less a micro batch
+        # less a sample, and up to 0.2% (dp: 18 KB) less a micro batch. Under ZeRO-3 DeepSpeed's linear keeps the
+        # output layer's fp32 weight for the backward, so its bf16 cast lives through the forward only: a pair's
+        # step, which peaks as its backward starts, holds it no longer
+        cast = 2 * shape.vocab_size * shape.n_embd if name.startswith("zero3") else 0
         assert pairs[name].per_sample == pytest.approx(2 * plain[name].per_sample, rel=2e-3), name
-        assert pairs[name].fixed == pytest.approx(plain[name].fixed, rel=3e-3, abs=64), "a micro batch's: as before"
+        assert pairs[name].fixed == pytest.approx(plain[name].fixed - cast, rel=3e-3, abs=64), name
         assert "reference" not in plain[name].device and "reference" not in plain[name].host
         extra = {k: v for k, v in pairs[name].device.items() if k != "reference"}
         assert extra == plain[name].device, "the policy's own states do not change"
         # 8 pairs peak as 16 plain samples do, and the copy beside them
-        assert pairs[name].peak(8) == pytest.approx(plain[name].peak(16) + pairs[name].device["reference"], rel=1e-3)
+        assert pairs[name].peak(8) == pytest.approx(plain[name].peak(16) + pairs[name].device["reference"] - cast,
+                                                    rel=1e-3)
     assert pairs["dp"].device["reference"] == 4 * total and pairs["zero2"].device["reference"] == 4 * total
     assert pairs["dp+bf16"].device["reference"] == 2 * total
     assert pairs["zero3"].device["reference"] == pytest.approx(4 * total / 4, rel=1e-4), "a quarter on each of 4 ranks"

@@ -237,16 +237,6 @@ def forget_released_params():
             cell.cell_contents.cache_clear()
 
 
-def restore_torch_linear():
-    """Put torch's own F.linear back. zero.Init with DeepSpeed's memory_efficient_linear (its default) swaps in its
-    own for the rest of the process ("This will persist unless manually reset", partition_parameters.py), so a
-    later engine of the same process that sets it false (the benchmark's next mode) would still run DeepSpeed's."""
-    from deepspeed.runtime.zero.partition_parameters import InsertPostInitMethodToModuleSubClasses as patcher
-    original = getattr(patcher, "linear_bk", None)
-    if original is not None:
-        torch.nn.functional.linear = original
-
-
 def engine_hooks_eager(engine):
     """Run the engine's own forward hooks outside a compiled graph.
 
