@@ -19,7 +19,8 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 NEEDS_CUDA = 77  # a part's exit code when the machine has no CUDA GPU
-BENCHES = ("llama-1b", "llama-8b", "gpt2-124m", "bf16-weights", "llama-1b-zero3", "llama-3b")  # bench() folders
+BENCHES = ("llama-1b", "llama-1b-16k", "llama-8b", "gpt2-124m", "bf16-weights", "llama-1b-zero3",  # bench() folders
+           "llama-3b")
 
 
 @dataclass
@@ -89,13 +90,19 @@ def parts(out: Path) -> list:
         Part("long_context", 240, cuda_test("long_sequence"),
              "llama-tiny-long at 8,192 tokens split over 2 ranks sharing the GPU against one process; llama-1b at "
              "16,384 tokens under ZeRO-3 with its MLPs tiled and whole: peaks against each other and the plan's"),
-        Part("llama_8b_lora", 150, bench(out, "llama-8b", "--model", "llama-8b", "--lora", "only", "--batch", 2,
+        Part("long_peak", 150, bench(out, "llama-1b-16k", "--model", "llama-1b", "--batch", 1, "--seq_len", 16384,
+                                     "--ranks", 1, "--modes", "app", "--configs", "zero3", "--compile", "off",
+                                     "--steps", 2, "--warmup", 1, "--profile", "zero3+eager"),
+             "llama-1b at 16,384 tokens, micro 1, under ZeRO-3, eager, its MLPs whole: the step profiled, with what "
+             "its peak holds"),
+        Part("llama_8b_lora", 240, bench(out, "llama-8b", "--model", "llama-8b", "--lora", "only", "--batch", 2,
                                          "--seq_len", 2048, "--ranks", 1, "--modes", "app", "--configs", "zero3",
                                          "--steps", 3, "--warmup", 1),
              "llama-8b (Llama 3.1 8B's shape) with LoRA under ZeRO-3, micro 2 x 2,048, bf16, compiled"),
         Part("gpt2_plan", 200, bench(out, "gpt2-124m", *gpt2, "--modes", "raw-compile,app", "--configs",
-                                     "dp,zero1,zero2,zero3", "--compile", "on,off"),
-             "gpt2-124m, micro 32 x 1,024, bf16 autocast: the app at ZeRO 0-3 compiled and eager, for their peaks"),
+                                     "zero3,dp,zero2,zero1", "--compile", "on,off", "--profile", "zero3+compile"),
+             "gpt2-124m, micro 32 x 1,024, bf16 autocast: the app at ZeRO 0-3 compiled and eager, for their peaks; "
+             "ZeRO-3's compiled step profiled, with what its peak holds"),
         Part("bf16_weights", 150, bench(out, "bf16-weights", *gpt2, "--modes", "app", "--configs",
                                         f"{sixteen['dp']},{sixteen['zero3']}", "--compile", "on,off"),
              "gpt2-124m, micro 32 x 1,024, bf16 weights (DeepSpeed's bf16 section) under ZeRO 0 and 3, compiled "

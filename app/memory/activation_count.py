@@ -9,6 +9,7 @@ import weakref
 
 import torch
 
+from app.ds import internals as ds_internals
 from app.ds.internals import torch_private
 from app.errors import first_line
 from app.memory import cuda_casts
@@ -57,7 +58,8 @@ def activation_bytes(build, inputs, loss, micro: int, dtype, checkpointed: bool,
         tracker = LiveBytes()
         held = [*model.parameters(), *model.buffers(), *x, y]  # made before: a view of one (a weight's .t()) is free
         tracker.seen.update(t.untyped_storage()._cdata for t in held if isinstance(t, torch.Tensor))
-        with tracker, casts or contextlib.nullcontext():  # a checkpointed block recomputed casts as in its forward
+        with tracker, casts or contextlib.nullcontext(), ds_internals.unpacked_positions():  # a checkpointed
+            # block recomputes casts as in its forward; the rows are unpacked, as transformers finds real ones
             with casts.forward() if casts else contextlib.nullcontext():
                 total = loss(model(*x), y).sum()
             torch_private.backward(total)

@@ -93,8 +93,8 @@ def test_the_zero3_variants_are_configs_the_app_takes_each_one_setting_apart(tmp
 
 def test_each_parts_benchmark_takes_its_flags_and_leaves_its_plan_to_a_cpu(tmp_path):
     """A misspelled flag in a part would cost a GPU session that part: each bench command of the check parses here,
-    names a model the app builds, plans nothing on the device (--plan off) and writes its rows where the check's
-    last line sends app.tools.bench_replan."""
+    names a model the app builds, profiles modes it runs on one GPU, plans nothing on the device (--plan off) and
+    writes its rows where the check's last line sends app.tools.bench_replan."""
     from app.core import models
     from app.tools import bench
     gpu_check = _driver()
@@ -104,6 +104,7 @@ def test_each_parts_benchmark_takes_its_flags_and_leaves_its_plan_to_a_cpu(tmp_p
         assert args.model in models.PRESETS or args.model in models.BUILTIN, command
         assert args.plan == "off" and args.output_dir.parent == tmp_path, command
         assert args.output_dir.name in gpu_check.BENCHES, command
+        bench._check_profiled(args.profile, bench.group_modes(args, 16, 1)[0])  # as on a machine with one GPU
     assert len(commands) == len(gpu_check.BENCHES)
 
 

@@ -31,7 +31,7 @@ def runs(tmp_path_factory):
                                config, "--max_steps", 8, "--log_interval", 1, "--eval_interval", 8, "--compile", mode,
                                "--output_dir", tmp / f"{name}-{mode}"]
             for mode in ("off", "on") for name, config in configs.items()}
-    outputs = train_jobs("ranks", 2, list(jobs.values()))
+    outputs = train_jobs("ranks", 2, list(jobs.values()), wrapper=("tests/helpers/engines_alive.py",))
     return {"folder": tmp, **{name: ([row["loss"] for row in read_metrics(tmp / name)[0]], output)
                               for name, output in zip(jobs, outputs)}}
 
@@ -45,6 +45,17 @@ def test_the_shipped_zero3_settings_train_the_losses_of_stock_zero3(runs, mode):
     assert ("compile: compiling" in output) == (mode == "on")
     assert len(stock) == len(shipped) == 8 and shipped[-1] < shipped[0]
     assert max(abs(a - b) for a, b in zip(stock, shipped)) < 1e-6, list(zip(stock, shipped))
+
+
+def test_each_job_of_a_pool_starts_without_the_engines_of_the_jobs_before(runs):
+    """tests/helpers/jobs.py runs these jobs in one process as if each had its own: ZeRO-3's parameter coordinator
+    keeps every engine it served after its first step (an lru_cache on its class), so a job after a ZeRO-3 job would
+    hold that engine and its states (on the H200, a llama-1b engine's 27 GB in the next run's peak) unless the pool
+    lets go of it between jobs (forget_engines), as the benchmark does between its modes."""
+    from helpers.engines_alive import SAID
+    for name in ("stock-off", "shipped-off", "stock-on", "shipped-on"):
+        said = [line for line in runs[name][1].splitlines() if line.startswith(SAID)]
+        assert said and all(line == f"{SAID}0" for line in said), (name, said)
 
 
 def test_zero3s_reduce_bucket_holds_the_whole_model_where_the_json_sets_none(runs):

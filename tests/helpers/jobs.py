@@ -16,6 +16,7 @@ import os
 import sys
 import tempfile
 import time
+import weakref
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
@@ -27,6 +28,7 @@ from app import settings as config
 from app.distributed import dist
 from app.distributed import launch
 from app.errors import Ended, UserError, report as say  # noqa: E402
+from app.tools.bench_modes import forget_engines
 
 
 @contextlib.contextmanager
@@ -54,12 +56,39 @@ def zero_numbering_kept():
         Init.param_id = saved
 
 
+def engines_built() -> list:
+    """Weak references to each DeepSpeed engine this process builds from now on (whole: one whose build raised has
+    nothing to let go of)."""
+    from deepspeed.runtime.engine import DeepSpeedEngine
+    built, init = [], DeepSpeedEngine.__init__
+
+    def recorded(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        built.append(weakref.ref(self))
+    DeepSpeedEngine.__init__ = recorded
+    return built
+
+
+def let_go(built: list):
+    """Let go of the engines a job built, as the benchmark does between its modes: each engine's destroy() removes
+    its hooks on the parameters (held by torch's autograd, out of gc's sight), forget_engines() what DeepSpeed's
+    globals keep (ZeRO-3's coordinator keeps every engine it served): a later job starts without them, as in a
+    process of its own, its peak memory its own."""
+    gc.collect()
+    for engine in filter(None, (ref() for ref in built)):
+        engine.destroy()
+    built.clear()
+    forget_engines()
+    gc.collect()
+
+
 def main(jobs_file: str, report: str):
     gc.freeze()  # as app/train.py's main: the imports' objects stay out of every job's collections
     launch.prepare_environment()
     jobs = [job if isinstance(job, dict) else {"argv": job} for job in json.loads(Path(jobs_file).read_text())]
     parsed = [(config.parse([str(a) for a in job["argv"]]), job.get("env", {})) for job in jobs]
     world = launch.setup(timeout_s=300)
+    built = engines_built()
     # one file for every job's output, emptied before each, as a launch's output is a file: what asks sys.stderr for
     # its descriptor (DeepSpeed's op checks) gets one, and a log handler a job made keeps an open one
     printed = tempfile.TemporaryFile("w+", encoding="utf-8")
@@ -79,6 +108,7 @@ def main(jobs_file: str, report: str):
             (Path(report) / f"{i}.rank{world.rank}.code").write_text(str(code))
             (Path(report) / f"{i}.rank{world.rank}.seconds").write_text(f"{time.perf_counter() - started:.2f}")
             torch._dynamo.reset()  # a compiled job starts from an empty compile cache, as in its own process
+            let_go(built)
     finally:
         printed.close()
         dist.teardown()

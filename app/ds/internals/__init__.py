@@ -1,4 +1,5 @@
-"""Every place the app touches DeepSpeed's private internals, in this package (torch's: torch_private.py).
+"""Every place the app touches DeepSpeed's private internals, in this package (torch's: torch_private.py;
+transformers': hf_private.py).
 
 Each function here relies on something DeepSpeed does not promise to keep: attribute names of its engine and
 optimizers, the shape of its launcher's arguments, file names it picks, the lines it logs. They were written
@@ -15,6 +16,7 @@ from app.ds.internals.engine import (autocast_of, config_saved_as, count_every_s
 from app.ds.internals.adam_state import replay_cpu_adam_steps, restore_swapped_adam
 from app.ds.internals.device_constants import constants_on_device
 from app.ds.internals.gather import whole_bytes, whole_weights
+from app.ds.internals.hf_private import unpacked_positions
 from app.ds.internals.linear import deepspeed_linear, restore_torch_linear, runs_deepspeed_linear
 from app.ds.internals.sequence import sequence_groups, whole_sequences
 from app.ds.internals.launcher import (cpu_info_once, drop_shm_names, launcher_world_info, node_shell_line,
@@ -35,7 +37,8 @@ __all__ = ["autocast_of", "Recorder", "parse_config", "scalar_defaults", "sectio
            "step_bf16_weights_on_device", "constants_on_device", "uncompile", "cpu_info_once", "drop_shm_names",
            "launcher_world_info", "node_shell_line", "pdsh_exports", "pdsh_words", "started_by_pdsh", "op_loads_quiet",
            "pin_device", "quiet_deepspeed", "deepspeed_estimate", "held_weights", "module_states", "state_bytes",
-           "storages", "weights_finite", "zero_tensors", "version_note", "WRITTEN_FOR", "whole_bytes", "whole_weights"]
+           "storages", "unpacked_positions", "weights_finite", "zero_tensors", "version_note", "WRITTEN_FOR",
+           "whole_bytes", "whole_weights"]
 
 
 def version_note() -> str:
