@@ -116,7 +116,7 @@ def plans(work, named: dict, ranks: int, adapters=None, reference: bool = False,
                                       for s in ("torch_autocast", "bf16")) else None
         key = (dtype, activations.SECTION in ds, (ds.get("bf16") or {}).get("enabled") is True,
                bool(compiles and compiles(ds)) and activations.SECTION not in ds,
-               ds_internals.runs_deepspeed_linear(ds))  # ZeRO-3's linear keeps no bf16 weights for the backward
+               runs_deepspeed_linear(ds))  # ZeRO-3's linear keeps no bf16 weights for the backward
         if key not in cache:
             with ds_internals.deepspeed_linear() if key[-1] else contextlib.nullcontext():
                 cache[key] = activation_count.measured(work, dtype, *key[1:])
@@ -127,6 +127,12 @@ def plans(work, named: dict, ranks: int, adapters=None, reference: bool = False,
         if reference:
             with_reference(found[name], sizes, ds, ranks)
     return found
+
+
+def runs_deepspeed_linear(ds: dict) -> bool:
+    """Whether an engine of ds runs its linear layers through DeepSpeed's function: under ZeRO-3 unless
+    memory_efficient_linear is false."""
+    return zero_stage(ds) == 3 and (ds.get("zero_optimization") or {}).get("memory_efficient_linear") is not False
 
 
 def with_reference(plan, sizes: list, ds: dict, ranks: int):

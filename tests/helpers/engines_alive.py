@@ -7,7 +7,6 @@ states too, which its peak memory then counts (ZeRO-3's parameter coordinator ke
 import gc
 import runpy
 import sys
-import weakref
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
@@ -20,12 +19,13 @@ def main():
     from app.distributed import launch
     launch.prepare_environment()
     from deepspeed.runtime.engine import DeepSpeedEngine
-    built, init = [], DeepSpeedEngine.__init__
+    from tests.helpers.jobs import engines_built
+    built = engines_built()
+    init = DeepSpeedEngine.__init__
 
     def counted(self, *args, **kwargs):
         gc.collect()
         print(f"{SAID}{sum(ref() is not None for ref in built)}", flush=True)
-        built.append(weakref.ref(self))
         init(self, *args, **kwargs)
     DeepSpeedEngine.__init__ = counted
     sys.argv = [script, *argv]

@@ -23,14 +23,6 @@ def test_torch_linear_comes_back_after_deepspeeds_memory_efficient_one():
     assert F.linear is torchs
 
 
-@pytest.mark.parametrize("zero, runs", [
-    ({"stage": 3}, True), ({"stage": 3, "memory_efficient_linear": True}, True),
-    ({"stage": 3, "memory_efficient_linear": False}, False), ({"stage": 2}, False), (None, False),
-])
-def test_only_zero3_runs_deepspeeds_linear_unless_the_config_turns_it_off(zero, runs):
-    assert ds_internals.runs_deepspeed_linear({"zero_optimization": zero} if zero else {}) is runs
-
-
 def test_deepspeeds_linear_is_in_place_inside_and_torchs_after_even_an_error():
     torchs = F.linear
     with pytest.raises(RuntimeError, match="inside"):

@@ -299,3 +299,11 @@ def test_the_host_check_counts_the_accumulation_that_zero2_offload_holds_gradien
     planner.held_after_search(accumulated, accumulated, task, settings, ranks, world)  # no search: checked before
     with pytest.raises(UserError, match=f"for the {here} rank"):
         planner.held_after_search(ds, accumulated, task, settings, ranks, world)
+
+
+@pytest.mark.parametrize("zero, runs", [
+    ({"stage": 3}, True), ({"stage": 3, "memory_efficient_linear": True}, True),
+    ({"stage": 3, "memory_efficient_linear": False}, False), ({"stage": 2}, False), (None, False),
+])
+def test_only_zero3_runs_deepspeeds_linear_unless_the_config_turns_it_off(zero, runs):
+    assert planner.runs_deepspeed_linear({"zero_optimization": zero} if zero else {}) is runs

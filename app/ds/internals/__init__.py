@@ -17,7 +17,7 @@ from app.ds.internals.adam_state import replay_cpu_adam_steps, restore_swapped_a
 from app.ds.internals.device_constants import constants_on_device
 from app.ds.internals.gather import whole_bytes, whole_weights
 from app.ds.internals.hf_private import unpacked_positions
-from app.ds.internals.linear import deepspeed_linear, restore_torch_linear, runs_deepspeed_linear
+from app.ds.internals.linear import deepspeed_linear, restore_torch_linear
 from app.ds.internals.sequence import sequence_groups, whole_sequences
 from app.ds.internals.launcher import (cpu_info_once, drop_shm_names, launcher_world_info, node_shell_line,
                                       op_loads_quiet, pdsh_exports, pdsh_words, pin_device, quiet_deepspeed,
@@ -32,7 +32,7 @@ __all__ = ["autocast_of", "Recorder", "parse_config", "scalar_defaults", "sectio
            "forward_within_the_step",
            "gathered_state_dict",
            "lighten_plain_step", "note_clip_norms", "replay_cpu_adam_steps", "restore_swapped_adam",
-           "restore_torch_linear", "deepspeed_linear", "runs_deepspeed_linear",
+           "restore_torch_linear", "deepspeed_linear",
            "sequence_groups", "whole_sequences", "skip_bad_steps_on_device",
            "step_bf16_weights_on_device", "constants_on_device", "uncompile", "cpu_info_once", "drop_shm_names",
            "launcher_world_info", "node_shell_line", "pdsh_exports", "pdsh_words", "started_by_pdsh", "op_loads_quiet",

@@ -15,13 +15,6 @@ def restore_torch_linear():
         torch.nn.functional.linear = original
 
 
-def runs_deepspeed_linear(ds: dict) -> bool:
-    """Whether an engine of ds runs its linear layers through DeepSpeed's function: under ZeRO-3 unless
-    memory_efficient_linear is false."""
-    zero = ds.get("zero_optimization") or {}
-    return int(zero.get("stage", 0)) == 3 and zero.get("memory_efficient_linear", True) is not False
-
-
 @contextlib.contextmanager
 def deepspeed_linear():
     """Inside, F.linear is DeepSpeed's zero3_linear_wrap, as a ZeRO-3 engine runs it: its backward saves each
