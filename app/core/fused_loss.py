@@ -56,11 +56,19 @@ def tiles_for(tokens: int, hidden: int) -> int:
     return max(1, math.ceil(tokens / hidden))
 
 
+def masked_padding(logits: torch.Tensor, real_vocab: int) -> torch.Tensor:
+    """logits with the columns of a padded vocabulary (from real_vocab on; 0: none) at -inf, so that they never win
+    nor take probability. Out of place: compiled under ZeRO-3, the output layer's hooks end a graph just before this,
+    and masked in place the next graph handed back a copy while the input it masked stayed alive, so the step held
+    its logits twice (tests/e2e/test_compiling.py)."""
+    if not real_vocab:
+        return logits
+    return logits.masked_fill(torch.arange(logits.shape[-1], device=logits.device) >= real_vocab, float("-inf"))
+
+
 def _tile(head, hidden: torch.Tensor, targets: torch.Tensor, real_vocab: int) -> tuple:
     """(each sample's summed cross entropy, its right predictions) over one tile of positions."""
-    logits = head(hidden)
-    if real_vocab:
-        logits[..., real_vocab:] = float("-inf")  # as HFLogits.forward masks the padded vocabulary
+    logits = masked_padding(head(hidden), real_vocab)
     losses = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), reduction="none", ignore_index=IGNORE)
     right = (logits.argmax(-1) == targets) & (targets != IGNORE)
     return losses.view(len(targets), -1).sum(1), right.sum(1)

@@ -150,10 +150,7 @@ class HFLogits(nn.Module):
     def forward(self, input_ids, second=None, targets=None):
         if targets is not None:  # --tiled: the next-token loss's TokenSums, never the whole logits
             return fused_loss.hf_token_sums(self, input_ids, second, targets)
-        logits = self.hf(input_ids=input_ids, **{self.second: second}).logits
-        if self.real_vocab:
-            logits[..., self.real_vocab:] = float("-inf")  # in place: no second copy of the logits
-        return logits
+        return fused_loss.masked_padding(self.hf(input_ids=input_ids, **{self.second: second}).logits, self.real_vocab)
 
 
 def hf_class(task: str):

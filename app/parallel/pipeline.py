@@ -12,6 +12,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from app.core.fused_loss import masked_padding
 from app.distributed import dist
 from app.ds import internals as ds_internals
 from app.ds.precision import input_dtype
@@ -86,10 +87,7 @@ class TokenEmbedding(nn.Module):
 
 def tied_logits(embedding: TokenEmbedding, hidden: torch.Tensor) -> torch.Tensor:
     """The last layer: hidden states times the token embedding, padded vocabulary rows masked as unsplit."""
-    logits = hidden @ embedding.wte.weight.t()
-    if embedding.real_vocab:
-        logits[..., embedding.real_vocab:] = float("-inf")
-    return logits
+    return masked_padding(hidden @ embedding.wte.weight.t(), embedding.real_vocab)
 
 
 class Positions(nn.Module):

@@ -102,3 +102,15 @@ def test_the_targets_are_the_next_labels():
     labels = torch.tensor([[5, 6, IGNORE, 8]])
     assert fused_loss.next_token_targets(labels).tolist() == [[6, IGNORE, 8, IGNORE]]
     assert [fused_loss.tiles_for(n, 32) for n in (1, 32, 33, 100)] == [1, 1, 2, 4]
+
+
+def test_the_padded_vocabulary_is_masked_out_of_place():
+    """The columns from the real vocabulary on are -inf and take no gradient; the logits given stay as they were (in
+    place, a compiled ZeRO-3 step held them twice: tests/e2e/test_compiling.py); no padding, the same tensor."""
+    logits = torch.randn(2, 3, 8, requires_grad=True)
+    masked = fused_loss.masked_padding(logits, 6)
+    assert (masked[..., 6:] == float("-inf")).all() and torch.equal(masked[..., :6], logits[..., :6])
+    assert torch.isfinite(logits).all(), "the input is not masked"
+    masked.log_softmax(-1)[..., :6].sum().backward()
+    assert (logits.grad[..., 6:] == 0).all() and (logits.grad[..., :6] != 0).any()
+    assert fused_loss.masked_padding(logits, 0) is logits
