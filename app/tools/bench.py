@@ -4,7 +4,6 @@
 127.0.0.1), one process group per world size, and runs the modes of that size one after another in it.
 """
 import argparse
-import contextlib
 import json
 import os
 import sys
@@ -22,7 +21,7 @@ from app.settings import Settings
 from app.errors import UserError, first_line, report
 from app.observe import metrics
 from app.tools.bench_plan import add_planned_peaks
-from app.tools.bench_common import build_model
+from app.tools.bench_common import counted_model
 from app.tools.bench_modes import COMPILE_SUFFIX, LORA, build_workload, forget_engines, measure
 from app.tools.bench_report import TORCH_MODES, adapters, add_ratios, checkpointing, headline, headline_vs_fsdp2, \
     plot, splitting, table
@@ -40,7 +39,8 @@ def parse(argv=None):
     """The benchmark's flags, checked; a mistake is a UserError."""
     parser = argparse.ArgumentParser(prog="python -m app.tools.bench", description=__doc__)
     parser.add_argument("--model", default="cnn", help="cnn, mlp, a torchvision classifier such as resnet50 (on "
-                        "3x32x32 synthetic images) or a transformers preset such as gpt2-tiny or llama-tiny")
+                        "3x32x32 synthetic images), a transformers preset such as gpt2-tiny or llama-tiny, or a "
+                        "save_pretrained folder (on random tokens)")
     parser.add_argument("--batch", type=int, default=0,
                         help="global batch, the same for every mode (default: 16 for text models, 32 otherwise)")
     parser.add_argument("--seq_len", type=int, default=128, help="tokens per sample for text models")
@@ -212,12 +212,10 @@ def main(argv=None) -> int:
     try:
         args = parse(argv)
         work = build_workload(args)
-        # a transformers model is counted on the meta device: an 8B model's weights are never made in this process
-        with torch.device("meta") if work.task.spec else contextlib.nullcontext():
-            model = build_model(work)
-            args.flops_per_sample = work.task.flops_per_sample(model, work.info)
-            args.lora_flops_per_sample = bool(args.lora) and work.task.flops_per_sample(build_model(work, lora=True),
-                                                                                         work.info)
+        model = counted_model(work)
+        args.flops_per_sample = work.task.flops_per_sample(model, work.info)
+        args.lora_flops_per_sample = bool(args.lora) and work.task.flops_per_sample(counted_model(work, lora=True),
+                                                                                     work.info)
         groups, skipped = group_modes(args, os.cpu_count() or 1, torch.cuda.device_count())
         if not groups:
             raise UserError("nothing to measure: --modes and --configs select no mode this machine can run")

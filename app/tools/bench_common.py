@@ -25,6 +25,21 @@ def build_model(work: Workload, ds=None, lora: bool = False):
     return work.task.build_model(work.info, ds or {})
 
 
+def counted_model(work: Workload, lora: bool = False):
+    """build_model's model for counting its parameters and FLOPs alone: a transformers model on the meta device,
+    from its config (an 8B model's weights are never made in this process, and a folder's are not read: transformers
+    loads none on the meta device)."""
+    spec = work.task.spec
+    if spec is None:
+        return build_model(work, lora=lora)
+    work.task.spec = replace(spec, pretrained="")
+    try:
+        with torch.device("meta"):
+            return build_model(work, lora=lora)
+    finally:
+        work.task.spec = spec
+
+
 class Clock:
     """Marks the start and the end of each optimizer step, and the time each step waited for its batch. On a GPU
     each mark is a CUDA event, so the loop never waits for the device; times() synchronises once."""

@@ -1,4 +1,5 @@
-"""What every mode of the benchmark builds on, in one process: the clock, the timed loader, the parameter bytes."""
+"""What every mode of the benchmark builds on, in one process: the clock, the timed loader, the parameter bytes, the
+model its FLOPs are counted on."""
 import time
 
 import torch
@@ -45,3 +46,21 @@ def test_parameter_bytes_count_each_dtype_and_a_zero3_rank_only_its_partition():
     assert bench_common.param_bytes(module) == (4 * 3 + 3) * 4 + (3 * 2 + 2) * 2
     module[0].weight.ds_tensor = torch.empty(5)  # what ZeRO-3 leaves: the rank's partition beside an empty weight
     assert bench_common.param_bytes(module) == (5 + 3) * 4 + (3 * 2 + 2) * 2
+
+
+def test_a_folders_model_is_counted_from_its_config_without_reading_its_weights(tmp_path):
+    """The benchmark counts a save_pretrained folder's model on the meta device, which transformers refuses to load
+    weights onto: from its config.json, the same parameters, and the folder is still the runs' source after."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+    from app.core import resolver
+    from app.settings import Settings
+    from app.tools.bench_common import Workload, counted_model
+    GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, n_positions=64, vocab_size=256)).save_pretrained(
+        tmp_path)
+    task = resolver.build(Settings(model=str(tmp_path)))
+    train_set, info = task.sample_data(4, 32)
+    model = counted_model(Workload(task, train_set, info))
+    assert {p.device.type for p in model.parameters()} == {"meta"}
+    assert sum(p.numel() for p in model.parameters()) == sum(
+        p.numel() for p in GPT2LMHeadModel.from_pretrained(tmp_path).parameters())
+    assert task.spec.pretrained == str(tmp_path)
