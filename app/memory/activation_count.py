@@ -58,8 +58,8 @@ def activation_bytes(build, inputs, loss, micro: int, dtype, checkpointed: bool,
         tracker = LiveBytes()
         held = [*model.parameters(), *model.buffers(), *x, y]  # made before: a view of one (a weight's .t()) is free
         tracker.seen.update(t.untyped_storage()._cdata for t in held if isinstance(t, torch.Tensor))
-        with tracker, casts or contextlib.nullcontext(), ds_internals.unpacked_positions():  # a checkpointed
-            # block recomputes casts as in its forward; the rows are unpacked, as transformers finds real ones
+        with tracker, casts or contextlib.nullcontext(), ds_internals.unpacked_positions(x):  # a checkpointed
+            # block recomputes casts as in its forward; rows pack several sequences where positions are given
             with casts.forward() if casts else contextlib.nullcontext():
                 total = loss(model(*x), y).sum()
             torch_private.backward(total)

@@ -32,8 +32,10 @@ def workload(task, seq_len: int = 0, image_size: int = 0, frozen: bool = False, 
     A sample's sequences go through the model together: a preference pair's two, a GRPO prompt's group (the
     sampling before them: sampling_of). sequence: the sequence-parallel degree; a rank's inputs are its part of
     each sequence, seq_len / sequence tokens (Ulysses' all-to-all trades the rest of the tokens for a part of the
-    heads, and memory-efficient attention's activations grow with the tokens, not their square). An image model
-    takes the classes, channels and side of a run's data (the task's), else the defaults' at image_size."""
+    heads, and memory-efficient attention's activations grow with the tokens, not their square). Where a run's data
+    packs rows into blocks (instruction rows, --packing), a block's position ids restart within it, and the mask
+    transformers builds from them counts. An image model takes the classes, channels and side of a run's data (the
+    task's), else the defaults' at image_size."""
     if task.name == "image_classification":
         if sequence > 1:
             raise UserError(f"sequence parallelism shards text sequences; {task.settings.model} is an image model")
@@ -45,15 +47,12 @@ def workload(task, seq_len: int = 0, image_size: int = 0, frozen: bool = False, 
         raise UserError(f"sequence parallel {sequence} does not divide a sample's {seq} tokens: take a sequence "
                         f"length that {sequence} divides")
     seq //= sequence
-    classify, sequences = task.name == "sequence_classification", task.sequences
+    classify = task.name == "sequence_classification"
+    packed = task.data is not None and task.data.info.packed
     info = DataInfo(2 if classify else 0, task="causal_lm" if not classify else task.name, vocab_size=vocab,
-                    seq_len=seq)
+                    seq_len=seq, packed=packed)
+    inputs = _text_inputs(task, info)
 
-    def inputs(b):
-        ids = torch.randint(min(vocab, 256), (sequences * b, seq))
-        if classify:
-            return [ids, torch.ones_like(ids)], torch.randint(2, (b,))
-        return ([ids, None, next_token_targets(ids)] if task.fused_logits else [ids]), ids
     def build():  # tiled as the run tiles it (--tiled), which build() decides before inputs() are made
         model = models.build_hf(spec, info, tokenizer, {})
         if frozen:
@@ -62,6 +61,23 @@ def workload(task, seq_len: int = 0, image_size: int = 0, frozen: bool = False, 
         tiled.for_run(model, task, sequence, task.settings.model)
         return model
     return build, inputs, task.loss
+
+
+def _text_inputs(task, info: DataInfo):
+    """inputs(micro) -> (inputs, labels) of the task's model on random tokens of info's shape: each sample's
+    sequences, the labels of a classifier or the tokens themselves, a tiled run's targets, and for packed blocks
+    position ids that restart halfway (two rows a block: the mask that keeps them apart is as large however many)."""
+    vocab, seq, classify = info.vocab_size, info.seq_len, info.task == "sequence_classification"
+
+    def inputs(b):
+        ids = torch.randint(min(vocab, 256), (task.sequences * b, seq))
+        if classify:
+            return [ids, torch.ones_like(ids)], torch.randint(2, (b,))
+        positions = (torch.arange(seq) % max(seq // 2, 1)).repeat(len(ids), 1) if info.packed else None
+        if task.fused_logits:
+            return [ids, positions, next_token_targets(ids)], ids
+        return [ids] + ([positions] if info.packed else []), ids
+    return inputs
 
 
 def _image_workload(task, image_size: int):

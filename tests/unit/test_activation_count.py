@@ -106,3 +106,30 @@ def test_fake_tensors_count_no_causal_mask_that_a_real_run_of_unpacked_rows_skip
     counted = [activation_count.activation_bytes(build, inputs, loss, 2, torch.bfloat16, False, fake=fake)
                for fake in (True, False)]
     assert counted[0] == counted[1] > 0
+
+
+def test_packed_rows_count_the_mask_a_real_run_of_them_builds(tmp_path):
+    """Instruction rows packed into blocks restart their position ids within a row, and transformers then builds a
+    mask that keeps them apart, which SDPA keeps per layer: the plan of such a run gives the model those position
+    ids and counts on fake tensors what real ones hold, more than the same blocks unpacked."""
+    import json
+    from app.core import resolver
+    from app.memory import planner
+    from app.settings import Settings
+    chats = tmp_path / "chats.jsonl"
+    chats.write_text("".join(json.dumps({"messages": [{"role": "user", "content": f"Say {i}."},
+                                                     {"role": "assistant", "content": f"{i}"}]}) + "\n"
+                             for i in range(40)))
+    counted = {}
+    for packing in ("on", "off"):
+        settings = Settings(model="llama-tiny", tokenizer="bytes", dataset=str(chats), block_size=128,
+                            packing=packing)
+        task = resolver.resolve(settings, resolver.spec_of(settings), tmp_path / packing)
+        assert task.data.info.packed == (packing == "on")
+        build, inputs, loss = planner.workload(task, 128)
+        torch.manual_seed(0)
+        counted[packing] = [activation_count.activation_bytes(build, inputs, loss, 2, torch.bfloat16, False,
+                                                              fake=fake) for fake in (True, False)]
+    assert counted["on"][0] == counted["on"][1] and counted["off"][0] == counted["off"][1], counted
+    masks = 4 * 2 * 128 * 128 * 2  # at least a bf16 mask per layer (llama-tiny: 4) and sample (2) of 128 x 128
+    assert counted["on"][0] - counted["off"][0] >= masks, counted
