@@ -1,6 +1,7 @@
 """What every mode of the benchmark builds on: the workload and the model it trains, the clock that times its steps,
 the loader whose waits go on that clock, the parameter bytes a rank holds. The modes (bench_torch, bench_fsdp,
 bench_modes) import it; it imports none of them."""
+import copy
 import time
 from dataclasses import dataclass, replace
 
@@ -29,15 +30,12 @@ def counted_model(work: Workload, lora: bool = False):
     """build_model's model for counting its parameters and FLOPs alone: a transformers model on the meta device,
     from its config (an 8B model's weights are never made in this process, and a folder's are not read: transformers
     loads none on the meta device)."""
-    spec = work.task.spec
-    if spec is None:
+    if work.task.spec is None:
         return build_model(work, lora=lora)
-    work.task.spec = replace(spec, pretrained="")
-    try:
-        with torch.device("meta"):
-            return build_model(work, lora=lora)
-    finally:
-        work.task.spec = spec
+    task = copy.copy(work.task)
+    task.spec = replace(task.spec, pretrained="")
+    with torch.device("meta"):
+        return build_model(replace(work, task=task), lora=lora)
 
 
 class Clock:

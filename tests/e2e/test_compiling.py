@@ -113,9 +113,8 @@ def _step_peaks_over_logits(rank, world, report):
     ctypes.CDLL("libc.so.6").mallopt(-3, 1 << 16)  # M_MMAP_THRESHOLD: a freed tensor of 64 KiB or more leaves RSS
     launch.prepare_environment()
     launch.setup(timeout_s=60)
-    ds = {**json.loads((REPO / "ds_configs" / "zero3.json").read_text()), "train_micro_batch_size_per_gpu": 8}
-    for section in ("scheduler", "torch_autocast"):
-        ds.pop(section)
+    ds = {key: value for key, value in json.loads((REPO / "ds_configs" / "zero3.json").read_text()).items()
+          if key not in ("scheduler", "torch_autocast")} | {"train_micro_batch_size_per_gpu": 8}
     found = {}
     for vocab in (50257, 50304):
         task = resolver.build(Settings(model="gpt2-tiny"))

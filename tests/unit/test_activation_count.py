@@ -108,7 +108,8 @@ def test_fake_tensors_count_no_causal_mask_that_a_real_run_of_unpacked_rows_skip
     assert counted[0] == counted[1] > 0
 
 
-def test_packed_rows_count_the_mask_a_real_run_of_them_builds(tmp_path):
+@pytest.mark.parametrize("model", ["llama-tiny", "gpt2-tiny"])
+def test_packed_rows_count_the_mask_a_real_run_of_them_builds(model, tmp_path):
     """Instruction rows packed into blocks restart their position ids within a row, and transformers then builds a
     mask that keeps them apart, which SDPA keeps per layer: the plan of such a run gives the model those position
     ids and counts on fake tensors what real ones hold, more than the same blocks unpacked."""
@@ -122,8 +123,7 @@ def test_packed_rows_count_the_mask_a_real_run_of_them_builds(tmp_path):
                              for i in range(40)))
     counted = {}
     for packing in ("on", "off"):
-        settings = Settings(model="llama-tiny", tokenizer="bytes", dataset=str(chats), block_size=128,
-                            packing=packing)
+        settings = Settings(model=model, tokenizer="bytes", dataset=str(chats), block_size=128, packing=packing)
         task = resolver.resolve(settings, resolver.spec_of(settings), tmp_path / packing)
         assert task.data.info.packed == (packing == "on")
         build, inputs, loss = planner.workload(task, 128)
@@ -131,5 +131,5 @@ def test_packed_rows_count_the_mask_a_real_run_of_them_builds(tmp_path):
         counted[packing] = [activation_count.activation_bytes(build, inputs, loss, 2, torch.bfloat16, False,
                                                               fake=fake) for fake in (True, False)]
     assert counted["on"][0] == counted["on"][1] and counted["off"][0] == counted["off"][1], counted
-    masks = 4 * 2 * 128 * 128 * 2  # at least a bf16 mask per layer (llama-tiny: 4) and sample (2) of 128 x 128
+    masks = 4 * 2 * 128 * 128  # at least a byte per layer (4 in both), sample (2) and pair of its 128 positions
     assert counted["on"][0] - counted["off"][0] >= masks, counted

@@ -12,7 +12,7 @@ def unpacked_positions(given=()):
     layer (8.6 GB for llama-1b at 16,384 tokens). Within this, the positions a model makes itself (0, 1, 2, ... along
     each row) get a real run's answer, one sequence a row, and SDPA's is_causal keeps no mask; positions in `given`
     (views of the same storage too: a packed run's, which restart within a row) keep transformers' answer, and its
-    mask, as a real packed run does."""
+    mask, as a real packed run does (on fake tensors, positions given are counted as packed)."""
     try:
         from transformers import masking_utils
     except ImportError:
