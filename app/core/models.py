@@ -116,6 +116,15 @@ def hf_spec(name: str):
     return HFSpec(config, source, _task_of(config), positions)
 
 
+def check_weights(folder: str):
+    """A save_pretrained folder with a config.json and no weights (a download stopped early, a folder of the config
+    alone) is one line before the data is read; the plan, which needs the config alone, does not ask."""
+    if not any(next(Path(folder).glob(pattern), None) for pattern in WEIGHT_FILES):
+        raise UserError(f"model folder {folder} has a config.json but no weights (model.safetensors, "
+                        f"pytorch_model.bin or their shards): copy them in beside it, or pass a preset "
+                        f"({', '.join(PRESETS)}) to train a model from scratch")
+
+
 def pad_vocab(config):
     """Round the config's vocabulary up to a multiple of VOCAB_MULTIPLE, keeping the real size beside it."""
     real = config.vocab_size

@@ -44,6 +44,8 @@ def spec_of(settings: Settings, run: bool = True):
                         f"sequence classifier: pass a causal LM")
     elif asked(settings, spec) == "grpo":
         Grpo.check(settings, rewarded=run)
+    if run and spec is not None and spec.pretrained and Path(spec.pretrained).is_dir():
+        models.check_weights(spec.pretrained)
     return spec
 
 

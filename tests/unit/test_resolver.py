@@ -79,3 +79,17 @@ def test_an_image_model_resolves_to_image_classification_with_its_data(tmp_path)
     task = resolver.resolve(Settings(model="mlp", dataset="digits"), None, tmp_path)
     assert type(task) is tasks.ImageClassification and len(task.data.train) > len(task.data.held_out) > 0
     assert task.data.info.num_classes == 10
+
+
+def test_a_model_folder_without_weights_is_one_line_for_a_run_and_plans_for_the_tools(tmp_path):
+    """A folder of the config alone (a download stopped before the weights) says so before any data is read; the
+    plan needs the config alone and takes it; once a weight file is there, the run takes it too."""
+    from app.core import models
+    models.hf_spec("llama-tiny").config.save_pretrained(tmp_path)
+    settings = Settings(model=str(tmp_path), tokenizer="bytes")
+    with pytest.raises(UserError, match=rf"^model folder {tmp_path} has a config.json but no weights \(model."
+                                        r"safetensors, pytorch_model.bin or their shards\): copy them in beside it"):
+        resolver.spec_of(settings)
+    assert type(resolver.build(settings)) is tasks.CausalLM
+    (tmp_path / "model-00001-of-00002.safetensors").write_bytes(b"")  # the shard's content is from_pretrained's to read
+    assert resolver.spec_of(settings).pretrained == str(tmp_path)
