@@ -42,10 +42,20 @@ def _as_turns(value, index: str, what: str) -> list:
     return chat.turns([value] if isinstance(value, dict) else value, index, what)
 
 
+def _asked_within(chosen, rejected) -> bool:
+    """Whether two lists of turns start alike with a user's turn: conversations that hold their prompt."""
+    if not isinstance(chosen, list) or not isinstance(rejected, list):
+        return False
+    shared = chosen[:_shared_start(chosen, rejected)]
+    return any(isinstance(turn, dict) and turn.get("role", turn.get("from")) in ("user", "human") for turn in shared)
+
+
 def split_row(row: dict, index: str) -> tuple:
     """(prompt, chosen, rejected): three texts, or three lists of turns."""
     chosen, rejected = row["chosen"], row["rejected"]
     prompt = row.get("prompt", row.get("conversations"))
+    if isinstance(prompt, str) and not isinstance(chosen, str) and _asked_within(chosen, rejected):
+        prompt = None  # UltraFeedback's form: the prompt's text beside conversations that hold it, as TRL reads it
     if isinstance(chosen, str) != isinstance(rejected, str) or (prompt is not None and
                                                                 isinstance(prompt, str) != isinstance(chosen, str)):
         raise UserError(f"{index}: its prompt, chosen and rejected are not all text nor all lists of turns")

@@ -19,15 +19,21 @@ FILE_BUILDERS = {".txt": "text", ".text": "text", ".json": "json", ".jsonl": "js
 def local_files(path: Path, source: str, eval_file: str = "") -> tuple:
     """(datasets builder, data_files) of a local file or folder of one kind (and --eval_file as the validation
     split)."""
-    files = sorted(p for p in path.rglob("*") if p.suffix in FILE_BUILDERS) if path.is_dir() else [path]
-    if eval_file:
-        files.append(Path(eval_file))
-    kinds = {FILE_BUILDERS.get(p.suffix) for p in files}
-    if not files or None in kinds or len(kinds) > 1:
+    held = [Path(eval_file)] if eval_file else []
+    if path.is_dir():  # an --eval_file inside the folder is held out of its training files
+        train = [p for p in sorted(path.rglob("*")) if p.suffix in FILE_BUILDERS and
+                 not any(p.resolve() == h.resolve() for h in held)]
+    else:  # the same file named twice trains on it and evaluates on it, as asked
+        train = [path]
+    if not train:
+        aside = f" besides --eval_file {eval_file}" if held else ""
+        raise UserError(f"--dataset {source} holds no data file ({', '.join(FILE_BUILDERS)}){aside}")
+    kinds = {FILE_BUILDERS.get(p.suffix) for p in train + held}
+    if None in kinds or len(kinds) > 1:
         raise UserError(f"--dataset {source}: need files of one kind among {', '.join(FILE_BUILDERS)}; "
-                        f"found {', '.join(sorted({p.suffix or p.name for p in files})) or 'none'}")
-    data_files = {"train": [str(p) for p in files if not eval_file or p != Path(eval_file)]}
-    if all(os.path.getsize(p) == 0 for p in data_files["train"]):
+                        f"found {', '.join(sorted({p.suffix or p.name for p in train + held}))}")
+    data_files = {"train": [str(p) for p in train]}
+    if all(os.path.getsize(p) == 0 for p in train):
         raise UserError(f"--dataset {source} has no training rows: its files are empty")
     if eval_file:
         data_files["validation"] = [eval_file]

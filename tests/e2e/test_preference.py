@@ -71,9 +71,9 @@ def runs(tmp_path_factory):
     longer = write_model(tmp / "longer", seed=0, layers=1)  # RoPE: the same weights read 1,024 positions
     config = json.loads((longer / "config.json").read_text())
     (longer / "config.json").write_text(json.dumps({**config, "max_position_embeddings": 1024}))
-    for path in PUBLIC:
+    for path in PUBLIC:  # each file evaluated on itself: UltraFeedback's excerpt is one row
         two[path.stem] = ["--model", longer, "--dataset", path, *zero3, "--max_steps", 2, "--block_size", 512,
-                          "--eval_fraction", 0.25, "--eval_answers", 0]
+                          "--eval_file", path, "--eval_answers", 0]
     two["compiled lora"] = [*short, "--lora", "--compile", "on"]  # crashed on a GPU: refused
     two["pipeline"] = [*tiny, "--dataset", few, "--deepspeed_config", REPO / "ds_configs" / "pipeline.json"]
     # the micro batch "auto" with a frozen ZeRO-3 copy: out of memory from 17 sequences on (9 pairs; the copy's forward

@@ -18,6 +18,7 @@ DATA = REPO / "tests" / "data" / "preference"
 EOS = "<|endoftext|>"
 BIG = 100_000
 FORMS = {"anthropic-hh-rlhf-harmless-standard_implicit.jsonl": "implicit",
+         "h4-ultrafeedback_binarized-conversational_prompt_text.jsonl": "explicit",
          "llamafactory-dpo_en_demo-sharegpt.jsonl": "explicit",
          "trl-zen-conversational_explicit.jsonl": "explicit", "trl-zen-conversational_implicit.jsonl": "implicit",
          "trl-zen-standard_explicit.jsonl": "explicit", "trl-zen-standard_implicit.jsonl": "implicit"}
@@ -59,9 +60,9 @@ def expected(row: dict) -> tuple:
         prompt, chosen, rejected = (row["prompt"], row["chosen"], row["rejected"]) if "prompt" in row else \
             trl_split(row["chosen"], row["rejected"])
         return prompt, chosen + EOS, rejected + EOS
-    elif "prompt" in row:
+    elif "prompt" in row and not isinstance(row["prompt"], str):
         prompt, chosen, rejected = row["prompt"], row["chosen"], row["rejected"]
-    else:
+    else:  # the conversations' shared start (UltraFeedback's text prompt beside them left aside, as TRL does)
         shared = next(n for n in range(len(row["chosen"]) + 1) if row["chosen"][n] != row["rejected"][n])
         prompt, chosen, rejected = row["chosen"][:shared], row["chosen"][shared:], row["rejected"][shared:]
     start = rendered(prompt) + "<|assistant|>\n"
@@ -111,6 +112,18 @@ def test_the_form_needs_both_answers_and_a_prompt_or_conversations_makes_it_expl
     assert preference.form_of(["prompt", "chosen", "rejected"]) == "explicit"
     assert preference.form_of(["conversations", "chosen", "rejected"]) == "explicit"
     assert preference.form_of(["prompt", "chosen"]) == "" and preference.form_of(["messages"]) == ""
+
+
+def test_a_text_prompt_beside_conversations_that_hold_it_is_their_shared_start_as_trl_reads_it():
+    """UltraFeedback's form: the prompt column's text is left aside for the user's turn the answers share; a text
+    prompt beside answers of assistant turns alone holds the only prompt, so it stays a mistake of forms."""
+    row = load("h4-ultrafeedback_binarized-conversational_prompt_text.jsonl")[0]
+    prompt, chosen, rejected = preference.split_row(row, "row 0")
+    assert prompt == [{"content": row["prompt"], "role": "user"}] == row["chosen"][:1]
+    assert chosen == row["chosen"][1:] and rejected == row["rejected"][1:]
+    answers = [[{"role": "assistant", "content": a}] for a in ("a", "b")]
+    with pytest.raises(UserError, match="not all text nor all lists of turns"):
+        preference.split_row({"prompt": "q", "chosen": answers[0], "rejected": answers[1]}, "row 1")
 
 
 def test_bad_rows_are_one_line_each_naming_the_row():

@@ -36,6 +36,22 @@ def test_a_folder_of_files_and_an_eval_file(tmp_path):
         text.load_splits(str(folder), "", str(write_text_rows(tmp_path / "held.csv", 5)), 0.1, seed=0)
 
 
+def test_the_dataset_file_named_again_as_eval_file_trains_and_evaluates_on_it(tmp_path):
+    """Named twice, one file is both splits, as asked; in a folder, the eval file is held out of the training
+    files, and a folder of it alone has none to train on: one line each."""
+    path = write_text_rows(tmp_path / "rows.jsonl", 9)
+    train, held = text.load_splits(str(path), "", str(path), 0.5, seed=0)
+    assert len(train) == len(held) == 9 and list(train["text"]) == list(held["text"])
+    (tmp_path / "only").mkdir()
+    inside = write_text_rows(tmp_path / "only" / "held.jsonl", 5)
+    with pytest.raises(UserError, match=rf"^--dataset {tmp_path / 'only'} holds no data file \(.txt, .text, .json, "
+                                        rf".jsonl, .csv, .parquet\) besides --eval_file {inside}$"):
+        text.load_splits(str(tmp_path / "only"), "", str(inside), 0.5, seed=0)
+    (tmp_path / "none-here").mkdir()
+    with pytest.raises(UserError, match=rf"^--dataset {tmp_path / 'none-here'} holds no data file \(.txt, "):
+        text.load_splits(str(tmp_path / "none-here"), "", "", 0.5, seed=0)
+
+
 def test_columns_default_sensibly_and_a_wrong_name_lists_the_real_ones(tmp_path):
     path = tmp_path / "rows.jsonl"
     path.write_text("".join(json.dumps({"sentence": t, "label": y, "id": i}) + "\n"
