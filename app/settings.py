@@ -11,8 +11,7 @@ from app.errors import UserError
 class Settings:
     """What the app itself owns; everything about optimisation lives in the DeepSpeed JSON."""
     model: str = "cnn"
-    """cnn, mlp, a torchvision classifier (resnet18, ...), a transformers preset (gpt2-tiny, gpt2-124m, bert-tiny),
-    a save_pretrained folder, or a hub model name."""
+    """cnn, mlp, a torchvision classifier (resnet18, ...), a transformers preset, save_pretrained folder or hub name."""
     dataset: str = "digits"
     """Images: digits, synthetic, mnist, fashion_mnist, cifar10, imagefolder. Text (transformers models): a
     .txt/.json/.jsonl/.csv/.parquet file or a folder of them, or a hub dataset name; several, comma-separated (a,b),
@@ -77,8 +76,7 @@ class Settings:
     epsilon_high: float = 0.0
     """grpo: the clipping of the ratio above 1 (0: --epsilon; DAPO uses 0.28)."""
     scale_rewards: str = "group"
-    """grpo: advantages are rewards less their group's mean, divided by the group's std (group), by the whole
-    step's std (batch), or not (none)."""
+    """grpo: advantages are rewards less their group's mean, over the group's std (group), the step's (batch) or 1."""
     log_completions: bool = False
     """grpo: write each step's completions, rewards and advantages to output_dir/completions/step<N>.jsonl."""
     eval_sampling: str = "greedy"
@@ -99,12 +97,15 @@ class Settings:
     lora_dropout: float = 0.0
     """LoRA: dropout on the adapters' input."""
     lora_targets: str = "all-linear"
-    """LoRA: the modules that get adapters: all-linear (every linear layer of the model but its output layer) or
-    names such as q_proj,v_proj."""
+    """LoRA: the modules that get adapters: all-linear (every linear layer but the output layer), or q_proj,v_proj..."""
     label_column: str = ""
     """Text classification: the column holding the label (default: 'label' or 'labels')."""
     dataset_config: str = ""
     """Text: the configuration name of a hub dataset (e.g. wikitext-2-raw-v1)."""
+    dataset_train_split: str = "train"
+    """Text: the split to train on, of a hub dataset or a folder that names its splits (e.g. train_prefs)."""
+    dataset_test_split: str = ""
+    """Text: the split of held-out rows (default: validation, else test, else --eval_fraction of the training rows)."""
     eval_file: str = ""
     """Text: a file of held-out rows (with several --dataset sources, one per source: a,b); otherwise the dataset's
     validation/test split, else --eval_fraction."""
@@ -112,8 +113,7 @@ class Settings:
     """Text, several --dataset sources: each one's weight in the mix, in order (e.g. 2,1); each epoch draws its rows
     from them by these shares. Default: the sources concatenated, each row once an epoch."""
     streaming: str = "off"
-    """Text: on reads the training source as a stream, tokenized on the fly, never loaded whole (needs --max_steps,
-    and held-out rows from --eval_file or a hub validation split)."""
+    """Text: on streams the training rows, tokenized as read (needs --max_steps, and --eval_file or hub validation)."""
     shuffle_buffer: int = 10000
     """Text, --streaming on: rows shuffled in a buffer of this many (0: in file order)."""
     mix_by: str = "rows"

@@ -77,7 +77,8 @@ def prompt_sets(settings, model: TextModel, output_dir) -> tuple:
     sample's sequence that length plus --max_completion_length, within the model's positions."""
     with dist.main_process_first():
         train, held = text.load_splits(settings.dataset, settings.dataset_config, settings.eval_file,
-                                       settings.eval_fraction, settings.seed)
+                                       settings.eval_fraction, settings.seed,
+                                       splits_named=(settings.dataset_train_split, settings.dataset_test_split))
         _checked(train, held, settings)
         chats = isinstance(train[0]["prompt"], list)
         tokenizer = run_tokenizer(settings, model, lambda: text.chat_texts(train, "prompt"), output_dir, chat=chats)

@@ -24,20 +24,20 @@ HEAD = 256  # samples read at start-up: the micro batch search's trials and the 
 ENDLESS = 2 ** 62  # a streamed loader's length: the run ends at --max_steps
 
 
-def read_rows(source: str, config: str, seed: int, buffer: int, one_pass: int):
-    """The rows of one pass over the source, read lazily, shuffled in a buffer of `buffer` rows (0: in file order)
-    drawn from the seed and the pass."""
+def read_rows(source: str, config: str, seed: int, buffer: int, one_pass: int, split: str = "train"):
+    """The rows of one pass over the source's split, read lazily, shuffled in a buffer of `buffer` rows (0: in file
+    order) drawn from the seed and the pass."""
     import datasets
     datasets.disable_progress_bars()
-    if Path(source).exists():
+    if Path(source).exists() and not text.names_splits(Path(source)):
         builder, files = text.local_files(Path(source), source)
         rows = iter(datasets.load_dataset(builder, data_files=files, split="train", streaming=True))
     else:
         try:
-            rows = iter(datasets.load_dataset(source, config or None, split="train", streaming=True))
-        except Exception as e:  # a misspelt name, no train split, offline: many exception types
-            raise UserError(f"--dataset {source!r} is not a local file or folder, nor a hub dataset whose train split "
-                            f"streams: {first_line(e)}") from None
+            rows = iter(datasets.load_dataset(source, config or None, split=split, streaming=True))
+        except Exception as e:  # a misspelt name, no such split, offline: many exception types
+            raise UserError(f"--dataset {source!r} is not a local file or folder, nor a hub dataset whose "
+                            f"{split!r} split streams: {first_line(e)}") from None
     if buffer <= 0:
         yield from rows
         return
@@ -59,12 +59,13 @@ class Stream:
                  packed: bool):
         self.source, self.config, self.seed, self.buffer = source, settings.dataset_config, settings.seed, \
             settings.shuffle_buffer
+        self.split = settings.dataset_train_split
         self.tokenizer, self.kind, self.form, self.column, self.block = tokenizer, kind, form, column, block
         self.packed, self.whole_text = packed, settings.train_on_prompt
 
     def samples(self):
         for one_pass in itertools.count():
-            rows = read_rows(self.source, self.config, self.seed, self.buffer, one_pass)
+            rows = read_rows(self.source, self.config, self.seed, self.buffer, one_pass, self.split)
             made = self._blocks(rows) if self.kind == "causal_lm" else self._answers(rows, one_pass)
             first = next(made, None)
             if first is None:
@@ -153,7 +154,7 @@ def _head_rows(stream: Stream):
     """The stream's first rows as AnswerRows (what app/core/packing.py's check packs)."""
     import datasets
     found = []
-    for i, row in enumerate(read_rows(stream.source, stream.config, stream.seed, stream.buffer, 0)):
+    for i, row in enumerate(read_rows(stream.source, stream.config, stream.seed, stream.buffer, 0, stream.split)):
         ids, labels, answer, _ = chat.encode_row(stream.tokenizer, row, stream.form, f"row {i}", stream.block,
                                                  stream.whole_text)
         if chat.answer_tokens(labels):
@@ -208,7 +209,7 @@ def _held_out(settings, source: str):
             splits = datasets.get_dataset_split_names(source, settings.dataset_config or None)
         except Exception as e:
             raise UserError(f"--dataset {source!r}: cannot list its splits: {first_line(e)}") from None
-        split = next((name for name in ("validation", "test") if name in splits), None)
+        split = settings.dataset_test_split or next((name for name in ("validation", "test") if name in splits), None)
         if split is not None:  # streamed and kept: loading the split alone would download every split
             rows = datasets.load_dataset(source, settings.dataset_config or None, split=split, streaming=True)
             return datasets.Dataset.from_list(list(rows))
@@ -239,8 +240,8 @@ def build(settings, model, task: str, output_dir):
     sources.mix_weights(settings.mix_weights, 1)  # refused: nothing to weigh
     with dist.main_process_first():
         held = _held_out(settings, settings.dataset)
-        first = datasets.Dataset.from_list(list(itertools.islice(read_rows(settings.dataset, settings.dataset_config,
-                                                                           0, 0, 0), 10000)))
+        first = datasets.Dataset.from_list(list(itertools.islice(read_rows(
+            settings.dataset, settings.dataset_config, 0, 0, 0, settings.dataset_train_split), 10000)))
         form, held_form = instruction_form(first, task, settings), instruction_form(held, task, settings)
         kind_of([form, held_form], [settings.dataset], task)
         if form in ("explicit", "implicit") or task == "sequence_classification":

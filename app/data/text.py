@@ -40,23 +40,62 @@ def local_files(path: Path, source: str, eval_file: str = "") -> tuple:
     return kinds.pop(), data_files
 
 
-def _local_splits(path: Path, source: str, eval_file: str):
-    """The splits of a local file or folder of one kind (and --eval_file as the validation split)."""
-    import datasets
-    builder, data_files = local_files(path, source, eval_file)
+def names_splits(path: Path) -> bool:
+    """Whether a local folder names its splits as a saved hub dataset does: a README.md whose YAML header lists
+    configs, or files named by split (train-*, test-*, validation-*, ...). datasets reads those splits apart; a
+    folder of other names is one training split, every file of it."""
+    if not path.is_dir():
+        return False
+    readme = path / "README.md"
+    if readme.is_file() and "\nconfigs:" in readme.read_text(errors="replace").split("\n---", 1)[0]:
+        return True
+    from datasets.data_files import EmptyDatasetError, get_data_patterns
     try:
-        return datasets.load_dataset(builder, data_files=data_files)
+        return set(get_data_patterns(str(path))) != {"train"}
+    except EmptyDatasetError:
+        return False
+
+
+def _local_splits(path: Path, source: str, eval_file: str, config_name: str):
+    """The splits of a local file or folder of one kind, or of a folder that names its splits (and --eval_file as
+    the validation split)."""
+    import datasets
+    try:
+        if not names_splits(path):
+            builder, data_files = local_files(path, source, eval_file)
+            return datasets.load_dataset(builder, data_files=data_files)
+        splits = datasets.load_dataset(str(path), config_name or None)
+        if eval_file:
+            splits["validation"] = _local_splits(Path(eval_file), eval_file, "", "")["train"]
+        return splits
+    except UserError:
+        raise
     except Exception as e:  # malformed files surface as many exception types inside datasets
         raise UserError(f"cannot read --dataset {source}: {first_line(e)}") from None
 
 
-def load_splits(source: str, config_name: str, eval_file: str, eval_fraction: float, seed: int, hold_out: bool = True):
+def picked(splits, source: str, train_split: str, test_split: str) -> tuple:
+    """(the training split, the held-out one or None): --dataset_train_split, and --dataset_test_split or else
+    validation, else test; a name the dataset lacks is one line listing the ones it has."""
+    for flag, name in (("--dataset_train_split", train_split), ("--dataset_test_split", test_split)):
+        if name and name not in splits:
+            raise UserError(f"--dataset {source} has no split {name!r}; its splits are {', '.join(splits)}: pass "
+                            f"{flag} with one of them")
+    if len(splits[train_split]) == 0:
+        raise UserError(f"--dataset {source} has no training rows; check the file or the split names")
+    held = test_split or next((s for s in ("validation", "test") if s in splits), "")
+    return splits[train_split], splits[held] if held else None
+
+
+def load_splits(source: str, config_name: str, eval_file: str, eval_fraction: float, seed: int, hold_out: bool = True,
+                splits_named: tuple = ("train", "")):
     """(train, held-out) HF datasets from a local file or folder, or a hub dataset name; hold_out False: (all of its
-    training rows, None), the held-out set coming from elsewhere."""
+    training rows, None), the held-out set coming from elsewhere; splits_named: the training split's name and the
+    held-out one's ('': validation, else test)."""
     import datasets
     datasets.disable_progress_bars()
     if Path(source).exists():
-        splits = _local_splits(Path(source), source, eval_file)
+        splits = _local_splits(Path(source), source, eval_file, config_name)
     else:
         if eval_file:
             raise UserError("--eval_file goes with a local --dataset file or folder, not a hub dataset")
@@ -66,14 +105,12 @@ def load_splits(source: str, config_name: str, eval_file: str, eval_fraction: fl
             offline = " (HF_HUB_OFFLINE=1 forbids downloads)" if os.environ.get("HF_HUB_OFFLINE") == "1" else ""
             raise UserError(f"--dataset {source!r} is not a local file or folder, nor a hub dataset that loads"
                             f"{offline}: {first_line(e)}") from None
-    if "train" not in splits or len(splits["train"]) == 0:
-        raise UserError(f"--dataset {source} has no training rows; check the file or the split names")
-    eval_set = next((splits[s] for s in ("validation", "test") if s in splits), None) if hold_out else None
+    train, eval_set = picked(splits, source, *splits_named)
     if eval_set is not None or not hold_out:
-        return splits["train"], eval_set
-    if len(splits["train"]) < 2:
+        return train, eval_set if hold_out else None
+    if len(train) < 2:
         raise UserError(f"--dataset {source} has one row: not enough to hold some out; add rows or pass --eval_file")
-    parts = splits["train"].train_test_split(test_size=eval_fraction, seed=seed)
+    parts = train.train_test_split(test_size=eval_fraction, seed=seed)
     return parts["train"], parts["test"]
 
 

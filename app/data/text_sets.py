@@ -63,7 +63,8 @@ def _load(settings: Settings, listed: list) -> tuple:
     files = sources.eval_files(settings.eval_file, listed)
     shared = len(listed) > 1 and len(files) == 1
     loaded = [text.load_splits(source, settings.dataset_config, "" if shared or not files else files[i],
-                               settings.eval_fraction, settings.seed, hold_out=not shared)
+                               settings.eval_fraction, settings.seed, hold_out=not shared,
+                               splits_named=(settings.dataset_train_split, settings.dataset_test_split))
               for i, source in enumerate(listed)]
     return loaded, text.load_splits(files[0], "", "", 0.1, 0, hold_out=False)[0] if shared else None
 

@@ -52,6 +52,60 @@ def test_the_dataset_file_named_again_as_eval_file_trains_and_evaluates_on_it(tm
         text.load_splits(str(tmp_path / "none-here"), "", "", 0.5, seed=0)
 
 
+UF_CARD = """---
+license: mit
+configs:
+- config_name: default
+  data_files:
+  - split: train_prefs
+    path: data/train_prefs-*
+  - split: test_prefs
+    path: data/test_prefs-*
+  - split: train_sft
+    path: data/train_sft-*
+---
+# A dataset saved from the hub: its card names the splits
+"""
+
+
+def test_a_folder_saved_from_the_hub_trains_on_its_train_split_alone(tmp_path):
+    """Files named by split (data/train-*, data/test-*, as the hub keeps them) are those splits, not one training
+    set; a plain folder stays one; the streamed rows are the training split's too."""
+    from app.data import stream
+    (tmp_path / "saved" / "data").mkdir(parents=True)
+    write_text_rows(tmp_path / "saved" / "data" / "train-00000-of-00001.jsonl", 30, seed=1)
+    write_text_rows(tmp_path / "saved" / "data" / "test-00000-of-00001.jsonl", 6, seed=2)
+    train, held = text.load_splits(str(tmp_path / "saved"), "", "", 0.5, seed=0)
+    assert (len(train), len(held)) == (30, 6)
+    assert sorted(train["text"]) == sorted(t for t, _ in sentences(30, 1))
+    assert sorted(held["text"]) == sorted(t for t, _ in sentences(6, 2))
+    streamed = [row["text"] for row in stream.read_rows(str(tmp_path / "saved"), "", 0, 0, 0)]
+    assert sorted(streamed) == sorted(train["text"])
+    assert text.names_splits(tmp_path / "saved") and not text.names_splits(tmp_path / "saved" / "data" / "x")
+
+
+def test_splits_a_dataset_card_names_are_picked_by_flag_and_a_missing_one_lists_them(tmp_path):
+    """UltraFeedback's card names train_prefs, test_prefs and train_sft: no split is 'train', so the run says which
+    there are; --dataset_train_split and --dataset_test_split pick them."""
+    folder = tmp_path / "ultrafeedback"
+    (folder / "data").mkdir(parents=True)
+    (folder / "README.md").write_text(UF_CARD)
+    for name, rows in (("train_prefs", 12), ("test_prefs", 4), ("train_sft", 9)):
+        write_text_rows(folder / "data" / f"{name}-00000-of-00001.jsonl", rows, seed=rows)
+    with pytest.raises(UserError, match=rf"^--dataset {folder} has no split 'train'; its splits are train_prefs, "
+                                        r"test_prefs, train_sft: pass --dataset_train_split with one of them$"):
+        text.load_splits(str(folder), "", "", 0.5, seed=0)
+    train, held = text.load_splits(str(folder), "", "", 0.5, seed=0, splits_named=("train_prefs", "test_prefs"))
+    assert (len(train), len(held)) == (12, 4)
+    train, held = text.load_splits(str(folder), "", "", 0.25, seed=0, splits_named=("train_sft", ""))
+    assert (len(train), len(held)) == (6, 3), "no validation nor test split: --eval_fraction of the training rows"
+    with pytest.raises(UserError, match="no split 'dev'; its splits are train_prefs, test_prefs, train_sft: pass "
+                                        "--dataset_test_split"):
+        text.load_splits(str(folder), "", "", 0.5, seed=0, splits_named=("train_prefs", "dev"))
+    eval_file = write_text_rows(tmp_path / "held.jsonl", 3)
+    assert len(text.load_splits(str(folder), "", str(eval_file), 0.5, 0, splits_named=("train_prefs", ""))[1]) == 3
+
+
 def test_columns_default_sensibly_and_a_wrong_name_lists_the_real_ones(tmp_path):
     path = tmp_path / "rows.jsonl"
     path.write_text("".join(json.dumps({"sentence": t, "label": y, "id": i}) + "\n"
