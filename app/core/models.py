@@ -118,8 +118,9 @@ def hf_spec(name: str):
 
 def check_weights(folder: str):
     """A save_pretrained folder with a config.json and no weights (a download stopped early, a folder of the config
-    alone) is one line before the data is read; the plan, which needs the config alone, does not ask."""
-    if not any(next(Path(folder).glob(pattern), None) for pattern in WEIGHT_FILES):
+    alone, a Trainer's folder of training_args.bin) is one line before the data is read; the plan, which needs the
+    config alone, does not ask."""
+    if not any(next(Path(folder).glob(pattern), None) for pattern in ("*.safetensors", "pytorch_model*.bin")):
         raise UserError(f"model folder {folder} has a config.json but no weights (model.safetensors, "
                         f"pytorch_model.bin or their shards): copy them in beside it, or pass a preset "
                         f"({', '.join(PRESETS)}) to train a model from scratch")

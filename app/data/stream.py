@@ -24,20 +24,26 @@ HEAD = 256  # samples read at start-up: the micro batch search's trials and the 
 ENDLESS = 2 ** 62  # a streamed loader's length: the run ends at --max_steps
 
 
-def read_rows(source: str, config: str, seed: int, buffer: int, one_pass: int, split: str = "train"):
+def read_rows(source: str, config: str, seed: int, buffer: int, one_pass: int, split: str = "train",
+              eval_file: str = ""):
     """The rows of one pass over the source's split, read lazily, shuffled in a buffer of `buffer` rows (0: in file
-    order) drawn from the seed and the pass."""
+    order) drawn from the seed and the pass; an --eval_file inside a plain folder is not among them."""
     import datasets
     datasets.disable_progress_bars()
-    if Path(source).exists() and not text.names_splits(Path(source)):
+    if Path(source).exists() and not text.names_splits(Path(source), eval_file):
+        text.check_split(["train"], source, "--dataset_train_split", split)  # a plain file or folder is one split
         builder, files = text.local_files(Path(source), source)
+        held = Path(eval_file).resolve() if eval_file and Path(source).is_dir() else None
+        files = [f for f in files["train"] if Path(f).resolve() != held]
+        if not files:
+            raise UserError(f"--dataset {source} holds no data file besides --eval_file {eval_file}")
         rows = iter(datasets.load_dataset(builder, data_files=files, split="train", streaming=True))
     else:
+        text.check_split(split_names(source, config), source, "--dataset_train_split", split)
         try:
             rows = iter(datasets.load_dataset(source, config or None, split=split, streaming=True))
-        except Exception as e:  # a misspelt name, no such split, offline: many exception types
-            raise UserError(f"--dataset {source!r} is not a local file or folder, nor a hub dataset whose "
-                            f"{split!r} split streams: {first_line(e)}") from None
+        except Exception as e:  # unreadable files, offline: many exception types
+            raise UserError(f"cannot stream the {split!r} split of --dataset {source}: {first_line(e)}") from None
     if buffer <= 0:
         yield from rows
         return
@@ -59,13 +65,13 @@ class Stream:
                  packed: bool):
         self.source, self.config, self.seed, self.buffer = source, settings.dataset_config, settings.seed, \
             settings.shuffle_buffer
-        self.split = settings.dataset_train_split
+        self.split, self.eval_file = settings.dataset_train_split, settings.eval_file
         self.tokenizer, self.kind, self.form, self.column, self.block = tokenizer, kind, form, column, block
         self.packed, self.whole_text = packed, settings.train_on_prompt
 
     def samples(self):
         for one_pass in itertools.count():
-            rows = read_rows(self.source, self.config, self.seed, self.buffer, one_pass, self.split)
+            rows = read_rows(self.source, self.config, self.seed, self.buffer, one_pass, self.split, self.eval_file)
             made = self._blocks(rows) if self.kind == "causal_lm" else self._answers(rows, one_pass)
             first = next(made, None)
             if first is None:
@@ -154,7 +160,8 @@ def _head_rows(stream: Stream):
     """The stream's first rows as AnswerRows (what app/core/packing.py's check packs)."""
     import datasets
     found = []
-    for i, row in enumerate(read_rows(stream.source, stream.config, stream.seed, stream.buffer, 0, stream.split)):
+    for i, row in enumerate(read_rows(stream.source, stream.config, stream.seed, stream.buffer, 0, stream.split,
+                                      stream.eval_file)):
         ids, labels, answer, _ = chat.encode_row(stream.tokenizer, row, stream.form, f"row {i}", stream.block,
                                                  stream.whole_text)
         if chat.answer_tokens(labels):
@@ -199,22 +206,31 @@ class StreamLoader:
                                num_workers=min(self.workers, 1), pin_memory=self.pin))
 
 
+def split_names(source: str, config: str) -> list:
+    """The split names of a hub dataset or a local folder that names its splits."""
+    import datasets
+    try:
+        return datasets.get_dataset_split_names(source, config or None)
+    except Exception as e:  # a misspelt name, offline: many exception types
+        raise UserError(f"--dataset {source!r} is not a local file or folder, nor a hub dataset whose splits can be "
+                        f"listed: {first_line(e)}") from None
+
+
 def _held_out(settings, source: str):
-    """The held-out rows of a streamed run, loaded whole: --eval_file, else the hub dataset's validation split."""
+    """The held-out rows of a streamed run, loaded whole: --eval_file, else the dataset's --dataset_test_split,
+    validation or test split (a hub dataset's, or a local folder's that names its splits)."""
     import datasets
     if settings.eval_file:
         return text.load_splits(settings.eval_file, "", "", settings.eval_fraction, settings.seed, hold_out=False)[0]
-    if not Path(source).exists():
-        try:
-            splits = datasets.get_dataset_split_names(source, settings.dataset_config or None)
-        except Exception as e:
-            raise UserError(f"--dataset {source!r}: cannot list its splits: {first_line(e)}") from None
+    if not Path(source).exists() or text.names_splits(Path(source)):
+        splits = split_names(source, settings.dataset_config)
         split = settings.dataset_test_split or next((name for name in ("validation", "test") if name in splits), None)
         if split is not None:  # streamed and kept: loading the split alone would download every split
+            text.check_split(splits, source, "--dataset_test_split", split)
             rows = datasets.load_dataset(source, settings.dataset_config or None, split=split, streaming=True)
             return datasets.Dataset.from_list(list(rows))
     raise UserError(f"--streaming on evaluates on held-out rows it can load whole: pass --eval_file (a local file of "
-                    f"them){'' if Path(source).exists() else ', or a hub dataset with a validation split'}")
+                    f"them), or a dataset with a validation or test split")
 
 
 def _held_set(held, form: str, column: str, tokenizer, block: int, packed: bool, settings):
@@ -241,7 +257,8 @@ def build(settings, model, task: str, output_dir):
     with dist.main_process_first():
         held = _held_out(settings, settings.dataset)
         first = datasets.Dataset.from_list(list(itertools.islice(read_rows(
-            settings.dataset, settings.dataset_config, 0, 0, 0, settings.dataset_train_split), 10000)))
+            settings.dataset, settings.dataset_config, 0, 0, 0, settings.dataset_train_split, settings.eval_file),
+            10000)))
         form, held_form = instruction_form(first, task, settings), instruction_form(held, task, settings)
         kind_of([form, held_form], [settings.dataset], task)
         if form in ("explicit", "implicit") or task == "sequence_classification":

@@ -40,20 +40,26 @@ def local_files(path: Path, source: str, eval_file: str = "") -> tuple:
     return kinds.pop(), data_files
 
 
-def names_splits(path: Path) -> bool:
-    """Whether a local folder names its splits as a saved hub dataset does: a README.md whose YAML header lists
-    configs, or files named by split (train-*, test-*, validation-*, ...). datasets reads those splits apart; a
-    folder of other names is one training split, every file of it."""
+def names_splits(path: Path, eval_file: str = "") -> bool:
+    """Whether a local folder names its splits as a saved hub dataset does, so that datasets reads them apart: a
+    README.md whose YAML header lists configs, or data files every one of which a split's name claims (train-*,
+    data/test-*, ...), a train split and another among them and --eval_file not one of them. Any other folder is
+    one training set, every file of it."""
     if not path.is_dir():
         return False
     readme = path / "README.md"
-    if readme.is_file() and "\nconfigs:" in readme.read_text(errors="replace").split("\n---", 1)[0]:
+    head = readme.read_text(errors="replace").split("\n---", 1)[0] if readme.is_file() else ""
+    if head.startswith("---\n") and "\nconfigs:" in head:
         return True
-    from datasets.data_files import EmptyDatasetError, get_data_patterns
+    from datasets.data_files import DataFilesDict, get_data_patterns
     try:
-        return set(get_data_patterns(str(path))) != {"train"}
-    except EmptyDatasetError:
+        named = DataFilesDict.from_patterns(get_data_patterns(str(path)), base_path=str(path))
+    except Exception:  # no data file, or names datasets cannot read as splits
         return False
+    claimed = {Path(f).resolve() for files in named.values() for f in files}
+    data = {p.resolve() for p in path.rglob("*") if p.suffix in FILE_BUILDERS}
+    return "train" in named and len(named) > 1 and claimed == data and \
+        not (eval_file and Path(eval_file).resolve() in data)
 
 
 def _local_splits(path: Path, source: str, eval_file: str, config_name: str):
@@ -61,7 +67,7 @@ def _local_splits(path: Path, source: str, eval_file: str, config_name: str):
     the validation split)."""
     import datasets
     try:
-        if not names_splits(path):
+        if not names_splits(path, eval_file):
             builder, data_files = local_files(path, source, eval_file)
             return datasets.load_dataset(builder, data_files=data_files)
         splits = datasets.load_dataset(str(path), config_name or None)
@@ -74,16 +80,23 @@ def _local_splits(path: Path, source: str, eval_file: str, config_name: str):
         raise UserError(f"cannot read --dataset {source}: {first_line(e)}") from None
 
 
-def picked(splits, source: str, train_split: str, test_split: str) -> tuple:
+def check_split(names, source: str, flag: str, name: str):
+    """A split name the dataset lacks is one line listing the ones it has."""
+    if name not in names:
+        raise UserError(f"--dataset {source} has no split {name!r}; its splits are {', '.join(names)}: pass "
+                        f"{flag} with one of them")
+
+
+def picked(splits, source: str, train_split: str, test_split: str, hold_out: bool = True) -> tuple:
     """(the training split, the held-out one or None): --dataset_train_split, and --dataset_test_split or else
-    validation, else test; a name the dataset lacks is one line listing the ones it has."""
-    for flag, name in (("--dataset_train_split", train_split), ("--dataset_test_split", test_split)):
-        if name and name not in splits:
-            raise UserError(f"--dataset {source} has no split {name!r}; its splits are {', '.join(splits)}: pass "
-                            f"{flag} with one of them")
+    validation, else test (when held out here)."""
+    train_split = train_split or "train"
+    check_split(splits, source, "--dataset_train_split", train_split)
+    if test_split and hold_out:
+        check_split(splits, source, "--dataset_test_split", test_split)
     if len(splits[train_split]) == 0:
         raise UserError(f"--dataset {source} has no training rows; check the file or the split names")
-    held = test_split or next((s for s in ("validation", "test") if s in splits), "")
+    held = (test_split or next((s for s in ("validation", "test") if s in splits), "")) if hold_out else ""
     return splits[train_split], splits[held] if held else None
 
 
@@ -105,9 +118,9 @@ def load_splits(source: str, config_name: str, eval_file: str, eval_fraction: fl
             offline = " (HF_HUB_OFFLINE=1 forbids downloads)" if os.environ.get("HF_HUB_OFFLINE") == "1" else ""
             raise UserError(f"--dataset {source!r} is not a local file or folder, nor a hub dataset that loads"
                             f"{offline}: {first_line(e)}") from None
-    train, eval_set = picked(splits, source, *splits_named)
+    train, eval_set = picked(splits, source, *splits_named, hold_out=hold_out)
     if eval_set is not None or not hold_out:
-        return train, eval_set if hold_out else None
+        return train, eval_set
     if len(train) < 2:
         raise UserError(f"--dataset {source} has one row: not enough to hold some out; add rows or pass --eval_file")
     parts = train.train_test_split(test_size=eval_fraction, seed=seed)

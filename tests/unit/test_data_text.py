@@ -81,17 +81,57 @@ def test_a_folder_saved_from_the_hub_trains_on_its_train_split_alone(tmp_path):
     assert sorted(held["text"]) == sorted(t for t, _ in sentences(6, 2))
     streamed = [row["text"] for row in stream.read_rows(str(tmp_path / "saved"), "", 0, 0, 0)]
     assert sorted(streamed) == sorted(train["text"])
-    assert text.names_splits(tmp_path / "saved") and not text.names_splits(tmp_path / "saved" / "data" / "x")
+    assert text.names_splits(tmp_path / "saved")
+
+
+@pytest.mark.parametrize("names, eval_name", [(("rows.jsonl", "test_data.jsonl"), ""),  # no train split named
+                                              (("train.jsonl", "extra.jsonl", "test.jsonl"), ""),  # a file unclaimed
+                                              (("train.jsonl", "test.jsonl"), "test.jsonl"),  # held out by hand
+                                              (("train-0.jsonl", "train-1.jsonl"), "")])  # one split alone
+def test_a_folder_whose_names_do_not_all_name_splits_stays_one_training_set(tmp_path, names, eval_name):
+    """Only a folder whose every data file a split's name claims, a train split and another among them and the
+    --eval_file not one of them, is read split by split; any other is every file's rows, less the --eval_file."""
+    for i, name in enumerate(names):
+        write_text_rows(tmp_path / name, 5 + i, seed=i)
+    eval_file = str(tmp_path / eval_name) if eval_name else ""
+    assert not text.names_splits(tmp_path, eval_file)
+    train, held = text.load_splits(str(tmp_path), "", eval_file, 0.2, seed=0, hold_out=bool(eval_file))
+    kept = [5 + i for i, name in enumerate(names) if name != eval_name]
+    assert len(train) == sum(kept) and (held is None) == (not eval_file)
+
+
+def test_a_streamed_folder_that_names_its_splits_holds_out_its_test_split(tmp_path):
+    """A streamed run reads the training split's rows and evaluates on the folder's own test split (or the one
+    --dataset_test_split names), as a loaded run does."""
+    from app.data import stream
+    (tmp_path / "data").mkdir()
+    write_text_rows(tmp_path / "data" / "train-00000-of-00001.jsonl", 30, seed=1)
+    write_text_rows(tmp_path / "data" / "test-00000-of-00001.jsonl", 6, seed=2)
+    settings = Settings(model="llama-tiny", dataset=str(tmp_path), streaming="on", max_steps=2)
+    assert sorted(stream._held_out(settings, str(tmp_path))["text"]) == sorted(t for t, _ in sentences(6, 2))
+    with pytest.raises(UserError, match=rf"^--dataset {tmp_path} has no split 'dev'; its splits are train, test"):
+        stream._held_out(Settings(model="llama-tiny", dataset=str(tmp_path), streaming="on", max_steps=2,
+                                  dataset_test_split="dev"), str(tmp_path))
+    with pytest.raises(UserError, match="has no split 'train_sft'; its splits are train, test: pass "
+                                        "--dataset_train_split"):
+        list(stream.read_rows(str(tmp_path), "", 0, 0, 0, "train_sft"))
 
 
 def test_splits_a_dataset_card_names_are_picked_by_flag_and_a_missing_one_lists_them(tmp_path):
-    """UltraFeedback's card names train_prefs, test_prefs and train_sft: no split is 'train', so the run says which
-    there are; --dataset_train_split and --dataset_test_split pick them."""
+    """UltraFeedback's card names train_prefs, test_prefs and train_sft (here over files whose names name no split:
+    the card alone says what each holds): no split is 'train', so the run says which there are;
+    --dataset_train_split and --dataset_test_split pick them. A card without a YAML header names nothing."""
     folder = tmp_path / "ultrafeedback"
     (folder / "data").mkdir(parents=True)
-    (folder / "README.md").write_text(UF_CARD)
-    for name, rows in (("train_prefs", 12), ("test_prefs", 4), ("train_sft", 9)):
+    (folder / "README.md").write_text(UF_CARD.replace("/train_prefs-*", "/prefs-a*").replace("/test_prefs-*",
+                                                                                           "/prefs-b*"))
+    for name, rows in (("prefs-a", 12), ("prefs-b", 4), ("train_sft", 9)):
         write_text_rows(folder / "data" / f"{name}-00000-of-00001.jsonl", rows, seed=rows)
+    assert text.names_splits(folder)
+    (tmp_path / "plain").mkdir()
+    (tmp_path / "plain" / "README.md").write_text("# Notes\nconfigs: none here\n---\n")
+    write_text_rows(tmp_path / "plain" / "rows.jsonl", 5)
+    assert not text.names_splits(tmp_path / "plain")
     with pytest.raises(UserError, match=rf"^--dataset {folder} has no split 'train'; its splits are train_prefs, "
                                         r"test_prefs, train_sft: pass --dataset_train_split with one of them$"):
         text.load_splits(str(folder), "", "", 0.5, seed=0)

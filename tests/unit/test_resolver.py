@@ -91,5 +91,8 @@ def test_a_model_folder_without_weights_is_one_line_for_a_run_and_plans_for_the_
                                         r"safetensors, pytorch_model.bin or their shards\): copy them in beside it"):
         resolver.spec_of(settings)
     assert type(resolver.build(settings)) is tasks.CausalLM
+    (tmp_path / "training_args.bin").write_bytes(b"")  # a Trainer's arguments, not weights
+    with pytest.raises(UserError, match="has a config.json but no weights"):
+        resolver.spec_of(settings)
     (tmp_path / "model-00001-of-00002.safetensors").write_bytes(b"")  # the shard's content is from_pretrained's to read
     assert resolver.spec_of(settings).pretrained == str(tmp_path)
