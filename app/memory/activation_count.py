@@ -6,6 +6,7 @@ backward are counted (the compiled step). What the memory plan (estimate, planne
 import contextlib
 import functools
 import weakref
+from typing import Callable, NamedTuple
 
 import torch
 
@@ -14,6 +15,16 @@ from app.ds.internals import torch_private
 from app.errors import first_line
 from app.memory import cuda_casts
 from app.parallel import activations
+
+
+class Work(NamedTuple):
+    """What the plan counts: build() makes the model (build(layers=n), where layers is set, at depth n: depth.py),
+    inputs(micro) its (inputs, labels), loss(logits, labels) per-sample losses; layers: the model's depth where
+    build can make it at another one (a transformers model whose layers are of one kind), else 0."""
+    build: Callable
+    inputs: Callable
+    loss: Callable
+    layers: int = 0
 
 
 class LiveBytes(torch_private.TorchDispatchMode):
@@ -50,6 +61,21 @@ def activation_bytes(build, inputs, loss, micro: int, dtype, checkpointed: bool,
     arrives, as a ZeRO bucket takes it; the model states count them). build() makes the model, inputs(micro)
     (inputs, labels), loss(logits, labels) per-sample losses; dtype: the autocast dtype (None: the weights'),
     whose casts are CUDA's (cuda_casts)."""
+    return step_bytes(build, inputs, loss, micro, dtype, checkpointed, fake, weights16).peak
+
+
+class StepBytes(NamedTuple):
+    """The bytes of an eager step's activations: their peak, those alive once the loss is computed (autocast's
+    casts still cached), as the backward starts (those kept for it) and as it ends (left)."""
+    peak: int
+    forward: int
+    kept: int
+    left: int
+
+
+def step_bytes(build, inputs, loss, micro: int, dtype, checkpointed: bool, fake: bool = True,
+               weights16: bool = False) -> StepBytes:
+    """activation_bytes' StepBytes."""
     with torch_private.fake_tensor_mode() if fake else contextlib.nullcontext():
         model, x, y, casts = _prepared(build, inputs, micro, dtype, checkpointed, weights16)
         for param in model.parameters():
@@ -62,8 +88,10 @@ def activation_bytes(build, inputs, loss, micro: int, dtype, checkpointed: bool,
             # block recomputes casts as in its forward; rows pack several sequences where positions are given
             with casts.forward() if casts else contextlib.nullcontext():
                 total = loss(model(*x), y).sum()
+                forward = tracker.live
+            kept = tracker.live
             torch_private.backward(total)
-        return tracker.peak
+        return StepBytes(tracker.peak, forward, kept, tracker.live)
 
 
 def compiled_activation_bytes(build, inputs, loss, micro: int, dtype, weights16: bool = False,
@@ -141,11 +169,11 @@ def _prepared(build, inputs, micro: int, dtype, checkpointed: bool, weights16: b
     return model, x, y, cuda_casts.CudaAutocast(dtype) if dtype and not weights16 else None
 
 
-def measured(work, dtype, checkpointed: bool, weights16: bool, compiled: bool, recast: bool = False) -> tuple:
-    """_slope's tuple and how the activations were counted ("compiled", "eager", or eager where the compiled
+def measured(work: Work, dtype, checkpointed: bool, weights16: bool, compiled: bool, recast: bool = False) -> tuple:
+    """slope's tuple and how the activations were counted ("compiled", "eager", or eager where the compiled
     graph could not be traced, and why: the eager count is the larger, so the plan errs to the safe side); recast:
     compiled_activation_bytes'."""
-    build, inputs, loss = work
+    build, inputs, loss = work.build, work.inputs, work.loss
     if compiled:
         try:
             one_runs = _unless_one_value_per_channel(functools.partial(forward_runs, build, inputs)) is not None
@@ -159,19 +187,19 @@ def measured(work, dtype, checkpointed: bool, weights16: bool, compiled: bool, r
 
 
 def _eager(peak) -> tuple:
-    """_slope's tuple from peak(micro=...) of an eager step, with 1 sample's peak as measured."""
+    """slope's tuple from peak(micro=...) of an eager step, with 1 sample's peak as measured."""
     one = _unless_one_value_per_channel(peak)
-    return _slope(one, peak(micro=2), peak(micro=4))
+    return slope(one, peak(micro=2), peak(micro=4))
 
 
 def _compiled(peak, one_runs: bool) -> tuple:
-    """_slope's tuple from peak(micro=...) of a compiled graph, whose bytes are linear in the micro batch: 1
+    """slope's tuple from peak(micro=...) of a compiled graph, whose bytes are linear in the micro batch: 1
     sample's peak is the slope's (its graph may differ in shape), where one sample's forward runs (one_runs)."""
     two, four = peak(micro=2), peak(micro=4)
-    return _slope(two - (four - two) // 2 if one_runs else None, two, four)
+    return slope(two - (four - two) // 2 if one_runs else None, two, four)
 
 
-def _slope(one, two: int, four: int) -> tuple:
+def slope(one, two: int, four: int) -> tuple:
     """(bytes per sample, bytes whatever the micro batch, MemoryPlan.least, MemoryPlan.smallest) from the peaks of
     1 (None where one sample cannot train), 2 and 4 samples: the slope from 2 to 4. A model that cannot train on
     one sample (BatchNorm over a 1x1 map: one value per channel) takes 2 samples' peak as its least, so that no

@@ -13,7 +13,7 @@ from app.ds import auto as ds_auto, internals as ds_internals, run_dict
 from app.ds.config import MICRO, zero_stage
 from app.ds.internals import torch_private
 from app.errors import UserError
-from app.memory import activation_count, estimate, host
+from app.memory import activation_count, depth, estimate, host
 from app.core.fused_loss import next_token_targets
 from app.parallel import activations, tiled
 
@@ -53,14 +53,14 @@ def workload(task, seq_len: int = 0, image_size: int = 0, frozen: bool = False, 
                     seq_len=seq, packed=packed)
     inputs = _text_inputs(task, info)
 
-    def build():  # tiled as the run tiles it (--tiled), which build() decides before inputs() are made
-        model = models.build_hf(spec, info, tokenizer, {})
+    def build(layers: int = 0):  # tiled as the run tiles it (--tiled), which build() decides before inputs() are made
+        model = models.build_hf(depth.at(spec, layers), info, tokenizer, {})
         if frozen:
             model.requires_grad_(False)
             model.hf.enable_input_require_grads()
         tiled.for_run(model, task, sequence, task.settings.model)
         return model
-    return build, inputs, task.loss
+    return activation_count.Work(build, inputs, task.loss, depth.layers_of(spec.config))
 
 
 def _text_inputs(task, info: DataInfo):
@@ -87,8 +87,8 @@ def _image_workload(task, image_size: int):
     info = task.data.info if task.data else DataInfo(10 if builtin else 1000, 1 if builtin else 3,
                                                      image_size or (8 if builtin else 224))
     channels, side, classes = info.in_channels, info.image_size, info.num_classes
-    return (lambda: task.build_model(info, {}),
-            lambda b: ([torch.randn(b, channels, side, side)], torch.randint(classes, (b,))), task.loss)
+    return activation_count.Work(lambda: task.build_model(info, {}), lambda b: (
+        [torch.randn(b, channels, side, side)], torch.randint(classes, (b,))), task.loss)
 
 
 def sampling_of(task, seq_len: int = 0):
@@ -124,9 +124,8 @@ def plans(work, named: dict, ranks: int, adapters=None, reference: bool = False,
     sampling: sampling_of(task), online RL's sampling, or None; compiles: compiles(ds), whether a run of ds compiles
     its step (its activations are then the compiled graph's, except under activation checkpointing, counted
     eager), or None (eager)."""
-    build, inputs, loss = work
-    sizes, trainable, kinds, largest = parameters_of(build, adapters)
-    cache, found = {}, {}
+    sizes, trainable, kinds, largest = parameters_of(work.build, adapters)
+    cache, found, layered = {}, {}, depth.layered(work)
     for name, ds in named.items():
         dtype = torch.bfloat16 if any((ds.get(s) or {}).get("enabled") is True
                                       for s in ("torch_autocast", "bf16")) else None
@@ -135,7 +134,7 @@ def plans(work, named: dict, ranks: int, adapters=None, reference: bool = False,
                runs_deepspeed_linear(ds))  # ZeRO-3's linear keeps no bf16 weights for the backward
         if key not in cache:
             with ds_internals.deepspeed_linear() if key[-1] else contextlib.nullcontext():
-                cache[key] = activation_count.measured(work, dtype, *key[1:])
+                cache[key] = depth.measured(work, dtype, *key[1:], layered=layered)
         found[name] = estimate.memory_plan(name, ds, ranks, sizes, largest, cache[key][:3], kinds, trainable)
         found[name].largest_layer, found[name].smallest, found[name].counted = largest, *cache[key][3:]
         if sampling is not None:

@@ -157,7 +157,7 @@ def _step_peaks(rank, world, cases, report):
     task, found = resolver.build(Settings(model="gpt2-tiny")), []
     for name, accumulation, bf16, tokens, micro in cases:
         ds = _case_config(task, name, accumulation, bf16, micro, world)
-        build, inputs, loss = work = planner.workload(task, tokens)
+        build, inputs, loss, _ = work = planner.workload(task, tokens)
         planned = planner.plans(work, {name: ds}, world)[name].peak(micro)
         torch.manual_seed(0)
         engine = engine_of(build(), ds)

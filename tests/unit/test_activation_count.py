@@ -84,7 +84,7 @@ def test_under_deepspeeds_linear_a_compiled_step_keeps_no_cast_of_a_linear_weigh
     from app.ds import internals as ds_internals
     from app.memory import planner
     from app.settings import Settings
-    build, inputs, loss = planner.workload(resolver.build(Settings(model="llama-tiny")), 256)
+    build, inputs, loss, _ = planner.workload(resolver.build(Settings(model="llama-tiny")), 256)
     weights = {id(m.weight): m.weight.numel() for m in build().modules() if isinstance(m, torch.nn.Linear)}
 
     def kept(recast):
@@ -101,7 +101,7 @@ def test_fake_tensors_count_no_causal_mask_that_a_real_run_of_unpacked_rows_skip
     from app.core import resolver
     from app.memory import planner
     from app.settings import Settings
-    build, inputs, loss = planner.workload(resolver.build(Settings(model="llama-tiny", block_size=128)), 128)
+    build, inputs, loss, _ = planner.workload(resolver.build(Settings(model="llama-tiny", block_size=128)), 128)
     torch.manual_seed(0)
     counted = [activation_count.activation_bytes(build, inputs, loss, 2, torch.bfloat16, False, fake=fake)
                for fake in (True, False)]
@@ -126,7 +126,7 @@ def test_packed_rows_count_the_mask_a_real_run_of_them_builds(model, tmp_path):
         settings = Settings(model=model, tokenizer="bytes", dataset=str(chats), block_size=128, packing=packing)
         task = resolver.resolve(settings, resolver.spec_of(settings), tmp_path / packing)
         assert task.data.info.packed == (packing == "on")
-        build, inputs, loss = planner.workload(task, 128)
+        build, inputs, loss, _ = planner.workload(task, 128)
         torch.manual_seed(0)
         counted[packing] = [activation_count.activation_bytes(build, inputs, loss, 2, torch.bfloat16, False,
                                                               fake=fake) for fake in (True, False)]

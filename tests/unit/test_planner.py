@@ -67,8 +67,8 @@ def test_lora_plans_a_frozen_model_whose_backward_keeps_fewer_activations():
     input, as it reaches the adapters."""
     import torch
     task = resolver.build(SETTINGS)
-    held = {frozen: activation_count.activation_bytes(*planner.workload(task, 128, frozen=frozen), 4, torch.bfloat16, False)
-            for frozen in (False, True)}
+    held = {frozen: activation_count.activation_bytes(*planner.workload(task, 128, frozen=frozen)[:3], 4,
+                                                      torch.bfloat16, False) for frozen in (False, True)}
     assert 0 < held[True] < held[False]
 
 
@@ -236,7 +236,7 @@ def test_an_image_model_is_weighed_with_the_classes_and_channels_of_the_runs_dat
     settings = Settings(model="resnet18")
     info = DataInfo(10, 3, 32)
     task = ImageClassification(settings, Data(None, None, info))
-    build, inputs, _ = planner.workload(task)
+    build, inputs, _, _ = planner.workload(task)
     run_model = task.build_model(info, {})
     assert sum(planner.parameters_of(build)[0]) == sum(p.numel() for p in run_model.parameters()) == 11_181_642
     assert inputs(2)[0][0].shape == (2, 3, 32, 32)
@@ -262,7 +262,7 @@ def test_a_model_that_cannot_train_on_one_sample_is_planned_from_two():
     from app.data import Data, DataInfo
     task = ImageClassification(Settings(model="resnet18"), Data(None, None, DataInfo(10, 3, 32)))
     work = planner.workload(task)
-    build, inputs, loss = work
+    build, inputs, loss, _ = work
     with pytest.raises(ValueError, match="value per channel"):
         activation_count.activation_bytes(build, inputs, loss, 1, None, False)
     plan_ds = load_ds_config(DEFAULT_DS_CONFIG.parent / "zero1.json")

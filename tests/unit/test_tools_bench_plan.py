@@ -27,8 +27,8 @@ def _planned(work, name: str, ranks: int, micro: int) -> int:
     the device the benchmark ran on (CPU ranks persist no ZeRO-3 weight)."""
     device = "cuda" if torch.cuda.is_available() else "cpu"
     ds = ds_auto.fill(_configs(name)[name], resolver.auto_facts(work.task.spec, device), ranks)[0]
-    build = planner.workload(work.task, work.info.seq_len, work.info.image_size)
-    return planner.plans(build, {name: ds}, ranks)[name].peak(micro)
+    counted = planner.workload(work.task, work.info.seq_len, work.info.image_size)
+    return planner.plans(counted, {name: ds}, ranks)[name].peak(micro)
 
 
 @pytest.mark.parametrize("model, flags", [("cnn", []), ("gpt2-tiny", ["--seq_len", "16"])])
