@@ -20,7 +20,7 @@ from app.parallel import activations
 class Work(NamedTuple):
     """What the plan counts: build() makes the model (build(layers=n), where layers is set, at depth n: depth.py),
     inputs(micro) its (inputs, labels), loss(logits, labels) per-sample losses; layers: the model's depth where
-    build can make it at another one (a transformers model whose layers are of one kind), else 0."""
+    build can make it at another one and its config sets no layer apart (depth.layers_of), else 0."""
     build: Callable
     inputs: Callable
     loss: Callable

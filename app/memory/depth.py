@@ -7,15 +7,16 @@ where the layers are alike, each keeps the same bytes, and the count at depth n 
 times what the second layer adds.
 
 The eager step's peak is the largest of the bytes alive at each point of the step. At a point before the layers
-(the embedding's forward) they do not depend on the depth. At a point of the top layer's forward or of the loss,
-every layer below has left what its forward keeps, autocast's cached casts of its biases among them: they grow
-by that (forward, alive once the loss is computed) with each layer. Once autocast lets go of its casts, and
-through the backward of the top layers, they grow by what each layer keeps for the backward (kept, alive as it
-starts). At a point of the backward of the bottom layers or after it, every layer's backward has also run: they
-grow by what the forward and backward of a layer leave together (left, alive as the step ends). So the peak at
-depth n is at most the peak at depth 2 plus n - 2 times the largest of the three; where the peak at depth 2
-exceeds the one at depth 1 by exactly that, the point that peaks at 2 grows so, and the bound is the peak. Where
-it does not, that micro batch's peak is counted on the whole model.
+(the embedding's forward) they grow with the depth by no more than at the points after it. At a point of the top
+layer's forward or of the loss, every layer below has left what its forward keeps, autocast's cached casts of its
+biases among them: they grow by that (forward, alive once the loss is computed) with each layer. Once autocast
+lets go of its casts, and through the backward of the top layers, they grow by what each layer keeps for the
+backward (kept, alive as it starts). At a point of the backward of the bottom layers or after it, every layer's
+backward has also run: they grow by what the forward and backward of a layer leave together (left, alive as the
+step ends). So the peak at depth n is at most the peak at depth 2 plus n - 2 times the largest of the three; where
+the peak at depth 2 exceeds the one at depth 1 by exactly that, the point that peaks at 2 grows so, and the bound
+is the peak. Where it does not, that micro batch's peak is counted on the whole model. A layer whose tensors the
+model's output keeps (router logits, hidden states) would add a fourth growth: such configs are counted whole.
 
 tests/unit/test_depth.py holds both counts equal to the whole model's, byte for byte, for the app's model families,
 bf16 weights, checkpointing, LoRA, tiling and DeepSpeed's linear.
@@ -32,11 +33,17 @@ from app.memory.activation_count import Work
 from app.parallel import activations
 
 
+OUTPUTS = ("output_router_logits", "output_hidden_states", "output_attentions")  # kept by the output, not a layer
+
+
 def layers_of(config) -> int:
     """A transformers config's number of layers where nothing in it sets one layer apart from another (a list of a
-    value per layer that differ: layer_types' sliding and full attention, Llama 4's layers without RoPE), else 0."""
+    value per layer that differ: layer_types' sliding and full attention, Llama 4's layers without RoPE; overrides
+    per layer, transformers' heterogeneous configs), and no layer leaves tensors in the model's output (OUTPUTS:
+    a mixture of experts' router logits), else 0."""
     layers = getattr(config, "num_hidden_layers", None)
-    if not isinstance(layers, int):
+    if not isinstance(layers, int) or getattr(config, "is_heterogeneous", False) or \
+            any(getattr(config, name, False) for name in OUTPUTS):
         return 0
     return layers if all(len({repr(v) for v in values}) <= 1 for values in _per_layer(config, layers).values()) else 0
 
@@ -59,31 +66,35 @@ def _per_layer(config, layers: int) -> dict:
             if isinstance(value, (list, tuple)) and len(value) == layers and layers > 1}
 
 
-FEWEST = 5  # from 5 layers up, tracing depths 1 and 2 (3 layers, twice) takes less time than the whole model
+FEWEST = 5  # below it, depths 1 and 2 (3 layers in all, each count twice) save little or nothing on the whole
 
 
 def layered(work: Work) -> bool:
     """Whether work's model is counted from its depths 1 and 2: a stack of at least FEWEST alike layers, of which
     its depth-2 model has two, every block the same modules and the same parameter shapes (a mixture of experts
-    whose first layers are dense is not). Built on fake tensors."""
+    whose first layers are dense is not). Built on fake tensors; a config that cannot be built two layers deep (a
+    value that must fit within its layers) is counted whole."""
     if work.layers < FEWEST:
         return False
-    with torch_private.fake_tensor_mode():
-        whole, two = (activations.blocks(work.build(layers=n)) for n in (0, 2))
-        kinds = {_shape(block) for block in whole + two}
+    try:
+        with torch_private.fake_tensor_mode():
+            whole, two = (activations.blocks(work.build(layers=n)) for n in (0, 2))
+            kinds = {_shape(block) for block in whole + two}
+    except Exception:  # the whole model's count says what is wrong with it, if anything
+        return False
     return len(whole) == work.layers and len(two) == 2 and len(kinds) == 1
 
 
 def measured(work: Work, dtype, checkpointed: bool, weights16: bool, compiled: bool, recast: bool = False,
-             layered: bool = False) -> tuple:
-    """activation_count.measured's tuple, from depths 1 and 2 where layered (layered(work)): a compiled step's
+             by_depth: bool = False) -> tuple:
+    """activation_count.measured's tuple, from depths 1 and 2 where by_depth (layered(work)): a compiled step's
     where both depths' graphs could be traced, an eager step's as the module's docstring says."""
     how = dict(dtype=dtype, checkpointed=checkpointed, weights16=weights16)
-    if layered and compiled:
+    if by_depth and compiled:
         found = from_two_layers(work, recast=recast, **how)
         if found:
             return found
-    if layered and not compiled:
+    if by_depth and not compiled:
         return eager_from_two_layers(work, **how)
     return activation_count.measured(work, compiled=compiled, recast=recast, **how)
 

@@ -26,9 +26,11 @@ def tokens_per_sample(spec, seq_len: int = 0) -> int:
 
 
 def workload(task, seq_len: int = 0, image_size: int = 0, frozen: bool = False, sequence: int = 1):
-    """(build() of the model, inputs(micro) -> (inputs, labels), the task's loss) from the model's shape alone: a
-    transformers model from its config (no weights, no adapters), an image model at image_size. frozen (LoRA): the
-    model's weights take no gradient, and the backward runs through it to the input as it does to the adapters.
+    """activation_count.Work: build() of the model, inputs(micro) -> (inputs, labels), the task's loss, from the
+    model's shape alone: a transformers model from its config (no weights, no adapters; build(layers=n) at depth
+    n, and its depth where no config value sets a layer apart: depth.layers_of), an image model at image_size.
+    frozen (LoRA): the model's weights take no gradient, and the backward runs through it to the input as it does
+    to the adapters.
     A sample's sequences go through the model together: a preference pair's two, a GRPO prompt's group (the
     sampling before them: sampling_of). sequence: the sequence-parallel degree; a rank's inputs are its part of
     each sequence, seq_len / sequence tokens (Ulysses' all-to-all trades the rest of the tokens for a part of the
@@ -134,7 +136,7 @@ def plans(work, named: dict, ranks: int, adapters=None, reference: bool = False,
                runs_deepspeed_linear(ds))  # ZeRO-3's linear keeps no bf16 weights for the backward
         if key not in cache:
             with ds_internals.deepspeed_linear() if key[-1] else contextlib.nullcontext():
-                cache[key] = depth.measured(work, dtype, *key[1:], layered=layered)
+                cache[key] = depth.measured(work, dtype, *key[1:], by_depth=layered)
         found[name] = estimate.memory_plan(name, ds, ranks, sizes, largest, cache[key][:3], kinds, trainable)
         found[name].largest_layer, found[name].smallest, found[name].counted = largest, *cache[key][3:]
         if sampling is not None:

@@ -63,7 +63,7 @@ def test_where_the_peak_grows_by_a_layers_largest_share_from_one_layer_to_two_it
             from_two.append(micro)
             assert four.peak == two.peak + 2 * layer, micro
     assert from_two == ([2, 4] if model == "gpt2-tiny" else [1, 2, 4])
-    assert depth.measured(work, compiled=False, layered=True, **how) == activation_count.measured(
+    assert depth.measured(work, compiled=False, by_depth=True, **how) == activation_count.measured(
         work, compiled=False, **how)
 
 
@@ -92,9 +92,13 @@ def test_only_a_deep_stack_of_alike_layers_is_counted_from_two(tmp_path):
 
 def test_a_config_that_sets_a_layer_apart_has_no_depth_to_count_from():
     """Llama 4 leaves RoPE out of every fourth layer (no_rope_layers, a value per layer): its layers look alike and
-    compute apart. A list of one value for every layer sets none apart, and is cut with the depth."""
+    compute apart; so may a layer's own overrides, and an output that keeps every layer's hidden states grows with
+    the depth where no layer's count sees it. A list of one value for every layer sets none apart, and is cut with
+    the depth."""
     from transformers import Llama4TextConfig, LlamaConfig
     assert depth.layers_of(Llama4TextConfig(num_hidden_layers=6)) == 0
+    assert depth.layers_of(LlamaConfig(num_hidden_layers=6, per_layer_config={3: {"intermediate_size": 64}})) == 0
+    assert depth.layers_of(LlamaConfig(num_hidden_layers=6, output_hidden_states=True)) == 0
     spec = models.HFSpec(LlamaConfig(num_hidden_layers=6, layer_types=["full_attention"] * 6), "", "causal_lm", 128)
     assert depth.layers_of(spec.config) == 6
     cut = depth.at(spec, 2).config
