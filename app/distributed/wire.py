@@ -12,9 +12,12 @@ import errno
 import ipaddress
 import json
 import os
+import select
 import signal
 import socket
 import time
+
+import psutil
 
 import torch.distributed as torch_dist
 
@@ -98,38 +101,62 @@ def keep_store():
 
 
 def _serve_beside(addr: str, port: int, world_size: int, timeout: datetime.timedelta):
-    """Serve the store from a child process, forked (no start-up of its own), its output closed, deaf to the
-    launcher's signals; it ends when this process does (OUTLIVE_S later after keep_store). Raises RuntimeError when
-    it could not listen."""
+    """Serve the store from a process forked twice (no start-up of its own, and not a child of this one: a launcher
+    that waits for a failed rank's process tree, as DeepSpeed's does, would otherwise wait until the machine's init
+    reaps it), its output closed, deaf to the launcher's signals; it ends when this process does (OUTLIVE_S later
+    after keep_store). Raises RuntimeError when it could not listen."""
     read, write = os.pipe()
     parent = os.getpid()
     pid = os.fork()
     if pid == 0:
-        _named(STORE_NAME)
-        kept = []
-        signal.signal(signal.SIGUSR1, lambda *_: kept.append(True))
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            signal.signal(sig, signal.SIG_IGN)
         os.close(read)
-        null = os.open(os.devnull, os.O_RDWR)
-        for fd in (0, 1, 2):
-            os.dup2(null, fd)
-        try:
-            store, local = _server(addr, port, world_size, timeout)
-            os.write(write, b"L" if local else b"A")
-        except Exception as e:  # noqa: BLE001 (told to the parent, which says it)
-            os.write(write, b"E" + (str(e).splitlines() or [type(e).__name__])[0].encode()[:500])
-            os._exit(1)
-        while os.getppid() == parent:
-            time.sleep(0.2)
-        time.sleep(OUTLIVE_S if kept else 0)
-        os._exit(0)
-    _store_process.append(pid)
+        if os.fork() != 0:
+            os._exit(0)
+        _store_main(addr, port, world_size, timeout, parent, write)
+    os.waitpid(pid, 0)
     os.close(write)
     said = os.read(read, 1024)
     os.close(read)
     if not said or said.startswith(b"E"):
         raise RuntimeError(said[1:].decode(errors="replace") or "the store's process ended")
-    if said == b"A":
+    _store_process.append(int(said[1:]))
+    if said.startswith(b"A"):
         print(f"note: rank 0's rendezvous store listens on port {port} of every interface of this machine "
               f"(MASTER_ADDR {addr} is not an IP address of it); firewall that port (docs/trust.md)", flush=True)
+
+
+def _store_main(addr: str, port: int, world_size: int, timeout: datetime.timedelta, parent: int, write: int):
+    """The store's process: serve, say how (L or A, then this pid; E and why) on write, end once parent has."""
+    _named(STORE_NAME)
+    kept = []
+    signal.signal(signal.SIGUSR1, lambda *_: kept.append(True))
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, signal.SIG_IGN)
+    null = os.open(os.devnull, os.O_RDWR)
+    for fd in (0, 1, 2):
+        os.dup2(null, fd)
+    try:
+        watch = _watch(parent)
+        store, local = _server(addr, port, world_size, timeout)
+        os.write(write, (b"L" if local else b"A") + str(os.getpid()).encode())
+    except Exception as e:  # noqa: BLE001 (told to the parent, which says it)
+        os.write(write, b"E" + (str(e).splitlines() or [type(e).__name__])[0].encode()[:500])
+        os._exit(1)
+    os.close(write)
+    watch()
+    time.sleep(OUTLIVE_S if kept else 0)
+    os._exit(0)
+
+
+def _watch(pid: int):
+    """A callable that returns once process pid has ended (a pidfd where the system has them, else polled)."""
+    if hasattr(os, "pidfd_open"):
+        with contextlib.suppress(OSError):
+            fd = os.pidfd_open(pid)
+            return lambda: select.select([fd], [], [])
+    process = psutil.Process(pid)
+
+    def polled():
+        while process.is_running() and process.status() != psutil.STATUS_ZOMBIE:
+            time.sleep(0.2)
+    return polled

@@ -13,11 +13,11 @@ import psutil
 import pytest
 import torch
 
-from app.distributed import dist, endings, preemption
+from app.distributed import dist, endings, preemption, wire
 from app.distributed import launch
 from app.errors import Ended, UserError
 from app.observe.metrics import Meter
-from conftest import spawn_ranks
+from conftest import REPO, free_port, spawn_ranks
 
 
 def _collectives(rank, world, tmp):
@@ -136,6 +136,43 @@ def _rank_0_ends_alone(rank, world):
 
 def test_rank_0_ending_alone_ends_the_others_without_a_line():
     spawn_ranks(3, _rank_0_ends_alone)
+
+
+RANK_0 = """
+import datetime, os, sys
+from app.distributed import wire
+if sys.argv[2] == "polled":
+    del os.pidfd_open  # as on a system without pidfds (macOS)
+wire.open_store("127.0.0.1", int(sys.argv[1]), 2, True, datetime.timedelta(seconds=30))
+print(wire._store_process[0], flush=True)
+sys.stdin.readline()
+"""
+
+
+@pytest.mark.parametrize("watch", ["pidfd", "polled"])
+def test_rank_0_store_runs_beside_it_not_under_it_and_ends_with_it(watch):
+    """Not rank 0's child: DeepSpeed's launcher, ending a failed run, waits for rank 0's whole process tree, and a
+    store orphaned by rank 0 lingers until the machine's init reaps it (seconds here; forever under a PID 1 that
+    reaps nothing)."""
+    rank_0 = subprocess.Popen([sys.executable, "-c", RANK_0, str(free_port()), watch], cwd=REPO, text=True,
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+    store = psutil.Process(int(rank_0.stdout.readline()))
+    assert store.name() == wire.STORE_NAME and store.ppid() != rank_0.pid
+    assert store not in psutil.Process(rank_0.pid).children(recursive=True)
+    rank_0.kill()
+    rank_0.wait()
+    deadline = time.monotonic() + 5
+    while _running(store) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not _running(store), "the store ends once rank 0 has"
+
+
+def _running(process) -> bool:
+    """Not ended (an ended process that init has not reaped yet is a zombie)."""
+    try:
+        return process.status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
 
 
 def _stop_step(rank, world):
