@@ -5,6 +5,7 @@ import difflib
 import json
 from pathlib import Path
 
+from app.ds import accelerate_file
 from app.ds import auto as ds_auto
 from app.ds import internals as ds_internals
 from app.ds.precision import resolve_precision
@@ -19,25 +20,15 @@ SCHEDULERS_WITH_TOTAL = ("WarmupDecayLR", "WarmupCosineLR")
 
 
 def load_ds_config(path, cuda=None, bf16_ok=None, resolve: bool = True, say=print) -> dict:
-    """Read a DeepSpeed JSON file, resolve "auto" precision for this machine (cuda: whether it trains on a
-    CUDA device, bf16_ok: whether that device has bf16; default: the current device), and refuse anything
-    DeepSpeed would silently ignore. resolve=False leaves "auto" precision to resolve_precision once the rank's
-    device is set (the training run: asking before would open a CUDA context on GPU 0 in every rank). say: how
-    a warning or note is printed (a run passes its main rank's print)."""
-    path = Path(path)
-    if not path.is_file():
+    """Read a DeepSpeed JSON file (or an accelerate config's: accelerate_file), resolve "auto" precision for this
+    machine (cuda: whether it trains on a CUDA device, bf16_ok: whether that device has bf16; default: the current
+    device), and refuse anything DeepSpeed would silently ignore. resolve=False leaves "auto" precision to
+    resolve_precision once the rank's device is set (the training run: asking before would open a CUDA context on
+    GPU 0 in every rank). say: how a warning or note is printed (a run passes its main rank's print)."""
+    if not (path := Path(path)).is_file():
         raise UserError(f"DeepSpeed config {path} not found; pass --deepspeed_config with one of "
                         f"{', '.join(sorted(p.name for p in (REPO / 'ds_configs').glob('*.json')))} in ds_configs/")
-    try:
-        ds = json.loads(path.read_bytes().decode("utf-8"), object_pairs_hook=_no_duplicate_keys)
-    except UnicodeDecodeError:
-        raise UserError(f"{path} is not a text file (not UTF-8): pass the DeepSpeed JSON file") from None
-    except json.JSONDecodeError as e:
-        raise UserError(f"{path} is not valid JSON: {e.msg} at line {e.lineno} column {e.colno}") from None
-    except ValueError as e:
-        raise UserError(f"{path}: {e}") from None
-    if not isinstance(ds, dict):
-        raise UserError(f"{path} must hold a JSON object at the top level")
+    ds = accelerate_file.ds_config(path, say) if accelerate_file.is_accelerate_file(path) else _json_object(path)
     ds = ds_auto.older_keys(without_comments(ds), str(path), say)  # before the checks, which today's keys pass
     resolved, _ = resolve_precision(ds, str(path), cuda, bf16_ok) if resolve else \
         resolve_precision(ds, str(path), cuda=False)  # checked as on a CPU: the same keys
@@ -47,6 +38,19 @@ def load_ds_config(path, cuda=None, bf16_ok=None, resolve: bool = True, say=prin
     _check_activation_checkpointing(checked, str(path))
     ignored = check_ds_keys(checked, str(path), say)
     return drop_keys(resolved if resolve else ds, ignored)
+
+
+def _json_object(path: Path) -> dict:
+    try:
+        ds = json.loads(path.read_bytes().decode("utf-8"), object_pairs_hook=_no_duplicate_keys)
+    except json.JSONDecodeError as e:
+        raise UserError(f"{path} is not valid JSON: {e.msg} at line {e.lineno} column {e.colno}") from None
+    except ValueError as e:  # not UTF-8, or a key twice
+        raise UserError(f"{path} is not a text file (not UTF-8): pass the DeepSpeed JSON file"
+                        if isinstance(e, UnicodeDecodeError) else f"{path}: {e}") from None
+    if not isinstance(ds, dict):
+        raise UserError(f"{path} must hold a JSON object at the top level")
+    return ds
 
 
 def without_comments(ds, top: bool = True):

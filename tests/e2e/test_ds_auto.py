@@ -1,9 +1,10 @@
 """DeepSpeed configs as the ecosystem writes them, trained for real: each shape (tests/unit/test_ds_auto.py) runs
 a few steps on this CPU, a GPU config included, and the "auto" file resumes exactly, its filled-in values said
-once and saved."""
+once and saved; TRL's accelerate config file trains as the JSON it is read as."""
 import json
+from pathlib import Path
 
-
+from app.ds import accelerate_file
 from app.ds import auto as ds_auto
 from conftest import read_metrics, read_summary, train_jobs
 from unit.test_ds_auto import CLUSTER_FP16, HF_ZERO2, HF_ZERO3, NO_OPTIMIZER, _write
@@ -23,6 +24,8 @@ def test_configs_people_bring_train_on_a_cpu_and_resume_exactly(tmp_path):
     resumed = tmp_path / "resumed"
     cases.append(["--deepspeed_config", files["hf_zero2"], *run, "--output_dir", resumed, "--resume",
                   tmp_path / "hf_zero2" / "checkpoints" / "step00000002"])
+    cases += [["--deepspeed_config", file, *run, "--output_dir", tmp_path / name]
+              for name, file in _accelerate(tmp_path)]
     outputs = train_jobs("ranks", 1, cases)
     assert "fp32 (" in outputs[4] and "sets fp16.enabled true, which needs a CUDA device" in outputs[4]
     assert outputs[0].count("filled in (saved in deepspeed_auto.json):") == 1
@@ -34,3 +37,12 @@ def test_configs_people_bring_train_on_a_cpu_and_resume_exactly(tmp_path):
     assert saved["train_batch_size"]["value"] == 32
     whole = {r["step"]: r["loss"] for r in read_metrics(tmp_path / "hf_zero2")[0]}
     assert {r["step"]: r["loss"] for r in read_metrics(resumed)[0]} == {3: whole[3]}
+    losses = [[r["loss"] for r in read_metrics(tmp_path / name)[0]] for name in ("trl_zero3", "trl_zero3_json")]
+    assert len(losses[0]) == 3 and losses[0] == losses[1], "TRL's accelerate file trains as the JSON it is read as"
+
+
+def _accelerate(tmp_path) -> list:
+    """(name, file) of TRL's published accelerate config for ZeRO-3 and of the JSON it is read as."""
+    yaml = Path(__file__).resolve().parents[1] / "data" / "accelerate" / "trl-deepspeed_zero3.yaml"
+    as_json = _write(tmp_path, "trl_zero3_json", accelerate_file.ds_config(yaml, lambda line: None))
+    return [("trl_zero3", yaml), ("trl_zero3_json", as_json)]

@@ -1,0 +1,112 @@
+"""An accelerate config file (the YAML `accelerate config` writes, and TRL's and others' examples ship) read as the
+DeepSpeed JSON accelerate builds from it: its deepspeed_config section through accelerate's own DeepSpeedPlugin
+(which reads a deepspeed_config_file it names and fills that file's "auto" values), its mixed_precision set as
+accelerate sets it. What is left of the JSON ("auto" batch sizes, clipping) the run fills as it fills any file's.
+The file's launch settings (num_processes, hostfile, ...) are the launcher's: the note says so."""
+import difflib
+import json
+import math
+import warnings
+from pathlib import Path
+
+from app.errors import UserError, first_line
+
+SUFFIXES = (".yaml", ".yml")
+LAUNCH_KEYS = ("deepspeed_multinode_launcher", "deepspeed_hostfile", "deepspeed_exclusion_filter",
+               "deepspeed_inclusion_filter")
+"""Keys of a deepspeed_config section that `accelerate launch` reads, not DeepSpeed."""
+PLUGIN_KEYS = {"gradient_accumulation_steps": "", "gradient_clipping": "", "zero_stage": "",
+               "offload_optimizer_device": "", "offload_param_device": "", "offload_optimizer_nvme_path": "",
+               "offload_param_nvme_path": "", "zero3_init_flag": "", "zero3_save_16bit_model": "",
+               "deepspeed_config_file": "hf_ds_config", "deepspeed_moe_layer_cls_names": "transformer_moe_cls_names"}
+"""The section's keys `accelerate launch` hands DeepSpeedPlugin, and the field each fills where its name differs."""
+PRECISIONS = ("no", "fp16", "bf16")
+NOT_HERE = {"tp_size": "tensor parallelism comes from the DeepSpeed JSON (ds_configs/tensor_parallel.json)",
+            "cp_size": "context parallelism is not available here; sequence parallelism is (sp_size)",
+            "dp_replicate_size": "replicated shards (HSDP) are not available here"}
+
+
+def is_accelerate_file(path: Path) -> bool:
+    return Path(path).suffix.lower() in SUFFIXES
+
+
+def ds_config(path: Path, say) -> dict:
+    """The DeepSpeed dict accelerate builds from the accelerate config file at path; one line where it holds
+    something else or something accelerate refuses. say: how its note is printed."""
+    top = _mapping(path)
+    kind = str(top.get("distributed_type", "DEEPSPEED")).split(".")[-1].upper()
+    section = top.get("deepspeed_config")
+    if kind != "DEEPSPEED" or not isinstance(section, dict):
+        why = f"distributed_type {kind}" if kind != "DEEPSPEED" else "no deepspeed_config section"
+        raise UserError(f"{path} is an accelerate config with {why}: pass a DeepSpeed JSON file or an accelerate "
+                        f"config for DeepSpeed (ds_configs/ has a JSON for each ZeRO stage)")
+    fields, unread = {}, []
+    for key, value in section.items():
+        if key in PLUGIN_KEYS:
+            fields[PLUGIN_KEYS[key] or key] = value
+        elif key not in LAUNCH_KEYS:
+            near = difflib.get_close_matches(key, PLUGIN_KEYS, n=1, cutoff=0.8)
+            if near:
+                raise UserError(f"{path}: deepspeed_config has {key!r}; did you mean {near[0]!r}?")
+            unread.append(key)
+    mixed = str(top.get("mixed_precision") or "no").lower()
+    if mixed not in PRECISIONS:
+        raise UserError(f"{path}: mixed_precision {mixed} is not one this app trains in; set it to bf16, fp16 or no")
+    ds = {**_built(path, fields, mixed), **_parallelism(path, top.get("parallelism_config") or {})}
+    launch = {key: value for key, value in {**top, **section}.items() if key in ("num_processes", "num_machines",
+                                                                                  *LAUNCH_KEYS)}
+    said = ", ".join(f"{key}: {value}" for key, value in launch.items())
+    say(f"note: {path} is an accelerate config, read as the DeepSpeed JSON accelerate builds from it: "
+        f"{json.dumps(ds)}" + (f"; its launch settings ({said}) are the launcher's to take" if said else "")
+        + (f"; its {', '.join(unread)} not read (nor by accelerate)" if unread else ""))
+    return ds
+
+
+def _parallelism(path: Path, config: dict) -> dict:
+    """The DeepSpeed keys of the file's parallelism_config: sequence parallelism through DeepSpeed's Ulysses (as
+    accelerate runs it); one line for what is not available here."""
+    sizes = {str(key).removeprefix("parallelism_config_"): value for key, value in config.items()}
+    for name, why in NOT_HERE.items():
+        if int(sizes.get(name) or 1) > 1:
+            raise UserError(f"{path}: parallelism_config_{name} {sizes[name]}: {why}")
+    sp = int(sizes.get("sp_size") or 1)
+    if sp > 1 and str(sizes.get("sp_backend") or "deepspeed") != "deepspeed":
+        raise UserError(f"{path}: parallelism_config_sp_backend {sizes['sp_backend']}: sequence parallelism here "
+                        f"is DeepSpeed's Ulysses; set it to deepspeed")
+    return {"sequence_parallel_size": sp} if sp > 1 else {}
+
+
+def _mapping(path: Path) -> dict:
+    """The YAML mapping at path."""
+    import yaml  # here: only a run given such a file needs it
+    try:
+        top = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except UnicodeDecodeError:
+        raise UserError(f"{path} is not a text file (not UTF-8): pass the DeepSpeed JSON file") from None
+    except yaml.YAMLError as e:
+        raise UserError(f"{path} is not valid YAML: {first_line(e)}") from None
+    if not isinstance(top, dict):
+        raise UserError(f"{path} must hold a YAML mapping at the top level, as an accelerate config does")
+    return top
+
+
+def _built(path: Path, fields: dict, mixed: str) -> dict:
+    """accelerate's DeepSpeed dict of the section's fields and mixed precision (its steps_per_print, infinite,
+    left out: not JSON)."""
+    from accelerate.utils import DeepSpeedPlugin  # here: a run given a JSON file needs no accelerate
+    named = fields.pop("hf_ds_config", None)
+    if named is not None:
+        found = next((p for p in (Path(named), path.parent / named) if p.is_file()), None)
+        if found is None:
+            raise UserError(f"{path}: its deepspeed_config_file {named} is not found (looked in the working folder "
+                            f"and beside {path.name})")
+        fields["hf_ds_config"] = str(found)
+    try:
+        with warnings.catch_warnings():  # its warning on zero3_init_flag beside stage 2 (a flag the app sets itself)
+            warnings.simplefilter("ignore")
+            plugin = DeepSpeedPlugin(**fields)
+            plugin.set_mixed_precision(mixed)
+    except (ValueError, TypeError, OSError) as e:
+        raise UserError(f"{path}: accelerate refuses its DeepSpeed settings: {first_line(e)}") from None
+    return {key: value for key, value in plugin.deepspeed_config.items()
+            if not (isinstance(value, float) and math.isinf(value))}
