@@ -90,14 +90,14 @@ def _named(name: str):
         ctypes.CDLL(None).prctl(15, name.encode(), 0, 0, 0)  # PR_SET_NAME
 
 
-_store_process = []  # the pid of the process serving this rank 0's store
+_store_process = []  # the process serving this rank 0's store (psutil: a signal never reaches a reused pid)
 
 
 def keep_store():
     """Have rank 0's store outlive this process by OUTLIVE_S (it ends alone: the others read why there)."""
-    for pid in _store_process:
-        with contextlib.suppress(OSError):
-            os.kill(pid, signal.SIGUSR1)
+    for process in _store_process:
+        with contextlib.suppress(psutil.Error, OSError):
+            process.send_signal(signal.SIGUSR1)
 
 
 def _serve_beside(addr: str, port: int, world_size: int, timeout: datetime.timedelta):
@@ -106,27 +106,32 @@ def _serve_beside(addr: str, port: int, world_size: int, timeout: datetime.timed
     reaps it), its output closed, deaf to the launcher's signals; it ends when this process does (OUTLIVE_S later
     after keep_store). Raises RuntimeError when it could not listen."""
     read, write = os.pipe()
-    parent = os.getpid()
+    watch = Watch()  # this process's, taken here: the store cannot mistake another for it
     pid = os.fork()
     if pid == 0:
-        os.close(read)
-        if os.fork() != 0:
-            os._exit(0)
-        _store_main(addr, port, world_size, timeout, parent, write)
+        code = 1
+        try:
+            os.close(read)
+            code = 0 if os.fork() != 0 else _store_main(addr, port, world_size, timeout, watch, write)
+        finally:
+            os._exit(code)  # never back into the caller's code, whatever happened
     os.waitpid(pid, 0)
+    watch.close()
     os.close(write)
     said = os.read(read, 1024)
     os.close(read)
     if not said or said.startswith(b"E"):
         raise RuntimeError(said[1:].decode(errors="replace") or "the store's process ended")
-    _store_process.append(int(said[1:]))
+    with contextlib.suppress(psutil.Error):
+        _store_process.append(psutil.Process(int(said[1:])))
     if said.startswith(b"A"):
         print(f"note: rank 0's rendezvous store listens on port {port} of every interface of this machine "
               f"(MASTER_ADDR {addr} is not an IP address of it); firewall that port (docs/trust.md)", flush=True)
 
 
-def _store_main(addr: str, port: int, world_size: int, timeout: datetime.timedelta, parent: int, write: int):
-    """The store's process: serve, say how (L or A, then this pid; E and why) on write, end once parent has."""
+def _store_main(addr: str, port: int, world_size: int, timeout: datetime.timedelta, watch, write: int) -> int:
+    """The store's process: serve, say how (L or A, then this pid; E and why) on write, end once rank 0 has (watch);
+    its exit code."""
     _named(STORE_NAME)
     kept = []
     signal.signal(signal.SIGUSR1, lambda *_: kept.append(True))
@@ -136,27 +141,36 @@ def _store_main(addr: str, port: int, world_size: int, timeout: datetime.timedel
     for fd in (0, 1, 2):
         os.dup2(null, fd)
     try:
-        watch = _watch(parent)
         store, local = _server(addr, port, world_size, timeout)
         os.write(write, (b"L" if local else b"A") + str(os.getpid()).encode())
     except Exception as e:  # noqa: BLE001 (told to the parent, which says it)
         os.write(write, b"E" + (str(e).splitlines() or [type(e).__name__])[0].encode()[:500])
-        os._exit(1)
+        return 1
     os.close(write)
-    watch()
+    watch.wait()
     time.sleep(OUTLIVE_S if kept else 0)
-    os._exit(0)
+    return 0
 
 
-def _watch(pid: int):
-    """A callable that returns once process pid has ended (a pidfd where the system has them, else polled)."""
-    if hasattr(os, "pidfd_open"):
-        with contextlib.suppress(OSError):
-            fd = os.pidfd_open(pid)
-            return lambda: select.select([fd], [], [])
-    process = psutil.Process(pid)
+class Watch:
+    """Waits for the process that made it to end: through a pidfd where the system has them (inherited by the
+    processes it forks), else polled (psutil's process, which a reused pid does not fool)."""
 
-    def polled():
-        while process.is_running() and process.status() != psutil.STATUS_ZOMBIE:
-            time.sleep(0.2)
-    return polled
+    def __init__(self):
+        self.fd, self.process = None, psutil.Process()
+        with contextlib.suppress(OSError, AttributeError):
+            self.fd = os.pidfd_open(os.getpid())
+
+    def wait(self):
+        if self.fd is not None:
+            waiting = select.poll()
+            waiting.register(self.fd, select.POLLIN)
+            waiting.poll()
+            return
+        with contextlib.suppress(psutil.Error):
+            while self.process.is_running() and self.process.status() != psutil.STATUS_ZOMBIE:
+                time.sleep(0.2)
+
+    def close(self):
+        if self.fd is not None:
+            os.close(self.fd)

@@ -1,11 +1,15 @@
 """An accelerate config file (the YAML `accelerate config` writes, and TRL's and others' examples ship) read as the
 DeepSpeed JSON accelerate builds from it: its deepspeed_config section through accelerate's own DeepSpeedPlugin
-(which reads a deepspeed_config_file it names and fills that file's "auto" values), its mixed_precision set as
-accelerate sets it. What is left of the JSON ("auto" batch sizes, clipping) the run fills as it fills any file's.
-The file's launch settings (num_processes, hostfile, ...) are the launcher's: the note says so."""
+(a deepspeed_config_file it names read as accelerate reads it), its mixed_precision set as accelerate sets it;
+the file alone decides (accelerate's ACCELERATE_* variables set aside). offload_*_nvme_path, which
+`accelerate launch` does not hand on, reach the JSON here. What is left "auto" (batch sizes, clipping) the run
+fills as it fills any file's. The launch settings (num_processes, hostfile, ...) are the launcher's: the note says
+so, and names the keys not read here."""
+import contextlib
 import difflib
 import json
 import math
+import os
 import warnings
 from pathlib import Path
 
@@ -18,8 +22,12 @@ LAUNCH_KEYS = ("deepspeed_multinode_launcher", "deepspeed_hostfile", "deepspeed_
 PLUGIN_KEYS = {"gradient_accumulation_steps": "", "gradient_clipping": "", "zero_stage": "",
                "offload_optimizer_device": "", "offload_param_device": "", "offload_optimizer_nvme_path": "",
                "offload_param_nvme_path": "", "zero3_init_flag": "", "zero3_save_16bit_model": "",
-               "deepspeed_config_file": "hf_ds_config", "deepspeed_moe_layer_cls_names": "transformer_moe_cls_names"}
+               "deepspeed_config_file": "hf_ds_config"}
 """The section's keys `accelerate launch` hands DeepSpeedPlugin, and the field each fills where its name differs."""
+NOT_WITH_A_FILE = ("gradient_accumulation_steps", "gradient_clipping", "zero_stage", "offload_optimizer_device",
+                   "offload_param_device", "offload_optimizer_nvme_path", "offload_param_nvme_path",
+                   "zero3_save_16bit_model", "mixed_precision")
+"""What accelerate refuses beside a deepspeed_config_file (the file sets it)."""
 PRECISIONS = ("no", "fp16", "bf16")
 NOT_HERE = {"tp_size": "tensor parallelism comes from the DeepSpeed JSON (ds_configs/tensor_parallel.json)",
             "cp_size": "context parallelism is not available here; sequence parallelism is (sp_size)",
@@ -34,12 +42,7 @@ def ds_config(path: Path, say) -> dict:
     """The DeepSpeed dict accelerate builds from the accelerate config file at path; one line where it holds
     something else or something accelerate refuses. say: how its note is printed."""
     top = _mapping(path)
-    kind = str(top.get("distributed_type", "DEEPSPEED")).split(".")[-1].upper()
-    section = top.get("deepspeed_config")
-    if kind != "DEEPSPEED" or not isinstance(section, dict):
-        why = f"distributed_type {kind}" if kind != "DEEPSPEED" else "no deepspeed_config section"
-        raise UserError(f"{path} is an accelerate config with {why}: pass a DeepSpeed JSON file or an accelerate "
-                        f"config for DeepSpeed (ds_configs/ has a JSON for each ZeRO stage)")
+    section = _section(path, top)
     fields, unread = {}, []
     for key, value in section.items():
         if key in PLUGIN_KEYS:
@@ -49,22 +52,45 @@ def ds_config(path: Path, say) -> dict:
             if near:
                 raise UserError(f"{path}: deepspeed_config has {key!r}; did you mean {near[0]!r}?")
             unread.append(key)
+    clash = [key for key in NOT_WITH_A_FILE if key in {**top, **section}] if "hf_ds_config" in fields else []
+    if clash:
+        raise UserError(f"{path}: accelerate refuses {', '.join(clash)} beside a deepspeed_config_file; set "
+                        f"{'it' if len(clash) == 1 else 'them'} in {fields['hf_ds_config']} instead")
     mixed = str(top.get("mixed_precision") or "no").lower()
     if mixed not in PRECISIONS:
         raise UserError(f"{path}: mixed_precision {mixed} is not one this app trains in; set it to bf16, fp16 or no")
-    ds = {**_built(path, fields, mixed), **_parallelism(path, top.get("parallelism_config") or {})}
+    parallel, unread_there = _parallelism(path, top.get("parallelism_config") or {})
+    ds = {**_built(path, fields, mixed), **parallel}
+    if "zero3_init_flag" in section and bool(section["zero3_init_flag"]) != (ds["zero_optimization"]["stage"] == 3):
+        unread.append("zero3_init_flag")  # a ZeRO-3 transformers model is built under zero.Init here, no other
+    _say(path, top, section, ds, unread + unread_there, say)
+    return ds
+
+
+def _section(path: Path, top: dict) -> dict:
+    """The file's deepspeed_config section; one line where the file is not an accelerate config for DeepSpeed."""
+    kind = str(top.get("distributed_type", "none")).split(".")[-1].upper()
+    section = top.get("deepspeed_config")
+    if kind != "DEEPSPEED" or not isinstance(section, dict):
+        why = f"distributed_type {kind}" if kind != "DEEPSPEED" else "no deepspeed_config section"
+        raise UserError(f"{path} is not an accelerate config for DeepSpeed ({why}): pass a DeepSpeed JSON file "
+                        f"or one with distributed_type: DEEPSPEED (ds_configs/ has a JSON for each ZeRO stage)")
+    return section
+
+
+def _say(path: Path, top: dict, section: dict, ds: dict, unread: list, say):
+    """The note: the JSON the file became, its launch settings, the keys not read here."""
     launch = {key: value for key, value in {**top, **section}.items() if key in ("num_processes", "num_machines",
                                                                                   *LAUNCH_KEYS)}
     said = ", ".join(f"{key}: {value}" for key, value in launch.items())
     say(f"note: {path} is an accelerate config, read as the DeepSpeed JSON accelerate builds from it: "
         f"{json.dumps(ds)}" + (f"; its launch settings ({said}) are the launcher's to take" if said else "")
-        + (f"; its {', '.join(unread)} not read (nor by accelerate)" if unread else ""))
-    return ds
+        + (f"; not read here: {', '.join(unread)}" if unread else ""))
 
 
-def _parallelism(path: Path, config: dict) -> dict:
-    """The DeepSpeed keys of the file's parallelism_config: sequence parallelism through DeepSpeed's Ulysses (as
-    accelerate runs it); one line for what is not available here."""
+def _parallelism(path: Path, config: dict) -> tuple:
+    """(the DeepSpeed keys of the file's parallelism_config: sequence parallelism through DeepSpeed's Ulysses, as
+    accelerate runs it; its keys not read here); one line for what is not available here."""
     sizes = {str(key).removeprefix("parallelism_config_"): value for key, value in config.items()}
     for name, why in NOT_HERE.items():
         if int(sizes.get(name) or 1) > 1:
@@ -73,7 +99,8 @@ def _parallelism(path: Path, config: dict) -> dict:
     if sp > 1 and str(sizes.get("sp_backend") or "deepspeed") != "deepspeed":
         raise UserError(f"{path}: parallelism_config_sp_backend {sizes['sp_backend']}: sequence parallelism here "
                         f"is DeepSpeed's Ulysses; set it to deepspeed")
-    return {"sequence_parallel_size": sp} if sp > 1 else {}
+    unread = [f"parallelism_config_{name}" for name in sizes if name not in ("sp_size", "sp_backend", *NOT_HERE)]
+    return ({"sequence_parallel_size": sp} if sp > 1 else {}), unread
 
 
 def _mapping(path: Path) -> dict:
@@ -102,11 +129,23 @@ def _built(path: Path, fields: dict, mixed: str) -> dict:
                             f"and beside {path.name})")
         fields["hf_ds_config"] = str(found)
     try:
-        with warnings.catch_warnings():  # its warning on zero3_init_flag beside stage 2 (a flag the app sets itself)
-            warnings.simplefilter("ignore")
+        with warnings.catch_warnings(), _file_alone():
+            warnings.simplefilter("ignore")  # its warning on zero3_init_flag beside stage 2: the note says it
             plugin = DeepSpeedPlugin(**fields)
             plugin.set_mixed_precision(mixed)
     except (ValueError, TypeError, OSError) as e:
         raise UserError(f"{path}: accelerate refuses its DeepSpeed settings: {first_line(e)}") from None
     return {key: value for key, value in plugin.deepspeed_config.items()
             if not (isinstance(value, float) and math.isinf(value))}
+
+
+@contextlib.contextmanager
+def _file_alone():
+    """accelerate's variables (ACCELERATE_*, PARALLELISM_CONFIG_*), which DeepSpeedPlugin reads where the file is
+    silent, set aside while it builds."""
+    aside = {key: os.environ.pop(key) for key in list(os.environ) if key.startswith(("ACCELERATE_",
+                                                                                   "PARALLELISM_CONFIG_"))}
+    try:
+        yield
+    finally:
+        os.environ.update(aside)

@@ -144,7 +144,7 @@ from app.distributed import wire
 if sys.argv[2] == "polled":
     del os.pidfd_open  # as on a system without pidfds (macOS)
 wire.open_store("127.0.0.1", int(sys.argv[1]), 2, True, datetime.timedelta(seconds=30))
-print(wire._store_process[0], flush=True)
+print(wire._store_process[0].pid, flush=True)
 sys.stdin.readline()
 """
 
@@ -159,6 +159,8 @@ def test_rank_0_store_runs_beside_it_not_under_it_and_ends_with_it(watch):
     store = psutil.Process(int(rank_0.stdout.readline()))
     assert store.name() == wire.STORE_NAME and store.ppid() != rank_0.pid
     assert store not in psutil.Process(rank_0.pid).children(recursive=True)
+    time.sleep(0.5)
+    assert _running(store), "the store serves while rank 0 runs"
     rank_0.kill()
     rank_0.wait()
     deadline = time.monotonic() + 5

@@ -1,12 +1,12 @@
 """DeepSpeed configs as the ecosystem writes them, trained for real: each shape (tests/unit/test_ds_auto.py) runs
 a few steps on this CPU, a GPU config included, and the "auto" file resumes exactly, its filled-in values said
-once and saved; TRL's accelerate config file trains as the JSON it is read as."""
+once and saved; TRL's accelerate config file trains as the JSON accelerate builds from it."""
 import json
 from pathlib import Path
 
-from app.ds import accelerate_file
 from app.ds import auto as ds_auto
 from conftest import read_metrics, read_summary, train_jobs
+from unit.test_accelerate_file import TRL_ZERO3
 from unit.test_ds_auto import CLUSTER_FP16, HF_ZERO2, HF_ZERO3, NO_OPTIMIZER, _write
 
 ZERO3_OFFLOAD_PARAMS_ONLY = {"train_micro_batch_size_per_gpu": 8, "zero_optimization": {
@@ -38,11 +38,10 @@ def test_configs_people_bring_train_on_a_cpu_and_resume_exactly(tmp_path):
     whole = {r["step"]: r["loss"] for r in read_metrics(tmp_path / "hf_zero2")[0]}
     assert {r["step"]: r["loss"] for r in read_metrics(resumed)[0]} == {3: whole[3]}
     losses = [[r["loss"] for r in read_metrics(tmp_path / name)[0]] for name in ("trl_zero3", "trl_zero3_json")]
-    assert len(losses[0]) == 3 and losses[0] == losses[1], "TRL's accelerate file trains as the JSON it is read as"
+    assert len(losses[0]) == 3 and losses[0] == losses[1], "TRL's accelerate file trains as the JSON accelerate builds"
 
 
 def _accelerate(tmp_path) -> list:
-    """(name, file) of TRL's published accelerate config for ZeRO-3 and of the JSON it is read as."""
+    """(name, file) of TRL's published accelerate config for ZeRO-3 and of the JSON accelerate builds from it."""
     yaml = Path(__file__).resolve().parents[1] / "data" / "accelerate" / "trl-deepspeed_zero3.yaml"
-    as_json = _write(tmp_path, "trl_zero3_json", accelerate_file.ds_config(yaml, lambda line: None))
-    return [("trl_zero3", yaml), ("trl_zero3_json", as_json)]
+    return [("trl_zero3", yaml), ("trl_zero3_json", _write(tmp_path, "trl_zero3_json", TRL_ZERO3))]

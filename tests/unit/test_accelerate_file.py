@@ -10,6 +10,7 @@ from app.ds.config import load_ds_config
 from app.errors import UserError
 
 DATA = Path(__file__).resolve().parents[1] / "data" / "accelerate"
+DS = "distributed_type: DEEPSPEED\n"
 
 
 def _read(path) -> tuple:
@@ -17,16 +18,27 @@ def _read(path) -> tuple:
     return accelerate_file.ds_config(Path(path), said.append), said
 
 
+TRL_ZERO3 = {"train_batch_size": "auto", "train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": 1,
+             "gradient_clipping": "auto",
+             "zero_optimization": {"stage": 3, "offload_optimizer": {"device": "none", "nvme_path": None},
+                                   "offload_param": {"device": "none", "nvme_path": None},
+                                   "stage3_gather_16bit_weights_on_model_save": True},
+             "bf16": {"enabled": True}, "fp16": {"enabled": False}}
+"""The DeepSpeed JSON accelerate builds from TRL's deepspeed_zero3.yaml."""
+
+
 def test_trls_zero3_file_is_the_json_accelerate_builds_and_its_launch_settings_are_said():
     ds, said = _read(DATA / "trl-deepspeed_zero3.yaml")
-    assert ds == {"train_batch_size": "auto", "train_micro_batch_size_per_gpu": "auto",
-                  "gradient_accumulation_steps": 1, "gradient_clipping": "auto",
-                  "zero_optimization": {"stage": 3, "offload_optimizer": {"device": "none", "nvme_path": None},
-                                        "offload_param": {"device": "none", "nvme_path": None},
-                                        "stage3_gather_16bit_weights_on_model_save": True},
-                  "bf16": {"enabled": True}, "fp16": {"enabled": False}}
+    assert ds == TRL_ZERO3
     assert len(said) == 1 and said[0].startswith(f"note: {DATA / 'trl-deepspeed_zero3.yaml'} is an accelerate config")
     assert "(num_machines: 1, num_processes: 8, deepspeed_multinode_launcher: standard) are the launcher's" in said[0]
+    assert "not read here" not in said[0], "zero3_init_flag true at stage 3 is what the app does"
+
+
+def test_accelerates_variables_do_not_change_what_the_file_says(monkeypatch):
+    monkeypatch.setenv("ACCELERATE_DEEPSPEED_ZERO_STAGE", "1")
+    monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", "fp16")
+    assert _read(DATA / "trl-deepspeed_zero3.yaml")[0] == TRL_ZERO3
 
 
 def test_the_loaded_file_passes_the_checks_of_any_deepspeed_json():
@@ -35,44 +47,54 @@ def test_the_loaded_file_passes_the_checks_of_any_deepspeed_json():
     assert ds["gradient_accumulation_steps"] == "auto", "accelerate leaves it to the run: so does the app"
 
 
-def test_trls_ulysses_file_splits_sequences_and_says_what_nobody_reads():
+def test_trls_ulysses_file_splits_sequences_and_says_what_is_not_read_here():
     ds, said = _read(DATA / "trl-alst_ulysses_4gpu.yaml")
     assert ds["sequence_parallel_size"] == 2 and ds["zero_optimization"]["stage"] == 3
-    assert said[0].endswith("; its seq_parallel_communication_data_type not read (nor by accelerate)")
+    assert said[0].endswith("; not read here: seq_parallel_communication_data_type, zero3_init_flag, "
+                            "parallelism_config_dp_shard_size, parallelism_config_sp_seq_length_is_variable, "
+                            "parallelism_config_sp_attn_implementation"), said[0]
 
 
-def test_a_deepspeed_config_file_it_names_is_read_beside_it_with_its_auto_values_filled(tmp_path):
+def test_a_deepspeed_config_file_it_names_is_read_beside_it_as_accelerate_reads_it(tmp_path):
     (tmp_path / "zero2.json").write_text(json.dumps({
-        "zero_optimization": {"stage": "auto"}, "gradient_clipping": "auto", "bf16": {"enabled": "auto"},
-        "train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": "auto"}))
-    (tmp_path / "acc.yaml").write_text("distributed_type: DEEPSPEED\nmixed_precision: bf16\ndeepspeed_config:\n"
-                                       "  deepspeed_config_file: zero2.json\n  zero_stage: 2\n"
-                                       "  gradient_clipping: 0.5\n  gradient_accumulation_steps: 3\n")
-    ds, _ = _read(tmp_path / "acc.yaml")
-    assert ds["zero_optimization"]["stage"] == 2 and ds["gradient_clipping"] == 0.5
-    assert ds["gradient_accumulation_steps"] == 3 and ds["bf16"]["enabled"] is True
-    assert ds["train_micro_batch_size_per_gpu"] == 4
+        "zero_optimization": {"stage": 2}, "gradient_clipping": "auto", "bf16": {"enabled": "auto"},
+        "train_micro_batch_size_per_gpu": 4}))
+    (tmp_path / "acc.yaml").write_text("distributed_type: DEEPSPEED\ndeepspeed_config:\n"
+                                       "  deepspeed_config_file: zero2.json\n  zero3_init_flag: false\n")
+    ds, said = _read(tmp_path / "acc.yaml")
+    assert ds == {"zero_optimization": {"stage": 2}, "gradient_clipping": "auto", "train_micro_batch_size_per_gpu": 4,
+                  "gradient_accumulation_steps": 1, "bf16": {"enabled": False}, "fp16": {"enabled": False}}, \
+        "accelerate's own: an accumulation of 1 where the file has none; no mixed_precision is 'no', which turns " \
+        "the file's bf16 'auto' off"
 
 
 def test_what_accelerate_refuses_is_one_line_in_its_words(tmp_path):
     (tmp_path / "bf16.json").write_text(json.dumps({"bf16": {"enabled": True}, "zero_optimization": {"stage": 2}}))
-    (tmp_path / "acc.yaml").write_text("mixed_precision: fp16\ndeepspeed_config:\n  deepspeed_config_file: bf16.json\n")
-    with pytest.raises(UserError, match=r"acc.yaml: accelerate refuses its DeepSpeed settings: `--mixed_precision` arg "
-                                        r"cannot be set to `fp16` when `bf16` is set in the DeepSpeed config file"):
+    (tmp_path / "acc.yaml").write_text("distributed_type: DEEPSPEED\ndeepspeed_config:\n"
+                                       "  deepspeed_config_file: bf16.json\n  zero_stage: 3\n")
+    with pytest.raises(UserError, match=r"acc.yaml: accelerate refuses zero_stage beside a deepspeed_config_file; "
+                                        r"set it in .*bf16.json instead"):
+        _read(tmp_path / "acc.yaml")
+    (tmp_path / "bf16.json").write_text(json.dumps({"bf16": {"enabled": True}}))
+    (tmp_path / "acc.yaml").write_text("distributed_type: DEEPSPEED\ndeepspeed_config:\n"
+                                       "  deepspeed_config_file: bf16.json\n")
+    with pytest.raises(UserError, match=r"acc.yaml: accelerate refuses its DeepSpeed settings: Please specify the "
+                                        r"ZeRO optimization config in the DeepSpeed config.$"):
         _read(tmp_path / "acc.yaml")
 
 
 @pytest.mark.parametrize("text, fragment", [
-    (None, "is an accelerate config with distributed_type FSDP: pass a DeepSpeed JSON file"),
-    ("distributed_type: MULTI_GPU\nnum_processes: 2\n", "with distributed_type MULTI_GPU"),
-    ("distributed_type: DEEPSPEED\nmixed_precision: bf16\n", "with no deepspeed_config section"),
-    ("deepspeed_config:\n  zero_stge: 3\n", "deepspeed_config has 'zero_stge'; did you mean 'zero_stage'?"),
-    ("mixed_precision: fp8\ndeepspeed_config:\n  zero_stage: 2\n", "mixed_precision fp8 is not one this app"),
-    ("deepspeed_config:\n  deepspeed_config_file: nowhere.json\n", "its deepspeed_config_file nowhere.json is "
-                                                                    "not found"),
-    ("deepspeed_config:\n  zero_stage: 3\nparallelism_config:\n  parallelism_config_tp_size: 2\n",
+    (None, "is not an accelerate config for DeepSpeed (distributed_type FSDP): pass a DeepSpeed JSON file"),
+    ("distributed_type: MULTI_GPU\nnum_processes: 2\n", "(distributed_type MULTI_GPU)"),
+    ("distributed_type: DEEPSPEED\nmixed_precision: bf16\n", "(no deepspeed_config section)"),
+    ("deepspeed_config:\n  zero_stage: 3\n", "is not an accelerate config for DeepSpeed (distributed_type NONE)"),
+    (DS + "deepspeed_config:\n  zero_stge: 3\n", "deepspeed_config has 'zero_stge'; did you mean 'zero_stage'?"),
+    (DS + "mixed_precision: fp8\ndeepspeed_config:\n  zero_stage: 2\n", "mixed_precision fp8 is not one this app"),
+    (DS + "deepspeed_config:\n  deepspeed_config_file: nowhere.json\n", "its deepspeed_config_file nowhere.json "
+                                                                         "is not found"),
+    (DS + "deepspeed_config:\n  zero_stage: 3\nparallelism_config:\n  parallelism_config_tp_size: 2\n",
      "parallelism_config_tp_size 2: tensor parallelism comes from the DeepSpeed JSON"),
-    ("deepspeed_config:\n  zero_stage: 3\nparallelism_config:\n  parallelism_config_sp_size: 2\n"
+    (DS + "deepspeed_config:\n  zero_stage: 3\nparallelism_config:\n  parallelism_config_sp_size: 2\n"
      "  parallelism_config_sp_backend: fsdp\n", "sequence parallelism here is DeepSpeed's Ulysses"),
     ("deepspeed_config: [zero_stage: 3\n", "is not valid YAML"),
     ("- zero_stage: 3\n", "must hold a YAML mapping at the top level"),
