@@ -56,7 +56,7 @@ def ds_config(path: Path, say) -> dict:
     if clash:
         raise UserError(f"{path}: accelerate refuses {', '.join(clash)} beside a deepspeed_config_file; set "
                         f"{'it' if len(clash) == 1 else 'them'} in {fields['hf_ds_config']} instead")
-    mixed = str(top.get("mixed_precision") or "no").lower()
+    mixed = _precision(top)
     if mixed not in PRECISIONS:
         raise UserError(f"{path}: mixed_precision {mixed} is not one this app trains in; set it to bf16, fp16 or no")
     parallel, unread_there = _parallelism(path, top.get("parallelism_config") or {})
@@ -78,14 +78,33 @@ def _section(path: Path, top: dict) -> dict:
     return section
 
 
+def _precision(top: dict) -> str:
+    """The file's mixed_precision; where it has none, fp16 if it has the older `fp16: true`, as accelerate reads
+    such a file."""
+    if "mixed_precision" not in top:
+        return "fp16" if top.get("fp16") else "no"
+    return str(top["mixed_precision"] or "no").lower()
+
+
 def _say(path: Path, top: dict, section: dict, ds: dict, unread: list, say):
     """The note: the JSON the file became, its launch settings, the keys not read here."""
     launch = {key: value for key, value in {**top, **section}.items() if key in ("num_processes", "num_machines",
                                                                                   *LAUNCH_KEYS)}
     said = ", ".join(f"{key}: {value}" for key, value in launch.items())
+    backend = _dynamo_backend(top)
     say(f"note: {path} is an accelerate config, read as the DeepSpeed JSON accelerate builds from it: "
         f"{json.dumps(ds)}" + (f"; its launch settings ({said}) are the launcher's to take" if said else "")
+        + (f"; its dynamo_backend {backend} is --compile's here (auto: on a GPU, off on a CPU)"
+           if backend != "NO" else "")
         + (f"; not read here: {', '.join(unread)}" if unread else ""))
+
+
+def _dynamo_backend(top: dict) -> str:
+    """The torch.compile backend the file asks accelerate for (dynamo_config's, or an older file's dynamo_backend);
+    NO for none."""
+    config = top.get("dynamo_config")
+    backend = config.get("dynamo_backend") if isinstance(config, dict) else top.get("dynamo_backend")
+    return str(backend or "NO").split(".")[-1].upper()
 
 
 def _parallelism(path: Path, config: dict) -> tuple:
@@ -93,9 +112,9 @@ def _parallelism(path: Path, config: dict) -> tuple:
     accelerate runs it; its keys not read here); one line for what is not available here."""
     sizes = {str(key).removeprefix("parallelism_config_"): value for key, value in config.items()}
     for name, why in NOT_HERE.items():
-        if int(sizes.get(name) or 1) > 1:
+        if _size(path, sizes, name) > 1:
             raise UserError(f"{path}: parallelism_config_{name} {sizes[name]}: {why}")
-    sp = int(sizes.get("sp_size") or 1)
+    sp = _size(path, sizes, "sp_size")
     if sp > 1 and str(sizes.get("sp_backend") or "deepspeed") != "deepspeed":
         raise UserError(f"{path}: parallelism_config_sp_backend {sizes['sp_backend']}: sequence parallelism here "
                         f"is DeepSpeed's Ulysses; set it to deepspeed")
@@ -103,13 +122,30 @@ def _parallelism(path: Path, config: dict) -> tuple:
     return ({"sequence_parallel_size": sp} if sp > 1 else {}), unread
 
 
+def _size(path: Path, sizes: dict, name: str) -> int:
+    """The parallelism_config size called name (1 where unset); one line where it is not a whole number."""
+    value = sizes.get(name)
+    if value is None or value == "":
+        return 1
+    if isinstance(value, bool) or not str(value).strip().isdigit():
+        raise UserError(f"{path}: parallelism_config_{name} {value!r} is not a size: write a whole number such as 2")
+    return int(value)
+
+
+def config_text(path: Path) -> str:
+    """The text of a config file, JSON or YAML; one line where it is not text."""
+    try:
+        return path.read_bytes().decode("utf-8")
+    except UnicodeDecodeError:
+        raise UserError(f"{path} is not a text file (not UTF-8): pass the DeepSpeed JSON file") from None
+
+
 def _mapping(path: Path) -> dict:
     """The YAML mapping at path."""
     import yaml  # here: only a run given such a file needs it
+    text = config_text(path)
     try:
-        top = yaml.safe_load(path.read_text(encoding="utf-8"))
-    except UnicodeDecodeError:
-        raise UserError(f"{path} is not a text file (not UTF-8): pass the DeepSpeed JSON file") from None
+        top = yaml.safe_load(text)
     except yaml.YAMLError as e:
         raise UserError(f"{path} is not valid YAML: {first_line(e)}") from None
     if not isinstance(top, dict):

@@ -41,13 +41,13 @@ def load_ds_config(path, cuda=None, bf16_ok=None, resolve: bool = True, say=prin
 
 
 def _json_object(path: Path) -> dict:
+    text = accelerate_file.config_text(path)
     try:
-        ds = json.loads(path.read_bytes().decode("utf-8"), object_pairs_hook=_no_duplicate_keys)
+        ds = json.loads(text, object_pairs_hook=_no_duplicate_keys)
     except json.JSONDecodeError as e:
         raise UserError(f"{path} is not valid JSON: {e.msg} at line {e.lineno} column {e.colno}") from None
-    except ValueError as e:  # not UTF-8, or a key twice
-        raise UserError(f"{path} is not a text file (not UTF-8): pass the DeepSpeed JSON file"
-                        if isinstance(e, UnicodeDecodeError) else f"{path}: {e}") from None
+    except ValueError as e:  # a key twice
+        raise UserError(f"{path}: {e}") from None
     if not isinstance(ds, dict):
         raise UserError(f"{path} must hold a JSON object at the top level")
     return ds

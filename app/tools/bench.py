@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 
 from app.distributed import dist
-from app.ds import config as ds_config
+from app.ds import accelerate_file, config as ds_config
 from app.distributed import launch
 from app.parallel import layout
 from app.core import lora, resolver
@@ -51,7 +51,7 @@ def parse(argv=None):
                         "peer of ZeRO-3, on 1 and --ranks ranks), app (default: all)")
     parser.add_argument("--configs", default="dp,zero1,zero2,zero3",
                         help="ds_configs/ names the app mode runs (pipeline and tensor_parallel split the model), or paths "
-                        "of JSON files (name.json: the mode is named name)")
+                        "of JSON or accelerate YAML files (name.json: the mode is named name)")
     parser.add_argument("--compile", default="auto",
                         help="comma list of auto, on, off: the app modes run once per entry (name+compile when on)")
     parser.add_argument("--dtype", default="auto", choices=("auto", "fp32", "bf16"),
@@ -110,8 +110,10 @@ def _check_profiled(profiled: list, groups: dict):
 
 
 def _config_path(name: str) -> Path:
-    """A --configs entry: a ds_configs/ name, or the path of a JSON file of one's own (its stem names the mode)."""
-    return Path(name) if name.endswith(".json") else ds_config.REPO / "ds_configs" / f"{name}.json"
+    """A --configs entry: a ds_configs/ name, or the path of a JSON file of one's own or an accelerate config file
+    (its stem names the mode)."""
+    own = Path(name).suffix.lower() in (".json", *accelerate_file.SUFFIXES)
+    return Path(name) if own else ds_config.REPO / "ds_configs" / f"{name}.json"
 
 
 def group_modes(args, cores: int, gpus: int) -> tuple:

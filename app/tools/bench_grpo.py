@@ -21,6 +21,8 @@ import sys
 import time
 from pathlib import Path
 
+from app.ds.config import load_ds_config
+from app.errors import UserError, report
 from app.observe.runlog import read_rows
 from app.tools.bench_packing import REPO, command_start
 
@@ -31,6 +33,7 @@ REWARD = "def zero(completions, **kwargs):\n    return [0.0] * len(completions)\
 def write_inputs(folder: Path, args) -> tuple:
     """(prompts.jsonl: enough prompts of --prompt_len characters (a byte tokenizer's tokens), the zero reward, the
     DeepSpeed JSON at one micro batch of --prompts a rank and no accumulation)."""
+    ds = load_ds_config(args.deepspeed_config, resolve=False)  # a JSON or an accelerate file, checked; before writing
     folder.mkdir(parents=True, exist_ok=True)
     letters = "abcdefghijklmnopqrstuvwxyz "
     with open(folder / "prompts.jsonl", "w") as f:
@@ -38,7 +41,6 @@ def write_inputs(folder: Path, args) -> tuple:
             f.write(json.dumps({"prompt": "".join(letters[(r * 7 + i * 3) % 27] for i in range(args.prompt_len))})
                     + "\n")
     (folder / "rewards.py").write_text(REWARD)
-    ds = json.loads(Path(args.deepspeed_config).read_text())
     ds = {**{k: v for k, v in ds.items() if k != "train_batch_size"}, "train_micro_batch_size_per_gpu": args.prompts,
           "gradient_accumulation_steps": 1}
     (folder / "ds_config.json").write_text(json.dumps(ds))
@@ -108,7 +110,10 @@ def parse(argv):
 
 def main(argv=None) -> int:
     args, extra = parse(argv)
-    inputs, found = write_inputs(Path(args.output_dir) / "inputs", args), {}
+    try:
+        inputs, found = write_inputs(Path(args.output_dir) / "inputs", args), {}
+    except UserError as e:
+        return report(e)
     for mode in MODES:
         done = subprocess.run(command(args, mode, inputs, extra), capture_output=True, text=True, cwd=REPO)
         if done.returncode != 0:
@@ -129,10 +134,10 @@ def main(argv=None) -> int:
         found[mode]["over_hf_generate"] = found[mode]["tokens_per_s"] / found["hf_generate"]["tokens_per_s"]
         print(f"headline {mode} / HF generate: {found[mode]['over_hf_generate']:.2f}x the generated tokens per "
               f"second")
-    report = {**found, "model": args.model, "launcher": args.launcher or "python", "extra": extra,
+    result = {**found, "model": args.model, "launcher": args.launcher or "python", "extra": extra,
               **{k: getattr(args, k) for k in ("prompts", "prompt_len", "num_generations", "max_completion_length",
                                                "steps", "deepspeed_config")}}
-    (Path(args.output_dir) / "report.json").write_text(json.dumps(report, indent=1) + "\n")
+    (Path(args.output_dir) / "report.json").write_text(json.dumps(result, indent=1) + "\n")
     return 0
 
 

@@ -68,6 +68,29 @@ def test_a_deepspeed_config_file_it_names_is_read_beside_it_as_accelerate_reads_
         "the file's bf16 'auto' off"
 
 
+
+@pytest.mark.parametrize("lines, precision", [("fp16: true\n", "fp16"), ("fp16: false\n", "no"),
+                                              ("fp16: true\nmixed_precision: bf16\n", "bf16"), ("", "no")])
+def test_the_older_fp16_key_is_read_as_accelerate_reads_it(tmp_path, lines, precision):
+    from accelerate.commands.config.config_args import ClusterConfig
+    path = tmp_path / "old.yaml"
+    path.write_text(DS + lines + "deepspeed_config:\n  zero_stage: 2\n")
+    assert str(ClusterConfig.from_yaml_file(path).mixed_precision or "no").split(".")[-1].lower() == precision
+    ds, said = _read(path)
+    assert (ds["fp16"]["enabled"], ds["bf16"]["enabled"]) == (precision == "fp16", precision == "bf16")
+    assert "not read here" not in said[0]
+
+
+@pytest.mark.parametrize("lines, said", [("dynamo_config:\n  dynamo_backend: INDUCTOR\n", "INDUCTOR"),
+                                         ("dynamo_backend: inductor\n", "INDUCTOR"),
+                                         ("dynamo_config: {}\n", None), ("dynamo_backend: 'NO'\n", None)])
+def test_a_compile_backend_it_asks_for_is_said_to_be_the_apps_compile_flag(tmp_path, lines, said):
+    path = tmp_path / "dynamo.yaml"
+    path.write_text(DS + lines + "mixed_precision: bf16\ndeepspeed_config:\n  zero_stage: 3\n")
+    note = _read(path)[1][0]
+    assert (f"; its dynamo_backend {said} is --compile's here (auto: on a GPU, off on a CPU)" in note) == bool(said)
+    assert ("dynamo_backend" in note) == bool(said), note
+
 def test_what_accelerate_refuses_is_one_line_in_its_words(tmp_path):
     (tmp_path / "bf16.json").write_text(json.dumps({"bf16": {"enabled": True}, "zero_optimization": {"stage": 2}}))
     (tmp_path / "acc.yaml").write_text("distributed_type: DEEPSPEED\ndeepspeed_config:\n"
@@ -96,6 +119,10 @@ def test_what_accelerate_refuses_is_one_line_in_its_words(tmp_path):
      "parallelism_config_tp_size 2: tensor parallelism comes from the DeepSpeed JSON"),
     (DS + "deepspeed_config:\n  zero_stage: 3\nparallelism_config:\n  parallelism_config_sp_size: 2\n"
      "  parallelism_config_sp_backend: fsdp\n", "sequence parallelism here is DeepSpeed's Ulysses"),
+    (DS + "deepspeed_config:\n  zero_stage: 3\nparallelism_config:\n  parallelism_config_sp_size: two\n",
+     "parallelism_config_sp_size 'two' is not a size: write a whole number such as 2"),
+    (DS + "deepspeed_config:\n  zero_stage: 3\nparallelism_config:\n  parallelism_config_tp_size: 1.5\n",
+     "parallelism_config_tp_size 1.5 is not a size"),
     ("deepspeed_config: [zero_stage: 3\n", "is not valid YAML"),
     ("- zero_stage: 3\n", "must hold a YAML mapping at the top level"),
 ])

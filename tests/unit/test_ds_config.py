@@ -100,6 +100,14 @@ def test_top_level_must_be_an_object(tmp_path):
         _load(tmp_path, [1, 2])
 
 
+@pytest.mark.parametrize("name", ["ds.json", "accelerate.yaml"])
+def test_a_file_that_is_not_text_is_one_line_json_or_yaml(tmp_path, name):
+    path = tmp_path / name
+    path.write_bytes(b"\x80\x81zero_stage\xff: 3\n")
+    with pytest.raises(UserError, match=r"is not a text file \(not UTF-8\): pass the DeepSpeed JSON file"):
+        ds_config.load_ds_config(path)
+
+
 @pytest.mark.parametrize("ds, world, expect", [
     ({"train_micro_batch_size_per_gpu": 4}, 2, (4, 1, 8)),
     ({"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 3}, 2, (4, 3, 24)),

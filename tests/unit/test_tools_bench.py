@@ -20,7 +20,7 @@ def test_a_bad_flag_is_one_line(capsys):
         "error: --profile: no mode 'zero2' runs here; the modes are raw, zero3"]
 
 
-def test_a_configs_entry_is_a_ds_configs_name_or_the_path_of_a_json_file(tmp_path):
+def test_a_configs_entry_is_a_ds_configs_name_or_the_path_of_a_json_or_accelerate_file(tmp_path):
     from app.tools import bench
     from conftest import REPO
     assert bench._config_path("zero3") == REPO / "ds_configs" / "zero3.json"
@@ -29,6 +29,9 @@ def test_a_configs_entry_is_a_ds_configs_name_or_the_path_of_a_json_file(tmp_pat
     args = bench.parse(["--modes", "app", "--configs", f"dp,{tmp_path / 'mine.json'}", "--ranks", "1"])
     assert list(args.configs) == ["dp", "mine"], "the file's stem names its mode"
     assert args.configs["mine"]["zero_optimization"]["stage"] == 1
+    trl = REPO / "tests" / "data" / "accelerate" / "trl-deepspeed_zero2.yaml"
+    args = bench.parse(["--modes", "app", "--configs", str(trl), "--ranks", "1"])
+    assert args.configs["trl-deepspeed_zero2"]["zero_optimization"]["stage"] == 2
 
 
 @pytest.mark.parametrize("flag, modes", [([], ["dp", "zero1"]), (["--lora"], ["dp", "dp+lora", "zero1", "zero1+lora"]),

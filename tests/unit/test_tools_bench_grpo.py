@@ -24,6 +24,25 @@ def test_the_inputs_give_each_rank_one_micro_batch_of_prompts_of_the_asked_lengt
     assert "train_batch_size" not in config and config["zero_optimization"]["stage"] == 3
 
 
+
+def test_an_accelerate_file_gives_the_json_accelerate_builds_at_one_micro_batch(tmp_path):
+    yaml_file = bench_grpo.REPO / "tests" / "data" / "accelerate" / "trl-deepspeed_zero3.yaml"
+    _, _, ds = bench_grpo.write_inputs(tmp_path, _args(tmp_path, deepspeed_config=str(yaml_file)))
+    config = json.loads(ds.read_text())
+    assert config["zero_optimization"]["stage"] == 3 and config["bf16"] == {"enabled": True}
+    assert (config["train_micro_batch_size_per_gpu"], config["gradient_accumulation_steps"]) == (3, 1)
+
+
+@pytest.mark.parametrize("text", [None, '{"zero_optimization": {"stage": 3,}}', "zero_stage: 3\n"])
+def test_a_config_it_cannot_read_is_one_line_and_nothing_written(tmp_path, capsys, text):
+    config = tmp_path / ("ds.yaml" if text and text.startswith("zero") else "ds.json")
+    if text is not None:
+        config.write_text(text)
+    out = tmp_path / "out"
+    assert bench_grpo.main(["--model", "llama-tiny", "--deepspeed_config", str(config), "--output_dir", str(out)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: ") and str(config) in err[0] and not out.exists()
+
 def test_each_mode_runs_grpo_gathered_or_layer_by_layer_logging_every_step(tmp_path):
     args = _args(tmp_path)
     inputs = bench_grpo.write_inputs(tmp_path / "in", args)
