@@ -84,9 +84,9 @@ def parts(out: Path) -> list:
     gpt2 = ("--model", "gpt2-124m", "--batch", 32, "--seq_len", 1024, "--ranks", 1, "--steps", 3, "--warmup", 1)
     return [
         Part("llama_1b", 290, bench(out, "llama-1b", *llama, "--modes", "raw-compile,fsdp2,app", "--configs",
-                                    "zero3,dp,zero1,zero2", "--profile", "zero3"),
-             "llama-1b, micro 8 x 2,048, bf16, compiled: raw + compile, FSDP2, the app at ZeRO 0-3, ZeRO-3's step "
-             "profiled, with what its peak holds"),
+                                    "zero3,dp,zero1,zero2", "--profile", "zero3,zero1"),
+             "llama-1b, micro 8 x 2,048, bf16, compiled: raw + compile, FSDP2, the app at ZeRO 0-3, ZeRO-3's and "
+             "ZeRO-1's steps profiled, with what their peaks hold"),
         Part("long_context", 240, cuda_test("long_sequence"),
              "llama-tiny-long at 8,192 tokens split over 2 ranks sharing the GPU against one process; llama-1b at "
              "16,384 tokens under ZeRO-3 with its MLPs tiled and whole: peaks against each other and the plan's"),
