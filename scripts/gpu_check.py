@@ -60,7 +60,7 @@ def bf16_weights(out: Path) -> dict:
 def zero3_variants(out: Path) -> dict:
     """{name: path} of ds_configs/zero3.json less one of DeepSpeed's own settings it sets, or with one more, written
     in out/configs: a bench row each says what a setting buys. stock: DeepSpeed's defaults (a hook on every
-    submodule, DeepSpeed's prefetch bucket)."""
+    submodule, DeepSpeed's prefetch bucket); deepcompile: DeepSpeed's compiler of ZeRO-3's gathers and releases."""
     base = json.loads((REPO / "ds_configs" / "zero3.json").read_text())
     shipped = base["zero_optimization"]
     sections = {"zero3-stock": {k: v for k, v in shipped.items() if k in ("stage", "overlap_comm",
@@ -68,11 +68,13 @@ def zero3_variants(out: Path) -> dict:
                 "zero3-nomel": {**shipped, "memory_efficient_linear": False},  # torch's linear: compiles whole
                 "zero3-persist": {**shipped, "stage3_param_persistence_threshold": 10**10,  # nothing partitioned
                                   "model_persistence_threshold": 10**12}}
+    files = {name: {**base, "zero_optimization": section} for name, section in sections.items()}
+    files["zero3-deepcompile"] = {**base, "compile": {"deepcompile": True}}
     (out / "configs").mkdir(parents=True, exist_ok=True)
     paths = {}
-    for name, section in sections.items():
+    for name, ds in files.items():
         paths[name] = out / "configs" / f"{name}.json"
-        paths[name].write_text(json.dumps({**base, "zero_optimization": section}, indent=1) + "\n")
+        paths[name].write_text(json.dumps(ds, indent=1) + "\n")
     return paths
 
 
@@ -110,7 +112,8 @@ def parts(out: Path) -> list:
         Part("zero3_settings", 240, bench(out, "llama-1b-zero3", *llama, "--modes", "raw-compile,app", "--configs",
                                           ",".join(["zero3", *map(str, z3.values())]), "--profile", "zero3-stock"),
              "llama-1b as in llama_1b: ZeRO-3 as shipped, with DeepSpeed's defaults, with torch's linear "
-             "(memory_efficient_linear false) and with every parameter persistent: what each setting buys"),
+             "(memory_efficient_linear false), with every parameter persistent and with DeepCompile: what each "
+             "setting buys"),
         Part("offload", 240, bench(out, "llama-3b", "--model", "llama-3b", "--batch", 1, "--seq_len", 2048,
                                    "--ranks", 1, "--modes", "app", "--configs", "zero3_offload", "--steps", 2,
                                    "--warmup", 1),

@@ -8,6 +8,8 @@ from app.ds import precision
 TIMERS_OFF = {"throughput": {"enabled": False}}
 """The app times its own steps. DeepSpeed's throughput timer would synchronise the GPU in every forward and, read by
 its forward hook, recompile a compiled model at each of the first steps: off unless the JSON sets "timers"."""
+DEEPCOMPILE_OFF = ("DeepSpeed's DeepCompile runs on CUDA devices only: on CPU ranks torch.compile compiles the step "
+                   "where --compile says (auto: eager on a CPU)")
 MONITORS = ("tensorboard", "wandb", "comet", "csv_monitor")
 """DeepSpeed's monitor sections. Only the run's engine reports: a trial's or a reference's would start a tracker run
 of its own and write its steps among the run's."""
@@ -19,7 +21,17 @@ def planned(ds: dict, where: str, device, replicas: int, facts: ds_auto.Facts) -
     batch sizes fitted to the data-parallel replicas."""
     ds, note = precision.resolve_precision(ds, where, device=device)
     ds, filled = ds_auto.fill(ds, facts, replicas)
-    return ds_config.resolve_batch_sizes(ds, replicas, where), filled, note
+    return ds_config.resolve_batch_sizes(without_deepcompile_on_cpu(ds, facts, filled), replicas, where), filled, note
+
+
+def without_deepcompile_on_cpu(ds: dict, facts: ds_auto.Facts, filled: dict) -> dict:
+    """ds with DeepSpeed's DeepCompile ("compile": {"deepcompile": true}) turned off where the ranks run on the CPU,
+    said in filled: it runs on CUDA devices only, and DeepSpeed would try to build its CUDA op there and fail. The
+    same file then trains on a laptop, compiled by torch.compile where --compile says."""
+    if not (facts.cpu and isinstance(ds.get("compile"), dict) and ds["compile"].get("deepcompile") is True):
+        return ds
+    filled["compile.deepcompile"] = DEEPCOMPILE_OFF
+    return {**ds, "compile": {**ds["compile"], "deepcompile": False}}
 
 
 def final(ds: dict, filled: dict, steps: int, universal: bool, trainable: int, tensor: int) -> dict:
@@ -49,7 +61,8 @@ def for_benchmark(ds: dict, micro: int, facts: ds_auto.Facts, replicas: int, ste
     """The dict of app.tools.bench's engine (for_engine makes it whole once its model is built): the JSON at `micro`
     samples and no accumulation, its "auto" values filled as a run fills them, the scheduler as long as the
     benchmark's steps."""
-    ds = ds_auto.fill({**ds, ds_config.MICRO: micro, "gradient_accumulation_steps": 1}, facts, replicas)[0]
+    ds, filled = ds_auto.fill({**ds, ds_config.MICRO: micro, "gradient_accumulation_steps": 1}, facts, replicas)
+    ds = without_deepcompile_on_cpu(ds, facts, filled)
     ds = ds_auto.fill_lengths(ds_config.resolve_batch_sizes(ds, replicas, where), steps, {})
     return ds_config.fill_scheduler_length(ds, steps)
 

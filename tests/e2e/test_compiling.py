@@ -28,13 +28,21 @@ FAULT_RUNS = {"backward-on-rank-1": ("zero2", {"APP_FAIL_COMPILE": "backward:1"}
           "oom-on-rank-1": ("dp", {"APP_OOM_AT": "4:1"}, 2)}
 
 
+# DeepSpeed's DeepCompile asked for in the file, which runs on CUDA devices only: zero3.json with it, on CPU ranks
+DEEPCOMPILE = {"deepcompile": ("zero3", {}, 0)}
+
+
 @pytest.fixture(scope="module")
 def compiled_two_ranks(tmp_path_factory):
-    """name -> (per-step losses, output) of 2 compiled ranks x micro batch 4, 12 steps, under each ZeRO stage
-    and each fault of FAULTS, one after another in one launch."""
+    """name -> (per-step losses, output) of 2 compiled ranks x micro batch 4, 12 steps, under each ZeRO stage,
+    each fault of FAULTS and DEEPCOMPILE, one after another in one launch."""
     tmp = tmp_path_factory.mktemp("compiled-two")
-    runs = {**{name: (name, {}, 0) for name in STAGES}, **FAULT_RUNS}
-    jobs = [{"argv": ["--deepspeed_config", config_variant(tmp, config, train_micro_batch_size_per_gpu=4),
+    runs = {**{name: (name, {}, 0) for name in STAGES}, **FAULT_RUNS, **DEEPCOMPILE}
+    asked = {name: {"compile": {"deepcompile": True}} for name in DEEPCOMPILE}
+    for name in runs:  # a folder of each run's config: two runs' variants of one file differ
+        (tmp / "configs" / name).mkdir(parents=True)
+    jobs = [{"argv": ["--deepspeed_config", config_variant(tmp / "configs" / name, config,
+                                                           train_micro_batch_size_per_gpu=4, **asked.get(name, {})),
                       "--max_steps", 12, "--log_interval", 1, "--output_dir", tmp / name, *COMPILE], "env": env}
             for name, (config, env, _) in runs.items()]
     outputs = train_jobs("ranks", 2, jobs, codes=[code for _, _, code in runs.values()], wrapper=(FAULTS,))
@@ -49,6 +57,15 @@ def test_compiled_two_ranks_compute_what_one_process_does(name, one_process, com
     assert_two_ranks_match(one_process, losses)
     assert stdout.count(COMPILING) == 1, "rank 0 says once that it compiles"
     assert "could not be compiled" not in stdout
+
+
+def test_a_file_asking_for_deepcompile_trains_on_cpu_ranks_compiled_by_torch_as_without_it(compiled_two_ranks):
+    """DeepSpeed would build DeepCompile's CUDA op on CPU ranks and fail in a traceback: the app turns it off there,
+    says so, and the run is zero3.json's compiled run, loss for loss."""
+    losses, output = compiled_two_ranks["deepcompile"]
+    assert "compile.deepcompile = false  (DeepSpeed's DeepCompile runs on CUDA devices only" in output
+    assert "Traceback" not in output and output.count(COMPILING) == 1
+    assert losses == compiled_two_ranks["zero3"][0] and len(losses) == 12
 
 
 def test_compiled_run_killed_and_resumed_is_exact(tmp_path):

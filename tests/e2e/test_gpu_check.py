@@ -82,8 +82,11 @@ def test_the_zero3_variants_are_configs_the_app_takes_each_one_setting_apart(tmp
     """The rows that say what each of DeepSpeed's ZeRO-3 settings buys: zero3.json as shipped but for that one."""
     from app.ds import config as ds_config
     shipped = json.loads((REPO / "ds_configs" / "zero3.json").read_text())["zero_optimization"]
-    variants = {name: ds_config.load_ds_config(path, resolve=False)["zero_optimization"]
-                for name, path in _driver().zero3_variants(tmp_path).items()}
+    files = {name: ds_config.load_ds_config(path, resolve=False) for name, path in
+             _driver().zero3_variants(tmp_path).items()}
+    variants = {name: ds["zero_optimization"] for name, ds in files.items()}
+    assert variants["zero3-deepcompile"] == shipped and files["zero3-deepcompile"]["compile"] == {"deepcompile": True}
+    assert all("compile" not in ds for name, ds in files.items() if name != "zero3-deepcompile")
     assert variants["zero3-stock"] == {"stage": 3, "overlap_comm": True, "contiguous_gradients": True}
     assert variants["zero3-nomel"] == {**shipped, "memory_efficient_linear": False}
     unpersisted = {k: v for k, v in shipped.items() if "persistence" not in k}

@@ -18,6 +18,21 @@ def test_the_planned_dict_settles_precision_auto_and_batch_sizes_on_this_device(
     assert ds["scheduler"]["params"]["total_num_steps"] == "auto", "the run's length is not known yet"
 
 
+
+def test_deepspeeds_deepcompile_is_turned_off_on_cpu_ranks_and_said_kept_on_a_gpu():
+    asked = {**JSON, "compile": {"deepcompile": True, "free_activation": True}}
+    ds, filled, _ = run_dict.planned(dict(asked), "j.json", torch.device("cpu"), 2, ds_auto.Facts(cpu=True))
+    assert ds["compile"] == {"deepcompile": False, "free_activation": True}
+    assert filled["compile.deepcompile"] == run_dict.DEEPCOMPILE_OFF
+    assert "compile.deepcompile = false  (DeepSpeed's DeepCompile runs on CUDA devices only" in \
+        ds_auto.say(ds, filled, None, main=False)
+    bench = run_dict.for_benchmark(dict(asked), 4, ds_auto.Facts(cpu=True), 1, 3, "j.json")
+    assert bench["compile"]["deepcompile"] is False
+    gpu, filled, _ = run_dict.planned(dict(asked), "j.json", torch.device("cpu"), 2, ds_auto.Facts(cpu=False))
+    assert gpu["compile"] == asked["compile"] and "compile.deepcompile" not in filled
+    plain, filled, _ = run_dict.planned(dict(JSON), "j.json", torch.device("cpu"), 2, ds_auto.Facts(cpu=True))
+    assert "compile" not in plain and "compile.deepcompile" not in filled
+
 def test_the_final_dict_has_the_runs_lengths_its_resume_and_what_the_engine_needs():
     ds, filled, _ = run_dict.planned(dict(JSON), "j.json", torch.device("cpu"), 2, ds_auto.Facts())
     final = run_dict.final(ds, filled, 40, universal=True, trainable=1000, tensor=1)
