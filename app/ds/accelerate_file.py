@@ -52,7 +52,9 @@ def ds_config(path: Path, say) -> dict:
             if near:
                 raise UserError(f"{path}: deepspeed_config has {key!r}; did you mean {near[0]!r}?")
             unread.append(key)
-    clash = [key for key in NOT_WITH_A_FILE if key in {**top, **section}] if "hf_ds_config" in fields else []
+    older_fp16 = ["fp16"] if "mixed_precision" not in top and top.get("fp16") else []  # accelerate's fp16 then
+    clash = [key for key in NOT_WITH_A_FILE if key in {**top, **section}] + older_fp16 \
+        if "hf_ds_config" in fields else []
     if clash:
         raise UserError(f"{path}: accelerate refuses {', '.join(clash)} beside a deepspeed_config_file; set "
                         f"{'it' if len(clash) == 1 else 'them'} in {fields['hf_ds_config']} instead")
@@ -100,16 +102,20 @@ def _say(path: Path, top: dict, section: dict, ds: dict, unread: list, say):
 
 
 def _dynamo_backend(top: dict) -> str:
-    """The torch.compile backend the file asks accelerate for (dynamo_config's, or an older file's dynamo_backend);
-    NO for none."""
+    """The torch.compile backend the file asks accelerate for: an older file's top-level dynamo_backend, which
+    accelerate puts in dynamo_config's place, else dynamo_config's; NO for none."""
     config = top.get("dynamo_config")
-    backend = config.get("dynamo_backend") if isinstance(config, dict) else top.get("dynamo_backend")
-    return str(backend or "NO").split(".")[-1].upper()
+    if "dynamo_backend" in top or not isinstance(config, dict):
+        return str(top.get("dynamo_backend") or "NO").split(".")[-1].upper()
+    return str(config.get("dynamo_backend") or "NO").split(".")[-1].upper()
 
 
 def _parallelism(path: Path, config: dict) -> tuple:
     """(the DeepSpeed keys of the file's parallelism_config: sequence parallelism through DeepSpeed's Ulysses, as
     accelerate runs it; its keys not read here); one line for what is not available here."""
+    if not isinstance(config, dict):
+        raise UserError(f"{path}: parallelism_config {config!r} is not a mapping: write its sizes under it, such as "
+                        f"parallelism_config_sp_size: 2")
     sizes = {str(key).removeprefix("parallelism_config_"): value for key, value in config.items()}
     for name, why in NOT_HERE.items():
         if _size(path, sizes, name) > 1:
@@ -123,12 +129,14 @@ def _parallelism(path: Path, config: dict) -> tuple:
 
 
 def _size(path: Path, sizes: dict, name: str) -> int:
-    """The parallelism_config size called name (1 where unset); one line where it is not a whole number."""
+    """The parallelism_config size called name (1 where unset); one line where it is not a whole number of at
+    least 1, as accelerate refuses it."""
     value = sizes.get(name)
     if value is None or value == "":
         return 1
-    if isinstance(value, bool) or not str(value).strip().isdigit():
-        raise UserError(f"{path}: parallelism_config_{name} {value!r} is not a size: write a whole number such as 2")
+    if isinstance(value, bool) or not str(value).strip().isdecimal() or int(value) < 1:
+        raise UserError(f"{path}: parallelism_config_{name} {value!r} is not a size: write a whole number of at "
+                        f"least 1, such as 2")
     return int(value)
 
 

@@ -28,10 +28,20 @@ def without_deepcompile_on_cpu(ds: dict, facts: ds_auto.Facts, filled: dict) -> 
     """ds with DeepSpeed's DeepCompile ("compile": {"deepcompile": true}) turned off where the ranks run on the CPU,
     said in filled: it runs on CUDA devices only, and DeepSpeed would try to build its CUDA op there and fail. The
     same file then trains on a laptop, compiled by torch.compile where --compile says."""
-    if not (facts.cpu and isinstance(ds.get("compile"), dict) and ds["compile"].get("deepcompile") is True):
+    if not (facts.cpu and isinstance(ds.get("compile"), dict) and _deepcompile_asked(ds["compile"])):
         return ds
     filled["compile.deepcompile"] = DEEPCOMPILE_OFF
     return {**ds, "compile": {**ds["compile"], "deepcompile": False}}
+
+
+def _deepcompile_asked(section: dict) -> bool:
+    """The compile section's deepcompile as DeepSpeed reads it (its config model's bool: true, "true", 1, "on"...);
+    a section it refuses is left for its own check to refuse."""
+    from deepspeed.compile.config import CompileConfig  # here: only a file with a compile section needs it
+    try:
+        return CompileConfig(**section).deepcompile
+    except (ValueError, TypeError):  # pydantic's ValidationError is a ValueError
+        return False
 
 
 def final(ds: dict, filled: dict, steps: int, universal: bool, trainable: int, tensor: int) -> dict:
@@ -57,14 +67,14 @@ def for_trial(ds: dict, micro: int, replicas: int) -> dict:
         "warmup_num_steps", 1)))
 
 
-def for_benchmark(ds: dict, micro: int, facts: ds_auto.Facts, replicas: int, steps: int, where: str) -> dict:
-    """The dict of app.tools.bench's engine (for_engine makes it whole once its model is built): the JSON at `micro`
-    samples and no accumulation, its "auto" values filled as a run fills them, the scheduler as long as the
-    benchmark's steps."""
+def for_benchmark(ds: dict, micro: int, facts: ds_auto.Facts, replicas: int, steps: int, where: str) -> tuple:
+    """(the dict of app.tools.bench's engine, what "auto" filled): for_engine makes the dict whole once its model is
+    built. The JSON at `micro` samples and no accumulation, its "auto" values filled as a run fills them, the
+    scheduler as long as the benchmark's steps."""
     ds, filled = ds_auto.fill({**ds, ds_config.MICRO: micro, "gradient_accumulation_steps": 1}, facts, replicas)
     ds = without_deepcompile_on_cpu(ds, facts, filled)
     ds = ds_auto.fill_lengths(ds_config.resolve_batch_sizes(ds, replicas, where), steps, {})
-    return ds_config.fill_scheduler_length(ds, steps)
+    return ds_config.fill_scheduler_length(ds, steps), filled
 
 
 def trainable(model) -> int:

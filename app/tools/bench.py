@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 
 from app.distributed import dist
-from app.ds import accelerate_file, config as ds_config
+from app.ds import accelerate_file, auto as ds_auto, config as ds_config
 from app.distributed import launch
 from app.parallel import layout
 from app.core import lora, resolver
@@ -91,8 +91,10 @@ def _checked(args):
         raise UserError("--steps, --seq_len and --ranks must be at least 1, --warmup and --batch 0 or more")
     args.configs = {_config_path(name).stem: ds_config.load_ds_config(_config_path(name))
                     for name in args.configs.split(",") if name and "app" in args.modes}
-    # the torch modes' optimizer and clipping, read here: in a rank, DeepSpeed's check would count its world size
-    args.reference = next(iter(args.configs.values()), None) or ds_config.load_ds_config(ds_config.DEFAULT_DS_CONFIG)
+    # the torch modes' optimizer and clipping, read here: in a rank, DeepSpeed's check would count its world size;
+    # filled as a run fills it (an accelerate file names no optimizer and leaves the clipping "auto")
+    first = next(iter(args.configs.values()), None) or ds_config.load_ds_config(ds_config.DEFAULT_DS_CONFIG)
+    args.reference = ds_auto.fill(first, ds_auto.Facts(), 1)[0]
     args.batch = args.batch or \
         resolver.build(Settings(model=args.model, lora=bool(args.lora))).bench_batch  # as train.py
     if args.batch % args.ranks:

@@ -53,8 +53,7 @@ def run_app(mode, args, world, work: Workload, loader, clock, total):  # long: t
     labels = {label: choice for choice, label in COMPILE_SUFFIX.items()}
     choice = next((labels[s] for s in suffixes if s in labels), "auto")
     ranks = rank_layout_of(mode, args, world)
-    ds = run_dict.for_benchmark(args.configs[name], loader.micro_batch,
-                                resolver.auto_facts(work.task.spec, world.device), ranks.replicas, total, name)
+    ds = _engine_dict(mode, args.configs[name], work, world, loader.micro_batch, ranks.replicas, total)
     module, _, _ = ranks.prepare(build_model(work, ds, mode.endswith(LORA)), work.task, args.model, ds)
     engine = loop.build_engine(module, run_dict.for_engine(ds, run_dict.trainable(module), ranks.tensor))
     micro = loader.micro_batch  # a pipeline's stages pass activations of one fixed shape
@@ -85,6 +84,17 @@ def run_app(mode, args, world, work: Workload, loader, clock, total):  # long: t
         engine.destroy()  # its hooks on the parameters (held by torch's autograd, out of gc's sight) go
         forget_engines()
         _ended.append((mode, weakref.ref(engine)))
+
+
+def _engine_dict(mode, config: dict, work: Workload, world, micro: int, replicas: int, total: int) -> dict:
+    """The mode's DeepSpeed dict (run_dict.for_benchmark), and a line where the device turned a setting of the
+    file off, as a run says it (DeepCompile on CPU ranks)."""
+    ds, filled = run_dict.for_benchmark(config, micro, resolver.auto_facts(work.task.spec, world.device), replicas,
+                                        total, mode.split("+")[0])
+    for key, why in filled.items():
+        if key == "compile.deepcompile":
+            dist.print0(f"{mode}: {key} = false ({why})")
+    return ds
 
 
 def still_held() -> list:

@@ -83,13 +83,19 @@ def test_the_older_fp16_key_is_read_as_accelerate_reads_it(tmp_path, lines, prec
 
 @pytest.mark.parametrize("lines, said", [("dynamo_config:\n  dynamo_backend: INDUCTOR\n", "INDUCTOR"),
                                          ("dynamo_backend: inductor\n", "INDUCTOR"),
-                                         ("dynamo_config: {}\n", None), ("dynamo_backend: 'NO'\n", None)])
+                                         ("dynamo_config: {}\n", None), ("dynamo_backend: 'NO'\n", None),
+                                         ("dynamo_backend: 'NO'\ndynamo_config:\n  dynamo_backend: INDUCTOR\n", None),
+                                         ("dynamo_backend: eager\ndynamo_config: {}\n", "EAGER")])
 def test_a_compile_backend_it_asks_for_is_said_to_be_the_apps_compile_flag(tmp_path, lines, said):
     path = tmp_path / "dynamo.yaml"
     path.write_text(DS + lines + "mixed_precision: bf16\ndeepspeed_config:\n  zero_stage: 3\n")
     note = _read(path)[1][0]
     assert (f"; its dynamo_backend {said} is --compile's here (auto: on a GPU, off on a CPU)" in note) == bool(said)
     assert ("dynamo_backend" in note) == bool(said), note
+    from accelerate.commands.config.config_args import ClusterConfig
+    asked = (ClusterConfig.from_yaml_file(path).dynamo_config or {}).get("dynamo_backend")
+    assert (str(asked).upper() if asked else None) == said, "as accelerate reads the file"
+
 
 def test_what_accelerate_refuses_is_one_line_in_its_words(tmp_path):
     (tmp_path / "bf16.json").write_text(json.dumps({"bf16": {"enabled": True}, "zero_optimization": {"stage": 2}}))
@@ -98,6 +104,10 @@ def test_what_accelerate_refuses_is_one_line_in_its_words(tmp_path):
     with pytest.raises(UserError, match=r"acc.yaml: accelerate refuses zero_stage beside a deepspeed_config_file; "
                                         r"set it in .*bf16.json instead"):
         _read(tmp_path / "acc.yaml")
+    (tmp_path / "acc.yaml").write_text("distributed_type: DEEPSPEED\nfp16: true\ndeepspeed_config:\n"
+                                       "  deepspeed_config_file: bf16.json\n")
+    with pytest.raises(UserError, match=r"acc.yaml: accelerate refuses fp16 beside a deepspeed_config_file"):
+        _read(tmp_path / "acc.yaml")  # the older key is mixed_precision fp16 to accelerate
     (tmp_path / "bf16.json").write_text(json.dumps({"bf16": {"enabled": True}}))
     (tmp_path / "acc.yaml").write_text("distributed_type: DEEPSPEED\ndeepspeed_config:\n"
                                        "  deepspeed_config_file: bf16.json\n")
@@ -120,7 +130,13 @@ def test_what_accelerate_refuses_is_one_line_in_its_words(tmp_path):
     (DS + "deepspeed_config:\n  zero_stage: 3\nparallelism_config:\n  parallelism_config_sp_size: 2\n"
      "  parallelism_config_sp_backend: fsdp\n", "sequence parallelism here is DeepSpeed's Ulysses"),
     (DS + "deepspeed_config:\n  zero_stage: 3\nparallelism_config:\n  parallelism_config_sp_size: two\n",
-     "parallelism_config_sp_size 'two' is not a size: write a whole number such as 2"),
+     "parallelism_config_sp_size 'two' is not a size: write a whole number of at least 1, such as 2"),
+    (DS + "deepspeed_config:\n  zero_stage: 3\nparallelism_config:\n  parallelism_config_sp_size: 0\n",
+     "parallelism_config_sp_size 0 is not a size"),
+    (DS + "deepspeed_config:\n  zero_stage: 3\nparallelism_config:\n  parallelism_config_sp_size: -2\n",
+     "parallelism_config_sp_size -2 is not a size"),
+    (DS + "deepspeed_config:\n  zero_stage: 3\nparallelism_config: 2\n",
+     "parallelism_config 2 is not a mapping: write its sizes under it"),
     (DS + "deepspeed_config:\n  zero_stage: 3\nparallelism_config:\n  parallelism_config_tp_size: 1.5\n",
      "parallelism_config_tp_size 1.5 is not a size"),
     ("deepspeed_config: [zero_stage: 3\n", "is not valid YAML"),

@@ -31,7 +31,8 @@ def refusal():
 
 
 class _Engine(torch.nn.Module):
-    """What Compiled uses of DeepSpeed's engine: its module and forward hooks, the ZeRO stage, compile()."""
+    """What Compiled uses of DeepSpeed's engine: its module and forward hooks, the ZeRO stage, compile(), whether
+    DeepCompile runs (never on CPU ranks)."""
 
     def __init__(self):
         super().__init__()
@@ -45,6 +46,9 @@ class _Engine(torch.nn.Module):
 
     def zero_optimization_stage(self):
         return 2
+
+    def is_deepcompile_active(self):
+        return False
 
 
 def _compiled(board=None, fails=None, eager_fails=None):

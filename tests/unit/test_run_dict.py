@@ -26,12 +26,21 @@ def test_deepspeeds_deepcompile_is_turned_off_on_cpu_ranks_and_said_kept_on_a_gp
     assert filled["compile.deepcompile"] == run_dict.DEEPCOMPILE_OFF
     assert "compile.deepcompile = false  (DeepSpeed's DeepCompile runs on CUDA devices only" in \
         ds_auto.say(ds, filled, None, main=False)
-    bench = run_dict.for_benchmark(dict(asked), 4, ds_auto.Facts(cpu=True), 1, 3, "j.json")
-    assert bench["compile"]["deepcompile"] is False
+    bench, filled = run_dict.for_benchmark(dict(asked), 4, ds_auto.Facts(cpu=True), 1, 3, "j.json")
+    assert bench["compile"]["deepcompile"] is False and filled["compile.deepcompile"] == run_dict.DEEPCOMPILE_OFF
+    for written in ("true", 1, "on"):  # pydantic's bool, as DeepSpeed reads the file
+        read = {**JSON, "compile": {"deepcompile": written}}
+        ds, _, _ = run_dict.planned(read, "j.json", torch.device("cpu"), 2, ds_auto.Facts(cpu=True))
+        assert ds["compile"]["deepcompile"] is False, written
+    for kept in ("false", 0, "maybe"):  # off, or left for DeepSpeed's own check to refuse
+        read = {**JSON, "compile": {"deepcompile": kept}}
+        ds, _, _ = run_dict.planned(read, "j.json", torch.device("cpu"), 2, ds_auto.Facts(cpu=True))
+        assert ds["compile"]["deepcompile"] == kept, kept
     gpu, filled, _ = run_dict.planned(dict(asked), "j.json", torch.device("cpu"), 2, ds_auto.Facts(cpu=False))
     assert gpu["compile"] == asked["compile"] and "compile.deepcompile" not in filled
     plain, filled, _ = run_dict.planned(dict(JSON), "j.json", torch.device("cpu"), 2, ds_auto.Facts(cpu=True))
     assert "compile" not in plain and "compile.deepcompile" not in filled
+
 
 def test_the_final_dict_has_the_runs_lengths_its_resume_and_what_the_engine_needs():
     ds, filled, _ = run_dict.planned(dict(JSON), "j.json", torch.device("cpu"), 2, ds_auto.Facts())
@@ -91,7 +100,7 @@ def test_a_trial_engine_takes_one_step_of_the_micro_batch_tried():
 def test_the_benchmarks_engine_fills_auto_as_a_run_and_schedules_the_benchmarks_steps():
     given = {**JSON, "zero_optimization": {"stage": 3, "stage3_prefetch_bucket_size": "auto"}}
     facts = ds_auto.Facts(hidden=64, blocks=("LlamaDecoderLayer",), block_size=1000)
-    ds = run_dict.for_benchmark(given, 8, facts, 2, 30, "j.json")
+    ds, _ = run_dict.for_benchmark(given, 8, facts, 2, 30, "j.json")
     assert (ds["train_micro_batch_size_per_gpu"], ds["gradient_accumulation_steps"], ds["train_batch_size"]) == \
         (8, 1, 16)
     assert ds["scheduler"]["params"]["total_num_steps"] == 30

@@ -31,3 +31,22 @@ def test_the_raw_mode_trains_the_whole_fp32_model_eager():
                                                         work, loader, clock, 2)
     whole = sum(p.numel() * 4 for p in bench_modes.build_model(work).parameters())
     assert (zero, dtype, compiled, held) == (None, torch.float32, False, whole)
+
+
+def test_the_loop_takes_its_optimizer_from_an_accelerate_file_as_a_run_fills_it():
+    """An accelerate file names no optimizer and leaves the clipping "auto": the torch modes take the app's default
+    AdamW and clipping, as a run of the file would."""
+    from conftest import REPO
+    trl = REPO / "tests" / "data" / "accelerate" / "trl-deepspeed_zero2.yaml"
+    args = bench.parse(["--quick", "--batch", "8", "--modes", "raw,app", "--configs", str(trl), "--ranks", "1"])
+    from app.ds import auto as ds_auto
+    assert args.reference["gradient_clipping"] == 1.0
+    assert args.reference["optimizer"]["type"] == "AdamW"
+    assert args.reference["optimizer"]["params"]["lr"] == ds_auto.LR_SCRATCH
+    work = bench_modes.build_workload(args)
+    model = bench_modes.build_model(work)
+    before = [p.detach().clone() for p in model.parameters()]
+    losses = bench_torch.train(model, model, False, args, World(0, 0, 1, 1, CPU, "gloo", "python", ""), work,
+                               build_loader(work.train_set, 8, 0, 1, True, 0), bench_modes.Clock(CPU), 4)
+    assert len(losses) == 4 and all(torch.isfinite(loss) for loss in losses)
+    assert all(not torch.equal(b, p) for b, p in zip(before, model.parameters())), "AdamW stepped every weight"

@@ -263,9 +263,12 @@ def engine_hooks_eager(engine):
 
 
 def uncompile(engine):
-    """Undo engine.compile(): the module's plain forward from now on."""
+    """Undo engine.compile(): the module's plain forward from now on; where DeepCompile compiled the step, its
+    passes and hooks gone too (the engine's own forward hooks back), as DeepSpeed's destroy() ends them."""
     engine.module._compiled_call_impl = None
     engine._is_compiled = False
+    if engine.is_deepcompile_active():
+        engine._deactivate_deepcompile()
 
 
 def autocast_of(engine):
