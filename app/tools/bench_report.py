@@ -38,15 +38,16 @@ def _fmt(value, spec):
 
 
 def table(rows: list) -> str:
-    """The rows as a fixed-width text table."""
+    """The rows as a fixed-width text table (the mode column as wide as its longest name)."""
     rate = "tokens/s" if rows[0]["tokens_per_s"] is not None else "samples/s"
-    lines = [f"{'mode':<16}{'ranks':>6}{'thr':>4}{'batch':>6}{'dtype':>9}{'step ms':>9}{rate:>11}{'vs raw':>8}"
+    wide = max(16, *(len(r["mode"]) + 1 for r in rows))
+    lines = [f"{'mode':<{wide}}{'ranks':>6}{'thr':>4}{'batch':>6}{'dtype':>9}{'step ms':>9}{rate:>11}{'vs raw':>8}"
              f"{'vs torch':>9}{'speed/rc':>9}{'MFU':>6}{'MFU ds':>7}{'wait':>7}{'first s':>8}{'peak MB':>9}"
              f"{'scale':>7}{'ZeRO/formula':>13}"]
     for r in rows:
         zero = r["zero_state"]
         lines.append(
-            f"{r['mode']:<16}{r['ranks']:>6}{r['threads_per_rank']:>4}{r['micro_batch']:>6}{r['dtype']:>9}"
+            f"{r['mode']:<{wide}}{r['ranks']:>6}{r['threads_per_rank']:>4}{r['micro_batch']:>6}{r['dtype']:>9}"
             f"{r['step_time_s'] * 1e3:>9.1f}{r['tokens_per_s'] or r['samples_per_s']:>11.0f}"
             f"{_fmt(r['ratio_to_raw'], '.3f'):>8}{_fmt(r['ratio_to_torch'], '.3f'):>9}"
             f"{_fmt(r['speed_vs_raw_compile'], '.3f'):>9}{r['mfu']:>6.2f}{_fmt(r['mfu_datasheet'], '.2f'):>7}"

@@ -70,6 +70,10 @@ def test_the_table_has_a_header_and_one_aligned_line_per_mode():
     assert raw == ["raw", "1", "1", "32", "float32", "12.5", "2560", "1.000", "1.000", "-", "0.25", "-", "5.0%",
                    "1.50", "100", "-", "-"]
     assert dp[5:8] == ["20.0", "1600", "1.600"] and dp[11] == "0.40" and dp[-1] == "1.062"
+    rows.append(_row("trl-deepspeed_zero2+compile", step=0.02, rate=1600.0))  # a file's stem names the mode
+    add_ratios(rows)
+    lines = table(rows).splitlines()
+    assert len({len(line) for line in lines}) == 1 and lines[-1].split()[:2] == ["trl-deepspeed_zero2+compile", "1"]
 
 
 def test_the_table_counts_tokens_for_language_models_and_the_largest_ranks_peak_memory():
