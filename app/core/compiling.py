@@ -81,13 +81,23 @@ class Compiled:
             raise UserError(f"the first {step} step failed on rank {rank}: {text}") from None
         refused = [(rank, text) for rank, (kind, text) in enumerate(outcomes) if kind == "compile"]
         if refused:
-            ranks = ",".join(str(rank) for rank, _ in refused)
-            dist.print0(f"compile: ZeRO stage {self.engine.zero_optimization_stage()} could not be compiled on "
-                        f"rank {ranks} ({refused[0][1]}); every rank runs eager")
-            self.eager()  # every rank redoes this step eager: ZeRO 1-2 reduce gradients in the order they come,
-            return self._eager_retry(inputs, labels, step)  # and a compiled backward brings them in another
+            return self._refused(refused, inputs, labels, step)
         self.proven.add(mode)
         return result
+
+    def _refused(self, refused: list, inputs: list, labels: torch.Tensor, step: str) -> tuple:
+        """Every rank's answer to a first compiled step some rank's compiler refused: this step again eager, and
+        eager from now on; one line where DeepSpeed's DeepCompile compiled it (its set-up took ZeRO's own gradient
+        and gather hooks off for good: no eager step is left)."""
+        ranks, stage = ",".join(str(rank) for rank, _ in refused), self.engine.zero_optimization_stage()
+        if ds_internals.deepcompile_active(self.engine):
+            raise UserError(f"DeepSpeed's DeepCompile could not compile ZeRO stage {stage}'s {step} step on rank "
+                            f"{ranks} ({refused[0][1]}) and cannot fall back to eager: set \"deepcompile\" false in "
+                            f"the file's compile section, or pass --compile off")
+        dist.print0(f"compile: ZeRO stage {stage} could not be compiled on rank {ranks} ({refused[0][1]}); every "
+                    f"rank runs eager")
+        self.eager()  # every rank redoes this step eager: ZeRO 1-2 reduce gradients in the order they come,
+        return self._eager_retry(inputs, labels, step)  # and a compiled backward brings them in another
 
     def _eager_retry(self, inputs: list, labels: torch.Tensor, step: str) -> tuple:
         """This micro batch again, eager; an error now is the model's own."""

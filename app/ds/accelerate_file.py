@@ -61,7 +61,8 @@ def ds_config(path: Path, say) -> dict:
     mixed = _precision(top)
     if mixed not in PRECISIONS:
         raise UserError(f"{path}: mixed_precision {mixed} is not one this app trains in; set it to bf16, fp16 or no")
-    parallel, unread_there = _parallelism(path, top.get("parallelism_config") or {})
+    given = top.get("parallelism_config")
+    parallel, unread_there = _parallelism(path, {} if given is None else given)
     ds = {**_built(path, fields, mixed), **parallel}
     if "zero3_init_flag" in section and bool(section["zero3_init_flag"]) != (ds["zero_optimization"]["stage"] == 3):
         unread.append("zero3_init_flag")  # a ZeRO-3 transformers model is built under zero.Init here, no other
@@ -129,8 +130,8 @@ def _parallelism(path: Path, config: dict) -> tuple:
 
 
 def _size(path: Path, sizes: dict, name: str) -> int:
-    """The parallelism_config size called name (1 where unset); one line where it is not a whole number of at
-    least 1, as accelerate refuses it."""
+    """The parallelism_config size called name, one this app reads (1 where unset); one line where it is not a
+    whole number of at least 1, as accelerate refuses such a size."""
     value = sizes.get(name)
     if value is None or value == "":
         return 1

@@ -91,12 +91,12 @@ def _checked(args):
         raise UserError("--steps, --seq_len and --ranks must be at least 1, --warmup and --batch 0 or more")
     args.configs = {_config_path(name).stem: ds_config.load_ds_config(_config_path(name))
                     for name in args.configs.split(",") if name and "app" in args.modes}
+    task = resolver.build(Settings(model=args.model, lora=bool(args.lora)))
     # the torch modes' optimizer and clipping, read here: in a rank, DeepSpeed's check would count its world size;
     # filled as a run fills it (an accelerate file names no optimizer and leaves the clipping "auto")
     first = next(iter(args.configs.values()), None) or ds_config.load_ds_config(ds_config.DEFAULT_DS_CONFIG)
-    args.reference = ds_auto.fill(first, ds_auto.Facts(), 1)[0]
-    args.batch = args.batch or \
-        resolver.build(Settings(model=args.model, lora=bool(args.lora))).bench_batch  # as train.py
+    args.reference = ds_auto.fill(first, resolver.auto_facts(task.spec), 1)[0]
+    args.batch = args.batch or task.bench_batch  # as train.py
     if args.batch % args.ranks:
         raise UserError(f"--batch {args.batch} is not divisible by --ranks {args.ranks}; each rank takes an equal share")
     args.output_dir = Path(args.output_dir or f"runs/bench-{args.model}-{time.strftime('%Y%m%d-%H%M%S')}")

@@ -12,14 +12,17 @@ import subprocess
 import sys
 from pathlib import Path
 
+from app.ds import accelerate_file
+
 REPO = Path(__file__).resolve().parents[2]
 
 
 def files_of(paths: list) -> list:
-    """The .json (and .conf, a name some projects give theirs) files named or in the folders named, sorted."""
-    found = []
+    """The .json (and .conf, a name some projects give theirs) files and accelerate config files (.yaml, .yml)
+    named or in the folders named, sorted."""
+    kinds, found = (".json", ".conf", *accelerate_file.SUFFIXES), []
     for path in map(Path, paths):
-        found += sorted(p for p in path.iterdir() if p.suffix in (".json", ".conf")) if path.is_dir() else [path]
+        found += sorted(p for p in path.iterdir() if p.suffix.lower() in kinds) if path.is_dir() else [path]
     return found
 
 
@@ -35,7 +38,8 @@ def outcome(output: str, code: int) -> tuple:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m app.tools.try_configs", description=__doc__.splitlines()[0])
-    parser.add_argument("paths", nargs="+", help="DeepSpeed JSON files, or folders of them")
+    parser.add_argument("paths", nargs="+", help="DeepSpeed JSON files or accelerate config files, or folders of "
+                        "them")
     parser.add_argument("--steps", type=int, default=3, help="optimizer steps per file (default: 3)")
     parser.add_argument("--output_dir", default="runs/try-configs", help="where each run and report.json go")
     args = parser.parse_args(argv)

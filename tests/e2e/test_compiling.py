@@ -168,3 +168,46 @@ def test_a_padded_vocabulary_costs_a_compiled_zero3_step_no_second_copy_of_the_l
           f"the logits {logits / 1e6:.1f} MB")
     assert whole > logits, found  # the step holds its logits: the measure sees them
     assert abs(padded - whole) < logits / 4, found
+
+
+
+def _hooks_around_deepcompile(rank, world, report):
+    """A ZeRO-3 engine of gpt2-tiny put in the state DeepSpeed's compile() leaves where DeepCompile compiles the step
+    (its own forward hooks off: DeepCompile's passes do their work), then the app's hooks made eager as Compiled
+    makes them; what the app then sees."""
+    import torch
+    from app.core import resolver
+    from app.data.loader import build_loader
+    from app.distributed import launch
+    from app.ds import internals as ds_internals
+    from app.settings import Settings
+    from conftest import engine_of
+    launch.prepare_environment()
+    launch.setup(timeout_s=60)
+    ds = {"train_micro_batch_size_per_gpu": 4, "zero_optimization": {"stage": 3},
+          "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}}
+    task = resolver.build(Settings(model="gpt2-tiny"))
+    data, info = task.sample_data(4, 32)
+    torch.manual_seed(0)
+    engine = engine_of(task.build_model(info, ds), ds)
+    inputs = next(iter(build_loader(data, 4, 0, 1, False, 0)))[0]
+    found = {"plain": engine(inputs).float().mean().item(), "active_before": ds_internals.deepcompile_active(engine)}
+    engine._set_deepcompile_active(True)  # what compile() does where DeepCompile compiles the step
+    found["hooks_off"] = [engine.module_forward_pre_hook, engine.module_forward_post_hook] == [None, None]
+    ds_internals.engine_hooks_eager(engine)
+    found["active"] = ds_internals.deepcompile_active(engine)
+    found["then"] = engine(inputs).float().mean().item()  # ZeRO-3's hooks on the blocks still gather
+    engine.destroy()
+    report.write_text(json.dumps(found))
+
+
+def test_the_engines_hooks_are_made_eager_where_deepcompile_took_its_own_off(tmp_path):
+    """DeepCompile (CUDA only) takes the engine's own forward hooks off when it compiles the step: the app's making
+    the engine's hooks eager passes over them there (it read each hook's id), and the app sees DeepCompile at work,
+    so that a step its compiler refuses ends the run in one line (tests/unit/test_compiling.py), not eager."""
+    from conftest import spawn_ranks
+    report = tmp_path / "found.json"
+    spawn_ranks(1, _hooks_around_deepcompile, report)
+    found = json.loads(report.read_text())
+    assert not found["active_before"] and found["hooks_off"] and found["active"], found
+    assert abs(found["then"] - found["plain"]) < 1e-6, found

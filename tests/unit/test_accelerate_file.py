@@ -137,6 +137,7 @@ def test_what_accelerate_refuses_is_one_line_in_its_words(tmp_path):
      "parallelism_config_sp_size -2 is not a size"),
     (DS + "deepspeed_config:\n  zero_stage: 3\nparallelism_config: 2\n",
      "parallelism_config 2 is not a mapping: write its sizes under it"),
+    (DS + "deepspeed_config:\n  zero_stage: 3\nparallelism_config: []\n", "parallelism_config [] is not a mapping"),
     (DS + "deepspeed_config:\n  zero_stage: 3\nparallelism_config:\n  parallelism_config_tp_size: 1.5\n",
      "parallelism_config_tp_size 1.5 is not a size"),
     ("deepspeed_config: [zero_stage: 3\n", "is not valid YAML"),

@@ -32,12 +32,12 @@ def refusal():
 
 class _Engine(torch.nn.Module):
     """What Compiled uses of DeepSpeed's engine: its module and forward hooks, the ZeRO stage, compile(), whether
-    DeepCompile runs (never on CPU ranks)."""
+    DeepCompile compiled the step (CUDA only: a GPU's state, set by a test)."""
 
     def __init__(self):
         super().__init__()
         self.module, self.device = torch.nn.Linear(4, 3), torch.device("cpu")
-        self.optimizer, self.compiled_with = None, None
+        self.optimizer, self.compiled_with, self.deepcompile = None, None, False
         self.module_forward_pre_hook = self.module.register_forward_pre_hook(lambda module, args: None)
         self.module_forward_post_hook = self.module.register_forward_hook(lambda module, args, out: None)
 
@@ -48,7 +48,7 @@ class _Engine(torch.nn.Module):
         return 2
 
     def is_deepcompile_active(self):
-        return False
+        return self.deepcompile
 
 
 def _compiled(board=None, fails=None, eager_fails=None):
@@ -162,6 +162,17 @@ def test_another_ranks_refusal_sends_this_rank_eager_too(capsys):
     compiled(*BATCH)
     assert given == ["compiled", "eager"] and not compiled.compiled
     assert f"could not be compiled on rank 1 ({REFUSED}); every rank runs eager" in capsys.readouterr().out
+
+
+def test_a_step_deepcompile_could_not_compile_ends_the_run_in_one_line(refusal):
+    """DeepCompile's set-up takes ZeRO's own gradient and gather hooks off for good: no eager step is left."""
+    compiled, given = _compiled(fails=refusal)
+    compiled.engine.deepcompile = True
+    with pytest.raises(UserError, match=r"^DeepSpeed's DeepCompile could not compile ZeRO stage 2's training step on "
+                                        r"rank 0 \(RuntimeError: .*\) and cannot fall back to eager: set "
+                                        r"\"deepcompile\" false in the file's compile section, or pass --compile off$"):
+        compiled(*BATCH)
+    assert given == ["compiled"], "no eager attempt"
 
 
 def test_an_error_that_eager_would_not_cure_ends_the_run_naming_the_rank():

@@ -8,3 +8,10 @@ def test_each_outcome_is_counted_by_what_the_user_saw():
         ("one line", "error: x.json: unknown DeepSpeed key 'a'")
     assert try_configs.outcome("Traceback (most recent call last):\n  ...\nKeyError: 'b'\n", 1) == \
         ("traceback", "KeyError: 'b'")
+
+
+def test_a_folder_gives_its_deepspeed_and_accelerate_files_in_order(tmp_path):
+    for name in ("b.json", "a.conf", "c.yaml", "d.YML", "notes.md", "e.py"):
+        (tmp_path / name).write_text("{}")
+    assert [p.name for p in try_configs.files_of([tmp_path])] == ["a.conf", "b.json", "c.yaml", "d.YML"]
+    assert try_configs.files_of([tmp_path / "notes.md"]) == [tmp_path / "notes.md"], "a file named is tried as named"

@@ -7,8 +7,8 @@ against WRITTEN_FOR; `version_note()` says in one line what to do when another v
 """
 from app.ds.internals.parser import Recorder, parse_config, scalar_defaults, section_fields
 from app.ds.internals.engine import (autocast_of, config_saved_as, count_every_stage_in_grad_norm, count_skipped_steps,
-                                     bad_norms, drop_other_stages, engine_hooks_eager, forget_released_params,
-                                     forget_unfinished_forward,
+                                     bad_norms, deepcompile_active, drop_other_stages, engine_hooks_eager,
+                                     forget_released_params, forget_unfinished_forward,
                                      forget_parallel_groups, forward_within_the_step, gathered_state_dict,
                                      lighten_plain_step, note_clip_norms,
                                      skip_bad_steps_on_device,
@@ -28,7 +28,8 @@ from app.ds.internals.state import (deepspeed_estimate, held_weights, module_sta
 WRITTEN_FOR = "0.19.8"
 __all__ = ["autocast_of", "Recorder", "parse_config", "scalar_defaults", "section_fields", "config_saved_as",
            "count_every_stage_in_grad_norm", "count_skipped_steps", "bad_norms", "drop_other_stages",
-           "engine_hooks_eager", "forget_parallel_groups", "forget_released_params", "forget_unfinished_forward",
+           "engine_hooks_eager", "deepcompile_active", "forget_parallel_groups", "forget_released_params",
+           "forget_unfinished_forward",
            "forward_within_the_step",
            "gathered_state_dict",
            "lighten_plain_step", "note_clip_norms", "replay_cpu_adam_steps", "restore_swapped_adam",

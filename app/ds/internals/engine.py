@@ -246,15 +246,15 @@ def engine_hooks_eager(engine):
     on every submodule run eager too: traced, those after a submodule recompile once per output shape
     until torch's recompile limit (8) turns them eager with a warning on every rank, and the one before
     each submodule is eager in DeepSpeed itself, so the graphs end at submodule boundaries either way.
+    Where DeepCompile compiled the step, the engine has taken its own forward hooks off (its passes do their work).
     """
     module = engine.module
     handles = [(module._forward_pre_hooks, engine.module_forward_pre_hook),
-               (module._forward_hooks, engine.module_forward_post_hook)]
-    check = getattr(engine, "first_dataloader_check", None)  # AutoTP's first-forward broadcast of the inputs
-    if check is not None and check.id in module._forward_pre_hooks:
-        handles.append((module._forward_pre_hooks, check))
+               (module._forward_hooks, engine.module_forward_post_hook),
+               (module._forward_pre_hooks, getattr(engine, "first_dataloader_check", None))]  # AutoTP's broadcast
     for hooks, handle in handles:
-        hooks[handle.id] = torch.compiler.disable(hooks[handle.id])
+        if handle is not None and handle.id in hooks:
+            hooks[handle.id] = torch.compiler.disable(hooks[handle.id])
     offload = getattr(engine.optimizer, "parameter_offload", None)  # ZeRO-3's hooks on every submodule
     for handle in (offload.forward_hooks + offload.backward_hooks) if offload is not None else []:
         hooks = handle.hooks_dict_ref()
@@ -263,12 +263,15 @@ def engine_hooks_eager(engine):
 
 
 def uncompile(engine):
-    """Undo engine.compile(): the module's plain forward from now on; where DeepCompile compiled the step, its
-    passes and hooks gone too (the engine's own forward hooks back), as DeepSpeed's destroy() ends them."""
+    """Undo engine.compile(): the module's plain forward from now on. Not where DeepCompile compiled the step
+    (deepcompile_active): its set-up took ZeRO's own gradient and gather hooks off for good."""
     engine.module._compiled_call_impl = None
     engine._is_compiled = False
-    if engine.is_deepcompile_active():
-        engine._deactivate_deepcompile()
+
+
+def deepcompile_active(engine) -> bool:
+    """Whether DeepSpeed's DeepCompile compiles the engine's step (or has begun to), as its destroy() asks."""
+    return engine.is_deepcompile_active() or getattr(engine, "_deepcompile_native_initialized", False)
 
 
 def autocast_of(engine):
