@@ -106,9 +106,9 @@ def _dynamo_backend(top: dict) -> str:
     """The torch.compile backend the file asks accelerate for: an older file's top-level dynamo_backend, which
     accelerate puts in dynamo_config's place, else dynamo_config's; NO for none."""
     config = top.get("dynamo_config")
-    if "dynamo_backend" in top or not isinstance(config, dict):
-        return str(top.get("dynamo_backend") or "NO").split(".")[-1].upper()
-    return str(config.get("dynamo_backend") or "NO").split(".")[-1].upper()
+    older = "dynamo_backend" in top or not isinstance(config, dict)
+    backend = top.get("dynamo_backend") if older else config.get("dynamo_backend")
+    return str(backend or "NO").split(".")[-1].upper()
 
 
 def _parallelism(path: Path, config: dict) -> tuple:
