@@ -195,7 +195,8 @@ def train(job: Job) -> int:
                                    precision.compute_dtype(engine), settings.peak_flops)
     if not (built.saved is not None and built.saved.step >= built.steps):  # nothing_to_do says so below
         task.before_load(engine, built.state.deepspeed_config, output_dir)
-    compiled = compiling.wanted(settings.compile, engine.device, task.eager_because(engine.zero_optimization_stage()))
+    compiled = compiling.wanted(settings.compile, engine.device, task.eager_because(engine.zero_optimization_stage()),
+                                engine.is_deepcompile_enabled())
     resumed = built.resume_from
     start = resume.load(engine, task, resumed, built.saved, ranks.replicas) if resumed else (0, 0)
     early = early_stop.for_run(settings, built.saved)

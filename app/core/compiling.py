@@ -17,15 +17,22 @@ from app.ds.internals import torch_private
 from app.errors import UserError, first_line
 
 
-def wanted(choice: str, device: torch.device, eager_because: str = "") -> bool:
+def wanted(choice: str, device: torch.device, eager_because: str = "", deepcompile: bool = False) -> bool:
     """--compile on/off, or auto: on for CUDA devices only (on CPU the compile time is not won back). eager_because:
-    why this run must not compile ('' where it may): auto then trains eager and says why, on is refused."""
+    why this run must not compile ('' where it may): auto then trains eager and says why, on is refused.
+    deepcompile: the engine's config asks for DeepSpeed's DeepCompile, which only a compiled run runs: an eager run
+    says it trains without."""
     if eager_because and choice == "on":
         raise UserError(f"--compile on: {eager_because}; pass --compile off (or auto, which trains eager here)")
     if eager_because and choice == "auto" and device.type == "cuda":
         dist.print0(f"compile: off, eager: {eager_because}")
-        return False
-    return choice == "on" or (choice == "auto" and device.type == "cuda")
+        compiled = False
+    else:
+        compiled = choice == "on" or (choice == "auto" and device.type == "cuda")
+    if deepcompile and not compiled:
+        dist.print0(f"compile: eager (--compile {choice}), so the DeepSpeed config's \"deepcompile\": true does "
+                    f"nothing: DeepSpeed's DeepCompile runs in compiled runs only (--compile on)")
+    return compiled
 
 
 def allow_a_graph_per_block(module) -> int:

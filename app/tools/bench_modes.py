@@ -73,7 +73,8 @@ def run_app(mode, args, world, work: Workload, loader, clock, total):  # long: t
         clock.tick()
         return result
     engine.optimizer.step, engine.allreduce_gradients = step_and_tick, reduce_after_reading
-    step = ranks.train_step(engine, work.task, compiling.wanted(choice, engine.device))
+    step = ranks.train_step(engine, work.task,
+                            compiling.wanted(choice, engine.device, deepcompile=engine.is_deepcompile_enabled()))
     precision.set_tf32(world.device, precision.compute_dtype(engine), "on")  # as train.py does
     schedule = loop.Schedule(total, log_interval=10, eval_interval=total)
     try:

@@ -1,12 +1,11 @@
 """Will it fit? The memory plan of a model under each ds_config before the run: per rank, the weights, gradients,
 optimizer state and fp32 masters on the GPU and on the host, the activations a sample adds (a compiled step's, as a
 run on a GPU compiles; --compile off: the eager step's), the predicted peak, the largest micro batch that fits, and
-the fastest config that fits. No GPU and no download needed. With
---preference, of preference tuning: a sample is a pair (two sequences) and the reference model is counted. With
---grpo, of online RL: a sample is a prompt, its group of completions sampled (their key-value cache, and under
-ZeRO-3 the weights gathered whole) then trained on, seq_len tokens each, prompt and completion. With
---sequence_parallel N (DeepSpeed's Ulysses), each rank holds seq_len / N tokens of every sample and ZeRO
-partitions over all --world_size ranks.
+the fastest config that fits. No GPU and no download needed. With --preference, of preference tuning: a sample
+is a pair (two sequences) and the reference model is counted. With --grpo, of online RL: a sample is a prompt, its
+group of completions sampled (their key-value cache, and under ZeRO-3 the weights gathered whole) then trained on,
+seq_len tokens each, prompt and completion. With --sequence_parallel N (DeepSpeed's Ulysses), each rank holds
+seq_len / N tokens of every sample and ZeRO partitions over all --world_size ranks.
 
     python -m app.tools.plan --model gpt2-124m --world_size 8 --micro_batch 16 --gpu_memory 80GB
     python -m app.tools.plan --model llama-1b --seq_len 32768 --sequence_parallel 4 --world_size 4 --gpu_memory 80GB
@@ -38,6 +37,7 @@ NOT_PLANNED = {"bf16": "dp.json with bf16 autocast always: on a GPU, the same as
                "pipeline": "splits the layers over the ranks: its stages' bytes are the bench's parameter bytes",
                "tensor_parallel": "shards each layer over the ranks: its shards' bytes are the bench's parameter bytes",
                "sequence_parallel": "dp.json with each sequence split: plan it with --deepspeed_config"}
+KINDS = ("weights", "gradients", "optimizer", "masters", "working")  # the device's columns, in order
 UNITS = {"": 1e9, "b": 1, "kb": 1e3, "mb": 1e6, "gb": 1e9, "tb": 1e12, "kib": 2**10, "mib": 2**20, "gib": 2**30,
          "tib": 2**40, "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40}
 
@@ -190,8 +190,9 @@ def _gb(count) -> str:
     return "-" if count is None else f"{count / 1e9:,.2f}"
 
 
-def _heading(args, first, budget: float, reference: str, notes: list) -> list:
-    """The plan's lines above its rows: the model and GPU, notes (sequence_notes, task_notes), the columns."""
+def _heading(args, first, budget: float, reference: str, notes: list, width: int) -> list:
+    """The plan's lines above its rows: the model and GPU, notes (sequence_notes, task_notes), the columns (the
+    configs' as wide as `width`; the reference's in the table of a run that holds one only)."""
     trained = f" ({first.trained / 1e6:,.2f}M of them LoRA adapters that train)" if first.trained < first.parameters \
         else ""
     degree = args.sequence_parallel
@@ -201,21 +202,17 @@ def _heading(args, first, budget: float, reference: str, notes: list) -> list:
             f"GPU {args.gpu_memory / 1e9:,.1f} GB, of which a run may use {budget / 1e9:,.1f}; host "
             f"{args.host_memory / 1e9:,.1f} GB for {args.ranks_per_node} rank(s); in GB per rank",
             *notes,
-            f"{'config':<30}{'weights':>8}{'grads':>8}{'optim':>8}{'masters':>8}{'working':>8}"
-            f"{_ref_column('ref', reference)}{'host':>8}"
+            f"{'config':<{width}}{'weights':>8}{'grads':>8}{'optim':>8}{'masters':>8}{'working':>8}"
+            + (f"{'ref':>8}" if reference else "") + f"{'host':>8}"
             f"{'act/sample':>11}{'micro':>6}{'peak':>9}{'fits':>6}{'largest':>8}{'DS est.':>8}"]
-
-
-def _ref_column(text: str, reference: str) -> str:
-    """The reference's column: in the table of a run that holds one only."""
-    return f"{text:>8}" if reference else ""
 
 
 def table(args, named: dict, plans: dict, task, notes: tuple = ()) -> list:
     """The lines of the plan: one row per config, then the recommendation; task: the planned one (its reference,
     whether it is a transformers model); notes: sequence_notes and task_notes."""
     budget, reference = estimate.USABLE * args.gpu_memory, task.reference_kind
-    lines = _heading(args, next(iter(plans.values())), budget, reference, list(notes))
+    width = max(30, 1 + max(map(len, plans)))  # the config column: a long path keeps the rows in line
+    lines = _heading(args, next(iter(plans.values())), budget, reference, list(notes), width)
     fitting, short, peaks, searched = [], [], {}, False  # short: the host would not hold what they offload;
     for name, p in plans.items():  # peaks: each row's; searched: some row's micro batch is "auto"'s
         ds = named[name]
@@ -228,9 +225,8 @@ def table(args, named: dict, plans: dict, task, notes: tuple = ()) -> list:
         held = host.fits(host.offloaded(p), args.ranks_per_node, args.host_memory)
         theirs = ds_internals.deepspeed_estimate(ds_config.zero_stage(ds), *map(bool, estimate.offloads(ds)),
                                                  p.parameters, p.largest_layer, args.world_size)
-        d = p.device
-        lines.append(f"{name:<30}{_gb(d.get('weights', 0)):>8}{_gb(d['gradients']):>8}{_gb(d.get('optimizer', 0)):>8}"
-                     f"{_gb(d.get('masters', 0)):>8}{_gb(d['working']):>8}{_ref_column(_gb(d.get('reference')), reference)}"
+        lines.append(f"{name:<{width}}" + "".join(f"{_gb(p.device.get(kind, 0)):>8}" for kind in KINDS)
+                     + (f"{_gb(p.device.get('reference')):>8}" if reference else "") +
                      f"{_gb(sum(p.host.values())):>8}{_gb(p.per_sample):>11}{str(micro) + '*' * auto:>6}{_gb(peak):>9}"
                      f"{'no' if not fits else 'yes' if held else 'host':>6}{largest:>8}{_gb(theirs):>8}")
         if fits:

@@ -85,6 +85,19 @@ def test_a_run_that_must_not_compile_trains_eager_on_auto_and_refuses_on(capsys)
         compiling.wanted("on", torch.device("cpu"), why)
 
 
+def test_an_eager_run_says_the_files_deepcompile_does_nothing(capsys):
+    """DeepCompile runs only through engine.compile(): a GPU run kept eager says the file's ask goes unanswered."""
+    assert compiling.wanted("off", torch.device("cuda"), deepcompile=True) is False
+    assert capsys.readouterr().out == ('compile: eager (--compile off), so the DeepSpeed config\'s "deepcompile": '
+                                       'true does nothing: DeepSpeed\'s DeepCompile runs in compiled runs only '
+                                       '(--compile on)\n')
+    assert compiling.wanted("auto", torch.device("cuda"), deepcompile=True) is True
+    assert capsys.readouterr().out == ""
+    assert compiling.wanted("auto", torch.device("cuda"), "a reason", deepcompile=True) is False
+    out = capsys.readouterr().out.splitlines()
+    assert out[0] == "compile: off, eager: a reason" and '"deepcompile": true does nothing' in out[1]
+
+
 def test_the_compilers_own_refusal_is_a_compile_outcome_naming_the_innermost_error(refusal):
     assert compiling._outcome(None) == ("", "")
     assert compiling._outcome(refusal) == ("compile", REFUSED)

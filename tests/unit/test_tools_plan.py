@@ -1,6 +1,7 @@
 """The plan command (python -m app.tools.plan): memory sizes, its table, its recommendation and its one-line
 mistakes. The estimate it prints: test_estimate.py."""
 import json
+import re
 
 import pytest
 
@@ -213,6 +214,20 @@ def test_the_table_says_which_reference_and_shows_its_column(gpt2_folder, capsys
     lines = capsys.readouterr().out.splitlines()
     assert "reference: adapters off, the model itself with its LoRA adapters off: no memory of its own" in lines[1]
     assert lines[3].split()[6] == "-"
+
+
+def test_a_long_config_path_keeps_the_rows_columns_under_their_names(gpt2_folder, tmp_path, capsys):
+    long = tmp_path / "a-folder-whose-name-is-longer-than-the-column" / "zero3.json"
+    long.parent.mkdir()
+    long.write_text((plan_tool.ds_config.REPO / "ds_configs" / "zero3.json").read_text())
+    argv = ["--model", str(gpt2_folder), "--micro_batch", "4", "--seq_len", "128", "--gpu_memory", "10GB",
+            "--deepspeed_config", str(long), "--preference"]
+    assert plan_tool.main(argv) == 0
+    lines = capsys.readouterr().out.splitlines()
+    header = next(line for line in lines if line.startswith("config"))
+    row = next(line for line in lines if line.startswith(str(long)))
+    ends = [[m.end() for m in re.finditer(r"\S+", line)][1:] for line in (header, row)]
+    assert len(ends[1]) == 13 and ends[0][:12] + ends[0][-1:] == ends[1], f"{header}\n{row}"  # "DS est." two
 
 
 def test_at_sequence_parallel_n_a_rank_holds_the_activations_of_seq_over_n_tokens(gpt2_folder):
