@@ -264,7 +264,7 @@ def window_totals(parts: list, group: int, functions: list, counts: bool = True)
              **{f"rewards/{f.name}/mean": per_function[2 * i] / max(per_function[2 * i + 1], 1)
                 for i, f in enumerate(functions)}}
     return {"tokens": tokens, "shown": shown,
-            "batch_std": ((square - total ** 2 / n) / (n - 1)) ** 0.5 if n > 1 else float("nan")}
+            "batch_std": max(0.0, (square - total ** 2 / n) / (n - 1)) ** 0.5 if n > 1 else float("nan")}
 
 
 def write_completions(output_dir: Path, step: int, parts: list, task):

@@ -11,6 +11,12 @@ from app.distributed import dist
 from app.errors import UserError
 
 
+GIVEN = ("prompts", "completions", "completion_ids", "trainer_state", "log_extra", "log_metric")
+"""What TRL gives every reward function by these names: a column of one of them would collide with it."""
+NOT_PASSED = ("completion", "completion_ids")
+"""Columns TRL keeps from the reward functions (a completion of the data, not the one sampled)."""
+
+
 class PromptRows(Samples):
     """(the prompt's ids, left-padded to the set's length, [the row's index, its prompt's tokens]); the raw rows
     stay for the rewards. A sample is one prompt: the step samples its group of completions. repeats: the optimizer
@@ -35,7 +41,7 @@ class PromptRows(Samples):
 
     def columns(self, indices: list) -> dict:
         """The rows' other columns, by name: what the reward functions take as keyword arguments."""
-        names = [c for c in self.rows.column_names if c not in ("prompt", "prompt_ids")]
+        names = [c for c in self.rows.column_names if c not in ("prompt", "prompt_ids", *NOT_PASSED)]
         picked = [self.rows[int(i)] for i in indices]
         return {name: [row[name] for row in picked] for name in names}
 
@@ -68,6 +74,13 @@ def _checked(train, held, settings) -> None:
         if "prompt" not in rows.column_names:
             raise UserError(f"--task grpo needs rows with a 'prompt' column (text, or a list of messages), and any "
                             f"columns the reward functions read; {what} has: {', '.join(rows.column_names)}")
+        taken = [c for c in rows.column_names if c in GIVEN and c not in NOT_PASSED]
+        if taken:
+            raise UserError(f"{what} has a column named {taken[0]!r}, the name of what every reward function is "
+                            f"given beside the columns (TRL's {', '.join(GIVEN)}); rename the column")
+        if "prompt_ids" in rows.column_names:
+            raise UserError(f"{what} has a column named 'prompt_ids', where the app puts each prompt's token ids; "
+                            f"rename the column")
     if len(sources.split_sources(settings.dataset)) > 1 or settings.streaming == "on":
         raise UserError("--task grpo reads one --dataset source, loaded whole: pass one source and --streaming off")
 

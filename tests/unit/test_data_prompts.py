@@ -39,6 +39,14 @@ def test_prompts_are_rendered_left_padded_and_keep_their_columns(tmp_path):
     assert train.prompts([int(row)])[0][0]["role"] == "user"
 
 
+def test_a_prompt_completion_sets_completion_columns_stay_from_the_rewards_as_in_trl(tmp_path):
+    """TRL passes the reward functions every column but prompt, completion and completion_ids: a function that
+    takes `completions` and no **kwargs trains on such a set."""
+    rows = [{"prompt": f"2 + {i} =", "completion": f" {i + 2}", "completion_ids": [i], "answer": i} for i in range(10)]
+    train = _sets(tmp_path, rows)[0]
+    assert train.columns([0, 1]) == {"answer": [train.rows[0]["answer"], train.rows[1]["answer"]]}
+
+
 def test_plain_text_prompts_are_tokenized_as_written(tmp_path):
     train, _, _, tokenizer, _ = _sets(tmp_path, [{"prompt": f"2 + {i} =", "answer": i + 2} for i in range(10)])
     ids, (_, length) = train[0]
@@ -49,6 +57,10 @@ def test_plain_text_prompts_are_tokenized_as_written(tmp_path):
     ([{"question": "q"}] * 10, {}, "--task grpo needs rows with a 'prompt' column"),
     ([{"prompt": "x" * 300}] * 10, {}, "the longest prompt \\(300 tokens\\) and --max_completion_length 8"),
     ([{"prompt": 5}] * 10, {}, "the prompt is neither text nor a list of messages"),
+    ([{"prompt": "q", "trainer_state": 1}] * 10, {}, "--dataset has a column named 'trainer_state', the name of what "
+                                                     "every reward function is given .*; rename the column"),
+    ([{"prompt": "q", "prompts": "p"}] * 10, {}, "a column named 'prompts'"),
+    ([{"prompt": "q", "prompt_ids": [1]}] * 10, {}, "a column named 'prompt_ids', where the app puts each prompt's"),
 ])
 def test_rows_grpo_cannot_train_on_are_refused_in_one_line(tmp_path, rows, given, message):
     with pytest.raises(UserError, match=message):

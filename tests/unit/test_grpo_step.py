@@ -42,3 +42,12 @@ def test_the_windows_totals_count_real_prompts_alone_and_give_trls_reward_metric
     assert shown["reward_std"] == pytest.approx(math.sqrt(0.5) / 3)
     mean = sum(rewards) / 5
     assert totals["batch_std"] == pytest.approx(math.sqrt(sum((r - mean) ** 2 for r in rewards) / 4))
+
+
+@pytest.mark.parametrize("value", [0.15, 0.3, 0.7])
+def test_a_step_whose_completions_all_score_alike_has_a_batch_std_of_zero_not_a_complex_one(value):
+    """Rounding can take the variance of equal rewards a hair below zero; its square root must stay real."""
+    n = 128
+    part = _part([[value]] * n, torch.ones(n, 2), torch.full((n,), 1 / 8), torch.tensor([False] * n))
+    std = grpo_step.window_totals([part], 8, [Reward("a", None, 1.0, "")])["batch_std"]
+    assert isinstance(std, float) and std == pytest.approx(0.0, abs=1e-7)
