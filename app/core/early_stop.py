@@ -82,8 +82,8 @@ class EarlyStopping:
     def why(self) -> str:
         """The reason a stopped run gives."""
         state = self.state
-        return (f"{state.metric} has not improved for {state.bad} evaluation(s) (best {state.best:.6g} at step "
-                f"{state.best_step})")
+        best = "no finite value yet" if state.best is None else f"best {state.best:.6g} at step {state.best_step}"
+        return f"{state.metric} has not improved for {state.bad} evaluation(s) ({best})"  # None: NaN or empty counts
 
 
 def for_run(settings, saved) -> EarlyStopping | None:

@@ -114,7 +114,7 @@ class Loop:
         self.step, self.engine = step, step.engine
         self.train_loader, self.eval_loader, self.schedule, self.log = train_loader, eval_loader, schedule, log
         self.save, self.stop, self.answers, self.profiler, self.early = save, stop, answers, profiler, early
-        self.early_stopped = False
+        self.early_stopped, self.save_after_epoch = False, False
         self.meter, self.clock = Meter(step.metrics, self.engine.device), Stopwatch()
         self.divergence = Divergence(self.engine, schedule.max_nonfinite_steps)
         self.samples, self.seconds, self.last_eval, self.stopped = 0.0, 0.0, {}, False
@@ -138,13 +138,16 @@ class Loop:
                 if self._done():
                     break
             else:  # the epoch ran to its end
-                if self.schedule.eval_after_epoch(self.engine.global_steps) and self._evaluate(epoch):
+                evaluated = self.schedule.eval_after_epoch(self.engine.global_steps) and self._evaluate(epoch)
+                if evaluated or self.save_after_epoch:
                     self._save(epoch + 1, 0)
+                self.save_after_epoch = False
             epoch, skip = epoch + 1, 0
         return {"steps": self.engine.global_steps, "epochs": epoch, "samples": self.samples,
                 "train_s": self.seconds, **self.log.rates(self.samples, self.seconds),
                 "skipped_steps": self.engine.skipped_steps, "stopped_early": self.stopped and not self.early_stopped,
-                **({"early_stopping": {**self.early.record(), "stopped": self.early_stopped}} if self.early else {}),
+                **({"early_stopping": {**self.early.record(), "stopped": self.early_stopped, "why": self.early.why()}}
+                   if self.early else {}),
                 **self.last_eval,
                 **(self.train_loader.drawn(*self.position) if self.position else {})}
 
@@ -171,7 +174,10 @@ class Loop:
         save_best = schedule.eval_now(step) and self._evaluate(epoch)
         if save_best or schedule.save_now(step, self.stopped):
             done = batch_index == len(self.train_loader)
-            self._save(epoch + done, 0 if done else batch_index)
+            if done and not self.stopped and schedule.eval_after_epoch(step):
+                self.save_after_epoch = True  # after the epoch's evaluation, whose verdict the checkpoint keeps
+            else:
+                self._save(epoch + done, 0 if done else batch_index)
 
     def _save(self, epoch: int, batch: int):
         """A checkpoint of this step, to continue at (epoch, batch)."""

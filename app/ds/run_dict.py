@@ -70,8 +70,9 @@ def for_trial(ds: dict, micro: int, replicas: int) -> dict:
 def for_benchmark(ds: dict, micro: int, facts: ds_auto.Facts, replicas: int, steps: int, where: str) -> tuple:
     """(the dict of app.tools.bench's engine, what "auto" filled): for_engine makes the dict whole once its model is
     built. The JSON at `micro` samples and no accumulation, its "auto" values filled as a run fills them, the
-    scheduler as long as the benchmark's steps."""
-    ds, filled = ds_auto.fill({**ds, ds_config.MICRO: micro, "gradient_accumulation_steps": 1}, facts, replicas)
+    scheduler as long as the benchmark's steps; no monitor reports it."""
+    ds, filled = ds_auto.fill({**_unmonitored(ds), ds_config.MICRO: micro, "gradient_accumulation_steps": 1}, facts,
+                              replicas)
     ds = without_deepcompile_on_cpu(ds, facts, filled)
     ds = ds_auto.fill_lengths(ds_config.resolve_batch_sizes(ds, replicas, where), steps, {})
     return ds_config.fill_scheduler_length(ds, steps), filled

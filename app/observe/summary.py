@@ -32,8 +32,7 @@ def summarise(result: dict, settings, world, engine, task, log, stop, started: f
                     f"checkpoint saved; continue with --resume auto --output_dir {log.output_dir}")
         return 0
     early = result.get("early_stopping", {})
-    why = (f"stopped early at step {summary['steps']}, {early['metric']} not improved for {early['bad']} "
-           f"evaluation(s) (best {early['best']:.6g} at step {early['best_step']}); " if early.get("stopped") else "")
+    why = f"stopped early at step {summary['steps']}, {early['why']}; " if early.get("stopped") else ""
     dist.print0(f"{why or 'done: '}{shown(summary, task.summary_metrics)} in {summary['wall_s']:.1f} s; files in "
                 f"{log.output_dir}")
     return 0

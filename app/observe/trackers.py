@@ -67,8 +67,8 @@ def with_sections(ds: dict, names: tuple) -> dict:
 
 
 def cannot_start(ds: dict, names: tuple) -> str:
-    """Why a tracker of the run cannot start on this machine ('' when all can): its package does not import, or
-    MLflow cannot open its store."""
+    """Why a tracker of the run cannot start on this machine ('' when all can): its package does not import, W&B
+    online finds no login, or MLflow cannot open its store."""
     wanted = [(name, f"--report_to {name}" if name in names else f"the DeepSpeed config's \"{name}\" section")
               for name in ("wandb", "comet") if on(ds, name)]
     wanted += [("mlflow", "--report_to mlflow")] if "mlflow" in names else []
@@ -80,7 +80,26 @@ def cannot_start(ds: dict, names: tuple) -> str:
             return f"{why} needs the {module} package, which does not import ({first_line(e)}): pip install {pip}"
         if name == "comet" and _older(imported.__version__, COMET_OLDEST):
             return f"{why} needs comet_ml {COMET_OLDEST} or later, not {imported.__version__}: pip install {pip}"
+        if name == "wandb" and (problem := _wandb_login_problem(imported)):
+            return f"{why}: {problem}"
     return _mlflow_store_problem() if "mlflow" in names else ""
+
+
+def _wandb_login_problem(wandb) -> str:
+    """Why W&B cannot start here ('' where it can): online (WANDB_MODE) without a key of its own (WANDB_API_KEY, the
+    .netrc `wandb login` writes, its settings), found as wandb.init would find it, without asking or calling out.
+    wandb.init would otherwise end rank 0 inside DeepSpeed's engine while the others wait for it."""
+    if os.environ.get("WANDB_MODE", "").strip().lower() in ("offline", "dryrun", "disabled"):
+        return ""
+    try:
+        if wandb.login(verify=False, prompt=False):
+            return ""
+    except TypeError:  # a W&B older than `prompt`: wandb.init says for itself
+        return ""
+    except Exception as e:  # noqa: BLE001 (W&B's own refusal of the key it found, in one line)
+        return f"W&B refuses its login here ({first_line(e)}); run `wandb login` again or fix WANDB_API_KEY"
+    return ("W&B runs online (WANDB_MODE) and finds no login on this machine; run `wandb login`, set "
+            "WANDB_API_KEY, or set WANDB_MODE=offline (then `wandb sync`) or disabled")
 
 
 def _older(version: str, oldest: str) -> bool:

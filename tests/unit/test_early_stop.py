@@ -47,6 +47,14 @@ def test_higher_is_better_for_an_accuracy_and_a_value_that_is_not_finite_never_i
     assert (early.state.best, early.state.best_step, early.state.bad, early.stop()) == (0.6, 40, 2, False)
 
 
+def test_a_run_whose_evaluations_were_never_finite_says_so_when_it_stops(capsys):
+    """Patience runs out before any finite value (an fp16 overflow, a held-out count of 0): the line, no traceback."""
+    early = EarlyStopping("eval_loss", patience=1)
+    assert _judge(early, [float("nan")]) == [(False, True)]
+    assert early.why() == "eval_loss has not improved for 1 evaluation(s) (no finite value yet)"
+    assert early.ended_before() and "nothing to do: this run stopped early" in capsys.readouterr().out
+
+
 def test_patience_0_never_stops_but_keep_best_still_tracks_the_best_step():
     early = EarlyStopping("eval_loss", patience=0, keep_best=True)
     assert not any(stop for _, stop in _judge(early, [1.0] + [2.0] * 20))

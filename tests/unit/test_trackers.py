@@ -47,13 +47,16 @@ def test_comets_api_key_leaves_the_dict_for_comets_own_variable(monkeypatch):
     assert os.environ["COMET_API_KEY"] == "s3cret"
 
 
-def test_trial_and_reference_engines_report_nothing():
-    """A micro batch trial or a frozen reference would start a W&B run of its own: only the run's engine reports."""
+def test_trial_reference_and_benchmark_engines_report_nothing():
+    """A micro batch trial, a frozen reference or a benchmark mode would start a W&B run of its own: only the
+    run's engine reports."""
     monitors = {"wandb": {"enabled": True}, "csv_monitor": {"enabled": True}, "tensorboard": {"enabled": True}}
     ds, filled, _ = run_dict.planned({"train_micro_batch_size_per_gpu": 4, **monitors}, "j.json",
                                      torch.device("cpu"), 1, ds_auto.Facts())
     assert not set(monitors) & set(run_dict.for_trial(ds, 2, 1))
     assert not set(monitors) & set(run_dict.for_reference(ds, 1))
+    assert not set(monitors) & set(run_dict.for_benchmark({"train_micro_batch_size_per_gpu": 4, **monitors}, 2, ds_auto.Facts(), 1, 4,
+                                                       "a benchmark")[0])
     final = run_dict.final(ds, filled, 10, universal=False, trainable=100, tensor=1)
     assert {key: final[key] for key in monitors} == monitors
 
@@ -206,3 +209,39 @@ def test_a_run_that_fails_ends_its_tracker_runs_as_failed(tmp_path, one_rank):
     assert next(r["exit"] for r in records if r["type"] == "exit")["exit_code"] == 1
     assert [r["history"]["item"]["loss"] for r in records if r["type"] == "history"] == [2.5, 2.0]
 
+
+
+WANDB_LOGINS = '''
+import json, os
+from app.errors import UserError
+from app.observe import trackers
+said = []
+for env in ({}, {"WANDB_MODE": "offline"}, {"WANDB_MODE": "disabled"}, {"WANDB_API_KEY": "short"},
+            {"WANDB_API_KEY": "0123456789abcdef0123456789abcdef01234567"}):
+    os.environ.update(env)
+    try:
+        trackers.enabled({"wandb": {"enabled": True, "project": "x"}}, "")
+        said.append("")
+    except UserError as e:
+        said.append(str(e))
+    for name in env:
+        del os.environ[name]
+print(json.dumps(said))
+'''
+
+
+def test_wandb_online_without_a_login_is_one_line_before_the_engine_starts_it(tmp_path):
+    """W&B's own search for a key (the environment, the .netrc `wandb login` writes, its settings), here a home
+    without any: no prompt, no call out, and offline or disabled need none."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("WANDB_", "NETRC"))}
+    env.update(HOME=str(tmp_path), WANDB_CONFIG_DIR=str(tmp_path / "config"), PYTHONPATH=str(REPO))
+    done = subprocess.run([sys.executable, "-c", WANDB_LOGINS], cwd=tmp_path, capture_output=True, text=True,
+                          timeout=120, env=env, stdin=subprocess.DEVNULL)
+    assert done.returncode == 0, done.stderr[-3000:]
+    no_login, offline, disabled, bad_key, key = json.loads(done.stdout.splitlines()[-1])
+    assert no_login == ("the DeepSpeed config's \"wandb\" section: W&B runs online (WANDB_MODE) and finds no login "
+                        "on this machine; run `wandb login`, set WANDB_API_KEY, or set WANDB_MODE=offline (then "
+                        "`wandb sync`) or disabled")
+    assert (offline, disabled, key) == ("", "", "")
+    assert bad_key == ("the DeepSpeed config's \"wandb\" section: W&B refuses its login here (API key must have "
+                       "40+ characters, has 5.); run `wandb login` again or fix WANDB_API_KEY")
