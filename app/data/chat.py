@@ -6,7 +6,7 @@ tokenized on its own (as the prompt is at inference, before the model answers), 
 """
 import torch
 
-from app.data import tools
+from app.data import conversations, tools
 from app.data.samples import Samples
 from app.errors import UserError, first_line
 
@@ -32,35 +32,6 @@ DEFAULT_TEMPLATE = (
     "{%- if add_generation_prompt %}{{- '<|assistant|>\n' }}{%- endif %}")
 
 
-# ShareGPT's speakers (axolotl, LLaMA-Factory and FastChat read its `conversations` of {"from", "value"} turns), and
-# LLaMA-Factory's for tool use: a function_call turn holds the call as JSON, an observation turn the tool's result
-SPEAKERS = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "system": "system",
-            "function_call": "assistant", "observation": "tool", "tool": "tool"}
-
-
-def form_of(columns) -> str:
-    """'messages', 'conversations' (ShareGPT), 'prompt_completion' or 'alpaca' (instruction, input, output) when
-    the columns hold instruction data, else ''."""
-    if "messages" in columns or "conversations" in columns:
-        return "messages" if "messages" in columns else "conversations"
-    if "prompt" in columns and "completion" in columns:
-        return "prompt_completion"
-    if "instruction" in columns and "output" in columns:
-        return "alpaca"
-    return ""
-
-
-def alpaca_turns(row: dict, index: str) -> list:
-    """An Alpaca row as a chat: its system text if any, the instruction (and its input, after a blank line) from the
-    user, the output from the assistant."""
-    if not isinstance(row.get("instruction"), str) or not isinstance(row.get("output"), str) or not row["output"]:
-        raise UserError(f"{index}: its instruction or output is empty or not text")
-    asked = row["instruction"] + (f"\n\n{row['input']}" if isinstance(row.get("input"), str) and row["input"] else "")
-    system = [{"role": "system", "content": row["system"]}] if isinstance(row.get("system"), str) and row["system"] \
-        else []
-    return system + [{"role": "user", "content": asked}, {"role": "assistant", "content": row["output"]}]
-
-
 def ensure_template(tokenizer) -> bool:
     """Give a tokenizer without a chat template the default one; True if it got it."""
     if tokenizer.chat_template:
@@ -71,6 +42,7 @@ def ensure_template(tokenizer) -> bool:
 
 def render(tokenizer, messages: list, generation: bool, row: str, tools=None) -> str:
     """The turns as the chat template renders them (generation: with the prompt of the answer to come)."""
+    messages = [{k: v for k, v in m.items() if k != conversations.SKIPPED} for m in messages]  # the loss's mark alone
     try:
         return tokenizer.apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=generation)
     except Exception as e:  # jinja's TemplateError, or a message that is not a dict
@@ -78,61 +50,14 @@ def render(tokenizer, messages: list, generation: bool, row: str, tools=None) ->
                         f"each turn needs a role ({', '.join(ROLES)}) and text content") from None
 
 
-def _text(content, row: str, role: str):
-    """A turn's content: text as it is; parts ([{"type": "text", "text": ...}], LLaMA-Factory's "value" for
-    "text") joined when all are text."""
-    if not isinstance(content, list):
-        return content
-    texts = [part.get("text", part.get("value")) if isinstance(part, dict) and part.get("type") == "text" else None
-             for part in content]
-    if not all(isinstance(text, str) for text in texts):
-        kinds = sorted({str(part.get("type")) if isinstance(part, dict) else type(part).__name__ for part in content})
-        raise UserError(f"{row}: a turn of role {role} holds parts of type {', '.join(kinds)}; only text parts "
-                        f"({{\"type\": \"text\", \"text\": ...}}) are read")
-    return "".join(texts)
-
-
-def _turn(m: dict, row: str) -> dict:
-    """One turn as the chat template takes it: role, text content, tool calls and their ids where given."""
-    if m.get("role"):
-        turn = {"role": m["role"], "content": _text(m.get("content"), row, m["role"])}
-        turn.update({k: m[k] for k in ("name", "tool_call_id") if m.get(k) is not None})
-        calls = m.get("tool_calls")
-    else:
-        turn = {"role": SPEAKERS.get(m["from"], m["from"]), "content": m.get("value")}
-        calls = m.get("value") if m["from"] == "function_call" else None
-        turn["content"] = "" if calls else turn["content"]
-    if calls:
-        turn["tool_calls"] = tools.calls(calls, row)
-        turn["content"] = turn["content"] if turn["content"] is not None else ""
-    return turn
-
-
-def turns(value, row: str, what: str) -> list:
-    """A list of turns, checked; ShareGPT's {from, value} turns are read as such."""
-    if not isinstance(value, list) or not value or not all(isinstance(m, dict) and (m.get("role") or m.get("from"))
-                                                           for m in value):
-        raise UserError(f"{row}: {what} is not a list of turns like "
-                        f"{{\"role\": \"user\", \"content\": \"...\"}}")
-    return [_turn(m, row) for m in value]
-
-
 def pieces(tokenizer, row: dict, form: str, index: str) -> list:
     """[(text, is_answer)] whose texts join to the whole rendered row; index names the row in errors."""
-    if form == "prompt_completion" and isinstance(row["prompt"], str):
-        if not isinstance(row["completion"], str) or not row["completion"]:
+    prompt, completion = conversations.as_text(row.get("prompt")), conversations.as_text(row.get("completion"))
+    if form == "prompt_completion" and isinstance(prompt, str):
+        if not isinstance(completion, str) or not completion:
             raise UserError(f"{index}: its completion is empty or not text")
-        return [(row["prompt"], False), (row["completion"] + (tokenizer.eos_token or ""), True)]
-    if form == "prompt_completion":
-        prompt = turns(row["prompt"], index, "its prompt")
-        messages = prompt + turns(row["completion"], index, "its completion")
-        answers = [i for i in range(len(prompt), len(messages)) if messages[i]["role"] == "assistant"]
-    else:
-        messages = alpaca_turns(row, index) if form == "alpaca" else turns(row[form], index, f"its {form}")
-        answers = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
-    if not answers:
-        raise UserError(f"{index} has no assistant turn to learn from; every "
-                        f"conversation needs at least one")
+        return [(prompt, False), (completion + (tokenizer.eos_token or ""), True)]
+    messages, answers = conversations.conversation(row, form, index)
     offered = tools.offered(row, index)
     whole, cuts = render(tokenizer, messages, False, index, offered), [0]
     for i in answers:

@@ -1,6 +1,6 @@
 """What a text source's rows hold (plain text, labelled text, instruction data, preference pairs) and the block they
 are cut to: the same for loaded sets (text_sets.py) and streamed ones (stream.py)."""
-from app.data import TextModel, chat, preference
+from app.data import TextModel, conversations, preference
 from app.errors import UserError
 from app.settings import Settings
 
@@ -19,7 +19,7 @@ def instruction_form(train, task: str, settings: Settings) -> str:
                         f"language model; {settings.model} is a sequence classifier: pass a causal LM")
     if pairs and task in ("causal_lm", "preference") and not settings.text_column:
         return pairs
-    form = chat.form_of(train.column_names) if task in ("causal_lm", "instruction") and not settings.text_column \
+    form = conversations.form_of(train.column_names) if task in ("causal_lm", "instruction") and not settings.text_column \
         else ""
     if task == "instruction" and not form:
         raise UserError(f"--task instruction needs rows with a 'messages' column (chats), 'conversations' (ShareGPT), "

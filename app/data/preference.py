@@ -8,7 +8,7 @@ conversation's rendering, tokenized on its own as chat.py does.
 import numpy as np
 import torch
 
-from app.data import DataInfo, chat, text
+from app.data import DataInfo, chat, conversations, text
 from app.data.chat import IGNORE
 from app.data.samples import Samples
 from app.distributed import dist
@@ -39,7 +39,7 @@ def _shared_start(chosen, rejected) -> int:
 
 def _as_turns(value, index: str, what: str) -> list:
     """A list of {role, content} turns; LLaMA-Factory's answers ({"from": "gpt", "value": ...}) are one turn."""
-    return chat.turns([value] if isinstance(value, dict) else value, index, what)
+    return conversations.turns([value] if isinstance(value, dict) else value, index, what)
 
 
 def _asked_within(chosen, rejected) -> bool:

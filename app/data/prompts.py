@@ -3,7 +3,7 @@ chat template's generation prompt), tokenized once as TRL does (no special token
 to the reward functions by name (app/core/rewards.py)."""
 import torch
 
-from app.data import DataInfo, TextModel, chat, sources, text
+from app.data import DataInfo, TextModel, chat, conversations, sources, text
 from app.data.forms import block_for
 from app.data.samples import Samples
 from app.data.tokenizers import run_tokenizer
@@ -50,7 +50,7 @@ def _prompt_text(tokenizer, value, row: str) -> str:
     if isinstance(value, str):
         return value
     if isinstance(value, list):
-        return chat.render(tokenizer, chat.turns(value, row, "prompt"), True, row)
+        return chat.render(tokenizer, conversations.turns(value, row, "prompt"), True, row)
     raise UserError(f"{row}: the prompt is neither text nor a list of messages like "
                     f"{{\"role\": \"user\", \"content\": \"...\"}}")
 

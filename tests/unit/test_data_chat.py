@@ -7,7 +7,7 @@ import datasets
 import pytest
 import torch
 
-from app.data import TextModel, chat, text, text_sets
+from app.data import TextModel, chat, conversations, text, text_sets
 from app.data.tokenizers import TOKENIZER_DIR, byte_tokenizer, run_tokenizer
 from app.errors import UserError
 from app.settings import Settings
@@ -52,14 +52,6 @@ def test_prompt_and_completion_rows_plain_and_conversational():
     assert labelled(tok, ids, labels) == f"4{EOS}", "the completion only: the prompt's answer was given"
 
 
-def test_the_form_is_found_from_the_columns():
-    assert chat.form_of(["messages", "id"]) == "messages"
-    assert chat.form_of(["prompt", "completion"]) == "prompt_completion"
-    assert chat.form_of(["conversations"]) == "conversations"
-    assert chat.form_of(["instruction", "input", "output"]) == "alpaca"
-    assert chat.form_of(["prompt", "text"]) == "" and chat.form_of(["text"]) == ""
-
-
 def test_alpaca_rows_read_as_a_user_turn_and_an_answer():
     """Alpaca's rows (LLaMA-Factory's default format): the instruction and its input from the user, the output
     from the assistant, the system text first if there is one."""
@@ -101,7 +93,7 @@ def test_sharegpt_conversations_read_as_chats():
     ({"prompt": "x", "completion": ""}, "its completion is empty or not text"),
 ])
 def test_a_bad_row_is_one_line_naming_it(row, said):
-    form = chat.form_of(row.keys()) or "prompt_completion"
+    form = conversations.form_of(row.keys()) or "prompt_completion"
     with pytest.raises(UserError, match="^row 7 of the train instruction data") as error:
         chat.encoder(tokenizer(), form, 100, False, "train")({k: [v] for k, v in row.items()}, [7])
     assert said in str(error.value) and "\n" not in str(error.value)

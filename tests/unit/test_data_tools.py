@@ -6,7 +6,7 @@ import json
 import datasets
 import pytest
 
-from app.data import chat, tools
+from app.data import chat, conversations, tools
 from app.data.tokenizers import byte_tokenizer
 from app.errors import UserError
 from conftest import REPO
@@ -55,7 +55,7 @@ def test_public_tool_calling_rows_are_labelled_on_the_calls_and_answers_only(nam
     rows = datasets.load_dataset("json", data_files=str(TOOLS / name), split="train")
     assert len(rows) == len(lines)
     for i, (row, line) in enumerate(zip(rows, lines)):
-        ids, labels, _, cut = chat.encode_row(tok, row, chat.form_of(rows.column_names), f"row {i}", BIG, False)
+        ids, labels, _, cut = chat.encode_row(tok, row, conversations.form_of(rows.column_names), f"row {i}", BIG, False)
         want_ids, want_labels = [], []
         for piece, answer in written_out(line):
             tokens = tok(piece, add_special_tokens=False)["input_ids"]
@@ -97,7 +97,7 @@ def test_content_parts_other_than_text_are_refused_in_one_line():
 
 def test_sharegpt_function_call_and_observation_turns_are_a_call_and_its_result():
     row = json.loads((TOOLS / "llamafactory-glaive_toolcall_en_demo-sharegpt.jsonl").read_text().splitlines()[0])
-    assert chat.turns(row["conversations"], "r", "its conversations") == [
+    assert conversations.turns(row["conversations"], "r", "its conversations") == [
         {"role": "user", "content": row["conversations"][0]["value"]},
         {"role": "assistant", "content": "", "tool_calls": [{"type": "function", "function": {
             "name": "calculate_tip", "arguments": {"bill_amount": 100, "tip_percentage": 15}}}]},
