@@ -30,6 +30,9 @@ def read_rows(source: str, config: str, seed: int, buffer: int, one_pass: int, s
     order) drawn from the seed and the pass; an --eval_file inside a plain folder is not among them."""
     import datasets
     datasets.disable_progress_bars()
+    if text.saved_to_disk(Path(source)):
+        raise UserError(f"--dataset {source} is a folder datasets' save_to_disk wrote, which loads whole: pass "
+                        f"--streaming off")
     if Path(source).exists() and not text.names_splits(Path(source), eval_file):
         text.check_split(["train"], source, "--dataset_train_split", split)  # a plain file or folder is one split
         builder, files = text.local_files(Path(source), source)

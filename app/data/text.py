@@ -12,8 +12,25 @@ from app.data.samples import Samples
 from app.errors import UserError, first_line
 
 # datasets.load_dataset builder for each file suffix it can read
-FILE_BUILDERS = {".txt": "text", ".text": "text", ".json": "json", ".jsonl": "json", ".csv": "csv",
+FILE_BUILDERS = {".txt": "text", ".text": "text", ".json": "json", ".jsonl": "json", ".ndjson": "json", ".csv": "csv",
                  ".parquet": "parquet"}
+COMPRESSED = (".gz", ".bz2", ".xz", ".zst")
+"""Compressions datasets reads text, JSON and CSV files through (chats.jsonl.gz)."""
+SAVED = ("state.json", "dataset_dict.json")
+"""What datasets' save_to_disk writes at the top of a Dataset's or a DatasetDict's folder."""
+
+
+def kind(path: Path):
+    """The builder of a data file by its suffix, in any case and under a compression datasets reads; None if none."""
+    suffixes = [suffix.lower() for suffix in path.suffixes]
+    if len(suffixes) > 1 and suffixes[-1] in COMPRESSED and FILE_BUILDERS.get(suffixes[-2]) != "parquet":
+        return FILE_BUILDERS.get(suffixes[-2])
+    return FILE_BUILDERS.get(suffixes[-1]) if suffixes else None
+
+
+def saved_to_disk(path: Path) -> bool:
+    """Whether path is a folder datasets' save_to_disk wrote (read with load_from_disk, not as files)."""
+    return path.is_dir() and any((path / name).is_file() for name in SAVED)
 
 
 def local_files(path: Path, source: str, eval_file: str = "") -> tuple:
@@ -21,17 +38,17 @@ def local_files(path: Path, source: str, eval_file: str = "") -> tuple:
     split)."""
     held = [Path(eval_file)] if eval_file else []
     if path.is_dir():  # an --eval_file inside the folder is held out of its training files
-        train = [p for p in sorted(path.rglob("*")) if p.suffix in FILE_BUILDERS and
-                 not any(p.resolve() == h.resolve() for h in held)]
+        train = [p for p in sorted(path.rglob("*")) if kind(p) and not any(p.resolve() == h.resolve() for h in held)]
     else:  # the same file named twice trains on it and evaluates on it, as asked
         train = [path]
     if not train:
         aside = f" besides --eval_file {eval_file}" if held else ""
         raise UserError(f"--dataset {source} holds no data file ({', '.join(FILE_BUILDERS)}){aside}")
-    kinds = {FILE_BUILDERS.get(p.suffix) for p in train + held}
+    kinds = {kind(p) for p in train + held}
     if None in kinds or len(kinds) > 1:
-        raise UserError(f"--dataset {source}: need files of one kind among {', '.join(FILE_BUILDERS)}; "
-                        f"found {', '.join(sorted({p.suffix or p.name for p in train + held}))}")
+        raise UserError(f"--dataset {source}: need files of one kind among {', '.join(FILE_BUILDERS)} (or "
+                        f"{', '.join(COMPRESSED)} of them); found "
+                        f"{', '.join(sorted({''.join(p.suffixes) or p.name for p in train + held}))}")
     data_files = {"train": [str(p) for p in train]}
     if all(os.path.getsize(p) == 0 for p in train):
         raise UserError(f"--dataset {source} has no training rows: its files are empty")
@@ -57,20 +74,24 @@ def names_splits(path: Path, eval_file: str = "") -> bool:
     except Exception:  # no data file, or names datasets cannot read as splits
         return False
     claimed = {Path(f).resolve() for files in named.values() for f in files}
-    data = {p.resolve() for p in path.rglob("*") if p.suffix in FILE_BUILDERS}
+    data = {p.resolve() for p in path.rglob("*") if kind(p)}
     return "train" in named and len(named) > 1 and claimed == data and \
         not (eval_file and Path(eval_file).resolve() in data)
 
 
 def _local_splits(path: Path, source: str, eval_file: str, config_name: str):
-    """The splits of a local file or folder of one kind, or of a folder that names its splits (and --eval_file as
-    the validation split)."""
+    """The splits of a local file or folder of one kind, of a folder that names its splits, or of one datasets'
+    save_to_disk wrote (and --eval_file as the validation split)."""
     import datasets
     try:
-        if not names_splits(path, eval_file):
+        if saved_to_disk(path):
+            splits = datasets.load_from_disk(str(path))
+            splits = splits if isinstance(splits, datasets.DatasetDict) else datasets.DatasetDict(train=splits)
+        elif not names_splits(path, eval_file):
             builder, data_files = local_files(path, source, eval_file)
             return datasets.load_dataset(builder, data_files=data_files)
-        splits = datasets.load_dataset(str(path), config_name or None)
+        else:
+            splits = datasets.load_dataset(str(path), config_name or None)
         if eval_file:
             splits["validation"] = _local_splits(Path(eval_file), eval_file, "", "")["train"]
         return splits

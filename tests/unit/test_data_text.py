@@ -24,6 +24,36 @@ def test_every_file_format_loads_with_a_held_out_share(suffix, tmp_path):
         assert sorted(list(train["label"]) + list(held["label"])) == sorted(y for _, y in sentences(50))
 
 
+def test_compressed_files_other_cases_of_suffix_and_ndjson_load_as_their_kind(tmp_path):
+    """datasets reads a .jsonl.gz (or .bz2, .xz, .zst) through its compression; a suffix's case is no kind."""
+    import gzip
+    plain = write_text_rows(tmp_path / "rows.jsonl", 50)
+    folder = tmp_path / "shards"
+    folder.mkdir()
+    (folder / "part-0.JSONL.gz").write_bytes(gzip.compress(plain.read_bytes()))
+    (folder / "part-1.ndjson").write_bytes(plain.read_bytes())
+    train, held = text.load_splits(str(folder), "", "", 0.2, seed=0)
+    assert (len(train), len(held)) == (80, 20)
+    assert sorted(list(train["text"]) + list(held["text"])) == sorted(2 * [t for t, _ in sentences(50)])
+
+
+def test_a_folder_datasets_save_to_disk_wrote_loads_its_splits(tmp_path):
+    """Read with load_from_disk, not as the JSON files of its metadata; a Dataset's folder is one training set."""
+    rows = [{"text": t, "label": y} for t, y in sentences(30)]
+    dataset = datasets.Dataset.from_list(rows)
+    datasets.DatasetDict(train=dataset.select(range(24)), validation=dataset.select(range(24, 30))).save_to_disk(
+        str(tmp_path / "dict"))
+    dataset.save_to_disk(str(tmp_path / "one"))
+    train, held = text.load_splits(str(tmp_path / "dict"), "", "", 0.5, seed=0)
+    assert (len(train), len(held)) == (24, 6) and list(held["text"]) == [t for t, _ in sentences(30)][24:]
+    train, held = text.load_splits(str(tmp_path / "one"), "", "", 0.2, seed=0)
+    assert (len(train), len(held)) == (24, 6) and set(train.column_names) == {"text", "label"}
+    from app.data import stream
+    with pytest.raises(UserError, match="is a folder datasets' save_to_disk wrote, which loads whole: pass "
+                                        "--streaming off"):
+        next(stream.read_rows(str(tmp_path / "one"), "", 0, 0, 0))
+
+
 def test_a_folder_of_files_and_an_eval_file(tmp_path):
     folder = tmp_path / "corpus"
     folder.mkdir()
@@ -45,7 +75,7 @@ def test_the_dataset_file_named_again_as_eval_file_trains_and_evaluates_on_it(tm
     (tmp_path / "only").mkdir()
     inside = write_text_rows(tmp_path / "only" / "held.jsonl", 5)
     with pytest.raises(UserError, match=rf"^--dataset {tmp_path / 'only'} holds no data file \(.txt, .text, .json, "
-                                        rf".jsonl, .csv, .parquet\) besides --eval_file {inside}$"):
+                                        rf".jsonl, .ndjson, .csv, .parquet\) besides --eval_file {inside}$"):
         text.load_splits(str(tmp_path / "only"), "", str(inside), 0.5, seed=0)
     (tmp_path / "none-here").mkdir()
     with pytest.raises(UserError, match=rf"^--dataset {tmp_path / 'none-here'} holds no data file \(.txt, "):
