@@ -108,9 +108,9 @@ class Loop:
         """step: the training step, a step.TrainStep or, on a pipeline, a pipeline.PipeStep (both give micro_step
         and evaluate); save(step, epoch, batch) writes a checkpoint; stop.agreed(step) says when every rank
         stops; answers(step), after each evaluation, shows the model's answers (app/core/answers.py);
-        profiler.at(steps done), before the first step and after each (app/observe/profiler.py); early, an
-        early_stop.EarlyStopping, judges each evaluation: it may stop the run, and with keep_best a new best
-        is saved at once."""
+        profiler.at(steps done), before the first step and after each, and finish(steps done) at the end
+        (app/observe/profiler.py); early, an early_stop.EarlyStopping, judges each evaluation: it may stop the
+        run, and with keep_best a new best is saved at once."""
         self.step, self.engine = step, step.engine
         self.train_loader, self.eval_loader, self.schedule, self.log = train_loader, eval_loader, schedule, log
         self.save, self.stop, self.answers, self.profiler, self.early = save, stop, answers, profiler, early
@@ -143,6 +143,8 @@ class Loop:
                     self._save(epoch + 1, 0)
                 self.save_after_epoch = False
             epoch, skip = epoch + 1, 0
+        if self.profiler is not None:
+            self.profiler.finish(self.engine.global_steps)
         return {"steps": self.engine.global_steps, "epochs": epoch, "samples": self.samples,
                 "train_s": self.seconds, **self.log.rates(self.samples, self.seconds),
                 "skipped_steps": self.engine.skipped_steps, "stopped_early": self.stopped and not self.early_stopped,

@@ -29,12 +29,26 @@ class StepProfiler:
                                                     with_stack=False, profile_memory=True)
             self.recording.__enter__()
         elif self.recording is not None and done >= self.last:
-            self.recording.__exit__(None, None, None)
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            self.recording.export_chrome_trace(str(self.path))
-            self.written = True  # the run records once
-            print(f"profile: steps {self.first}-{self.last} written to {self.path} (open it in ui.perfetto.dev, or "
-                  f"with TensorBoard's profiler: tensorboard --logdir {self.path.parent})", flush=True)
+            self._write(self.path, self.last)
+
+    def finish(self, done: int):
+        """At the run's end, `done` steps done: a recording the run ended inside (stopped early, on request) is
+        written with the steps it holds; steps the run never reached (or had passed when it resumed) are said."""
+        if self.written:
+            return
+        if self.recording is not None:
+            self._write(self.path.with_name(self.path.name.replace(f"-{self.last}.", f"-{done}.")), done)
+        else:
+            print(f"profile: nothing recorded: this run, ended at step {done}, took none of steps "
+                  f"{self.first}-{self.last} (it resumed after them or ended before them)", flush=True)
+
+    def _write(self, path: Path, last: int):
+        self.recording.__exit__(None, None, None)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self.recording.export_chrome_trace(str(path))
+        self.written = True  # the run records once
+        print(f"profile: steps {self.first}-{last} written to {path} (open it in ui.perfetto.dev, or with "
+              f"TensorBoard's profiler: tensorboard --logdir {path.parent})", flush=True)
 
 
 def for_run(text: str, ranks: str, steps: int, output_dir: Path, device: torch.device):
