@@ -283,6 +283,21 @@ def sentences(n: int, seed: int = 0):
         yield text, int(subject in MAMMALS)
 
 
+def started_tokenizer(post: str = "<s> $A"):
+    """A byte-level tokenizer whose own start token, <s>, is not its end of text, </s>, as Llama's, Gemma's and
+    Mistral's tokenizers add theirs (post: its template for one text, tokenizers' TemplateProcessing)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
+    from transformers import PreTrainedTokenizerFast
+    vocab = {char: i for i, char in enumerate(sorted(pre_tokenizers.ByteLevel.alphabet()))}
+    vocab.update({"<s>": 256, "</s>": 257, "<pad>": 258})
+    backend = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    backend.decoder = decoders.ByteLevel()
+    backend.add_special_tokens(["<s>", "</s>", "<pad>"])
+    backend.post_processor = processors.TemplateProcessing(single=post, special_tokens=[("<s>", 256), ("</s>", 257)])
+    return PreTrainedTokenizerFast(tokenizer_object=backend, bos_token="<s>", eos_token="</s>", pad_token="<pad>")
+
+
 def write_text_rows(path: Path, n: int, seed: int = 0, labelled: bool = False) -> Path:
     """Generated sentences (with labels when asked) in the format path's suffix names."""
     rows = [{"text": t, **({"label": y} if labelled else {})} for t, y in sentences(n, seed)]

@@ -4,6 +4,8 @@ template, tokenized, and labelled on the answers only (every assistant turn), or
 A row becomes (input ids, labels): the rendered text cut into pieces at the start and end of each answer, each piece
 tokenized on its own (as the prompt is at inference, before the model answers), labels -100 outside the answers.
 """
+import functools
+
 import torch
 
 from app.data import conversations, tools
@@ -71,10 +73,22 @@ def pieces(tokenizer, row: dict, form: str, index: str) -> list:
     return [(whole[a:b], k % 2 == 1) for k, (a, b) in enumerate(zip(cuts, cuts[1:])) if b > a or k % 2 == 1]
 
 
+@functools.lru_cache(maxsize=16)  # a tokenizer is asked once, however many rows it tokenizes
+def start_ids(tokenizer) -> tuple:
+    """The ids the tokenizer puts before plain text (Llama's <|begin_of_text|>, Gemma's and Mistral's <bos>), which
+    TRL's trainers and transformers' run_clm keep: [] where it adds none, and where its start is its end-of-text
+    token (GPT-2's family, whose <|endoftext|> ends documents and begins none). A chat template writes its own."""
+    plain, full = (tokenizer("a", add_special_tokens=special)["input_ids"] for special in (False, True))
+    at = next((i for i in range(len(full) - len(plain) + 1) if full[i:i + len(plain)] == plain), 0)
+    return tuple(token for token in full[:at] if token != tokenizer.eos_token_id)
+
+
 def encode_row(tokenizer, row: dict, form: str, index: str, block: int, whole_text: bool) -> tuple:
     """(input ids, labels, first answer's [start, end) in tokens, cut): the row's tokens up to block, labels on its
-    answers (all of it when whole_text)."""
-    ids, labels, first = [], [], []
+    answers (all of it when whole_text); a row of plain text (no chat template) after the start_ids."""
+    plain = form == "prompt_completion" and isinstance(conversations.as_text(row.get("prompt")), str)
+    ids = list(start_ids(tokenizer)) if plain else []
+    labels, first = [IGNORE] * len(ids), []
     for text, answer in pieces(tokenizer, row, form, index):
         tokens = tokenizer(text, add_special_tokens=False)["input_ids"] if text else []
         if answer and not first:

@@ -98,6 +98,7 @@ def encode_row(tokenizer, row: dict, index: str, block: int) -> dict:
     for which, answer in (("chosen", chosen), ("rejected", rejected)):
         start, text = _rendered(tokenizer, prompt, answer, index, which)
         asked = tokenizer(start, add_special_tokens=False)["input_ids"] if start else []
+        asked = list(chat.start_ids(tokenizer)) + asked if isinstance(answer, str) else asked  # plain text
         said = tokenizer(text, add_special_tokens=False)["input_ids"]
         ids = (asked + said)[:block]
         encoded[which] = ids

@@ -1,6 +1,6 @@
 """Prompts for online RL (--task grpo): each row's `prompt`, plain text or a list of messages (rendered with the
-chat template's generation prompt), tokenized once as TRL does (no special tokens added); the row's other columns go
-to the reward functions by name (app/core/rewards.py)."""
+chat template's generation prompt), tokenized once as TRL does (a text prompt after the tokenizer's start tokens,
+app/data/chat.py's start_ids); the row's other columns go to the reward functions by name (app/core/rewards.py)."""
 import torch
 
 from app.data import DataInfo, TextModel, chat, conversations, sources, text
@@ -58,7 +58,9 @@ def _prompt_text(tokenizer, value, row: str) -> str:
 def _encoded(dataset, tokenizer, what: str):
     """The rows with their prompt's token ids added (cached under a fingerprint of the data and tokenizer)."""
     def encode(batch, indices):
-        ids = [tokenizer(_prompt_text(tokenizer, value, f"{what} row {i}"), add_special_tokens=False)["input_ids"]
+        plain = list(chat.start_ids(tokenizer))  # before a text prompt, as TRL's tokenizer call puts them
+        ids = [(plain if isinstance(value, str) else []) +
+               tokenizer(_prompt_text(tokenizer, value, f"{what} row {i}"), add_special_tokens=False)["input_ids"]
                for value, i in zip(batch["prompt"], indices)]
         return {**batch, "prompt_ids": ids}
     key = text.cache_key(dataset, tokenizer, "prompts", tokenizer.chat_template)

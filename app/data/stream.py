@@ -84,12 +84,13 @@ class Stream:
             yield from made
 
     def _blocks(self, rows):
-        """Every text followed by the separator, concatenated and cut into blocks (the pass's tail left out)."""
+        """Every text between the tokenizer's start tokens and the separator, concatenated and cut into blocks (the
+        pass's tail left out), as text.lm_blocks makes them."""
         tokenizer = self.tokenizer
         sep = tokenizer.eos_token_id if tokenizer.eos_token_id is not None else tokenizer.sep_token_id
-        carry = []
+        carry, start = [], list(chat.start_ids(tokenizer))
         for row in rows:
-            carry += tokenizer(row[self.column] or "", add_special_tokens=False)["input_ids"] + \
+            carry += start + tokenizer(row[self.column] or "", add_special_tokens=False)["input_ids"] + \
                 ([sep] if sep is not None else [])
             while len(carry) >= self.block:
                 ids = torch.tensor(carry[:self.block])

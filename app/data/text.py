@@ -11,6 +11,8 @@ from app.data import chat
 from app.data.samples import Samples
 from app.errors import UserError, first_line
 
+START_RULE = "plain text opens with the tokenizer's start tokens"
+"""Part of every tokenized cache's key: a cache made before plain text took them is not reused."""
 # datasets.load_dataset builder for each file suffix it can read
 FILE_BUILDERS = {".txt": "text", ".text": "text", ".json": "json", ".jsonl": "json", ".ndjson": "json", ".csv": "csv",
                  ".parquet": "parquet"}
@@ -168,7 +170,7 @@ def pick_column(dataset, wanted: str, role: str, defaults: tuple) -> str:
 def cache_key(dataset, tokenizer, *settings) -> str:
     """A datasets fingerprint for tokenizing this dataset with this tokenizer and these settings."""
     vocab = tokenizer.backend_tokenizer.to_str() if tokenizer.is_fast else repr(sorted(tokenizer.get_vocab().items()))
-    return hashlib.sha256(repr((dataset._fingerprint, vocab, settings)).encode()).hexdigest()[:32]
+    return hashlib.sha256(repr((dataset._fingerprint, vocab, START_RULE, settings)).encode()).hexdigest()[:32]
 
 
 def mapped(dataset, encode, key: str, what: str, unit: str, with_indices: bool = False):
@@ -182,12 +184,14 @@ def mapped(dataset, encode, key: str, what: str, unit: str, with_indices: bool =
 
 
 def lm_blocks(dataset, tokenizer, column: str, block_size: int, what: str):
-    """Every text, each followed by the separator, concatenated and cut into blocks of block_size tokens."""
+    """Every text, the tokenizer's start tokens before it (chat.start_ids) and the separator after it, concatenated
+    and cut into blocks of block_size tokens."""
     sep = tokenizer.eos_token_id if tokenizer.eos_token_id is not None else tokenizer.sep_token_id
+    start = list(chat.start_ids(tokenizer))
 
     def encode(batch):
         ids = tokenizer([t or "" for t in batch[column]], add_special_tokens=False)["input_ids"]
-        flat = [token for doc in ids for token in (doc + [sep] if sep is not None else doc)]
+        flat = [token for doc in ids for token in start + doc + ([sep] if sep is not None else [])]
         usable = len(flat) // block_size * block_size
         return {"input_ids": [flat[i:i + block_size] for i in range(0, usable, block_size)]}
     return mapped(dataset, encode, cache_key(dataset, tokenizer, "lm", column, block_size), what,

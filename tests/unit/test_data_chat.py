@@ -11,7 +11,7 @@ from app.data import TextModel, chat, conversations, text, text_sets
 from app.data.tokenizers import TOKENIZER_DIR, byte_tokenizer, run_tokenizer
 from app.errors import UserError
 from app.settings import Settings
-from conftest import REPO
+from conftest import REPO, started_tokenizer
 
 EOS = "<|endoftext|>"
 TWO_TURNS = {"messages": [{"role": "system", "content": "Add."}, {"role": "user", "content": "1+2?"},
@@ -50,6 +50,21 @@ def test_prompt_and_completion_rows_plain_and_conversational():
     ids, labels, _, _ = chat.encode_row(tok, row, "prompt_completion", "r", 999, False)
     assert tok.decode(ids) == tok.apply_chat_template(TWO_TURNS["messages"], tokenize=False)
     assert labelled(tok, ids, labels) == f"4{EOS}", "the completion only: the prompt's answer was given"
+
+
+def test_plain_text_opens_with_the_tokenizers_own_start_token_as_trl_tokenizes_it():
+    """TRL and transformers' run_clm call the tokenizer on plain text, which puts Llama's, Gemma's or Mistral's
+    start token first; GPT-2's family starts with its end of text, which separates and starts nothing."""
+    llama_like = started_tokenizer()
+    assert chat.start_ids(llama_like) == (256,) and chat.start_ids(byte_tokenizer()) == ()
+    assert chat.start_ids(started_tokenizer("$A </s>")) == (), "T5's end token comes after"
+    ids, labels, first, _ = chat.encode_row(llama_like, {"prompt": "2+2=", "completion": "4"}, "prompt_completion",
+                                            "r", 99, False)
+    assert llama_like.decode(ids) == "<s>2+2=4</s>" and labels[0] == chat.IGNORE
+    assert llama_like.decode(ids[first[0]:first[1]]) == "4</s>"
+    chat.ensure_template(llama_like)
+    chatted, _, _, _ = chat.encode_row(llama_like, TWO_TURNS, "messages", "r", 999, False)
+    assert chatted[0] != 256, "a chat template writes its own start (the default one: none)"
 
 
 def test_alpaca_rows_read_as_a_user_turn_and_an_answer():

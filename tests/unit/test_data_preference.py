@@ -12,7 +12,7 @@ from app.data import chat, forms, preference
 from app.data.tokenizers import byte_tokenizer
 from app.errors import UserError
 from app.settings import Settings
-from conftest import REPO
+from conftest import REPO, started_tokenizer
 
 DATA = REPO / "tests" / "data" / "preference"
 EOS = "<|endoftext|>"
@@ -87,6 +87,14 @@ def test_every_public_row_is_split_rendered_and_labelled_on_its_answers(name):
             assert labels[:p] == [chat.IGNORE] * p and labels[p:] == ids[p:], (name, i, which)
             assert tok.decode(ids[:p]) == prompt and tok.decode(ids[p:]) == answer, (name, i, which)
             assert answer.endswith(EOS) and encoded[f"{which}_units"] == len(ids) - p
+
+
+def test_a_text_pair_opens_with_the_tokenizers_start_token_as_trls_dpo_tokenizes_it():
+    tok = started_tokenizer()
+    encoded = preference.encode_row(tok, {"prompt": "Sky?", "chosen": " blue", "rejected": " green"}, "r", BIG)
+    assert tok.decode(encoded["chosen"]) == "<s>Sky? blue</s>" and tok.decode(encoded["rejected"]) == \
+        "<s>Sky? green</s>"
+    assert encoded["prompt"] == 5 and encoded["chosen_labels"][:5] == [chat.IGNORE] * 5
 
 
 def test_a_chosen_text_that_starts_the_rejected_keeps_its_last_character():

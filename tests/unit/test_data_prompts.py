@@ -7,6 +7,7 @@ import pytest
 from app.data import TextModel, prompts
 from app.errors import UserError
 from app.settings import Settings
+from conftest import started_tokenizer
 
 MODEL = TextModel("", 320, 256)
 
@@ -51,6 +52,18 @@ def test_plain_text_prompts_are_tokenized_as_written(tmp_path):
     train, _, _, tokenizer, _ = _sets(tmp_path, [{"prompt": f"2 + {i} =", "answer": i + 2} for i in range(10)])
     ids, (_, length) = train[0]
     assert tokenizer.decode(ids[-int(length):]) in {f"2 + {i} =" for i in range(10)}
+
+
+def test_a_text_prompt_opens_with_the_tokenizers_start_token_as_trls_grpo_tokenizes_it(tmp_path):
+    """TRL's GRPOTrainer calls the tokenizer on a text prompt: Llama's <|begin_of_text|> comes first."""
+    folder = tmp_path / "tok"
+    started_tokenizer().save_pretrained(folder)
+    data = _write(tmp_path / "prompts.jsonl", [{"prompt": f"2 + {i} ="} for i in range(10)])
+    settings = Settings(model="llama-tiny", tokenizer=str(folder), dataset=str(data), task="grpo",
+                        max_completion_length=8)
+    train, _, _, tokenizer, _ = prompts.prompt_sets(settings, MODEL, tmp_path / "run")
+    ids, (_, length) = train[0]
+    assert tokenizer.decode(ids[-int(length):]).startswith("<s>2 + ")
 
 
 @pytest.mark.parametrize("rows, given, message", [

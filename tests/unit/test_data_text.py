@@ -9,7 +9,7 @@ from app.data import chat, text
 from app.data.tokenizers import byte_tokenizer
 from app.errors import UserError
 from app.settings import Settings
-from conftest import REPO, sentences, write_text_rows
+from conftest import REPO, sentences, started_tokenizer, write_text_rows
 
 FORMATS = [".txt", ".json", ".jsonl", ".csv", ".parquet"]
 
@@ -194,6 +194,18 @@ def test_an_empty_file_is_refused(tmp_path):
     (tmp_path / "empty.txt").write_text("")
     with pytest.raises(UserError, match="no training rows"):
         text.load_splits(str(tmp_path / "empty.txt"), "", "", 0.1, seed=0)
+
+
+def test_each_text_of_the_blocks_opens_with_the_start_token_streamed_or_not(tmp_path):
+    from app.data import stream
+    dataset = datasets.Dataset.from_dict({"text": ["ab", "cd", "ef"]})
+    tokenizer = started_tokenizer()
+    blocks = text.lm_blocks(dataset, tokenizer, "text", 4, "train")
+    assert [tokenizer.decode(b) for b in blocks["input_ids"]] == ["<s>ab</s>", "<s>cd</s>", "<s>ef</s>"]
+    made = stream.Stream.__new__(stream.Stream)
+    made.tokenizer, made.column, made.block = tokenizer, "text", 4
+    assert [tokenizer.decode(ids) for ids, _, _ in made._blocks(iter(dataset))] == ["<s>ab</s>", "<s>cd</s>",
+                                                                                   "<s>ef</s>"]
 
 
 def test_blocks_are_the_concatenated_text_cut_once_and_the_cache_is_reused(tmp_path, capsys):
