@@ -19,8 +19,8 @@ def instruction_form(train, task: str, settings: Settings) -> str:
                         f"language model; {settings.model} is a sequence classifier: pass a causal LM")
     if pairs and task in ("causal_lm", "preference") and not settings.text_column:
         return pairs
-    form = conversations.form_of(train.column_names) if task in ("causal_lm", "instruction") and not settings.text_column \
-        else ""
+    chats = task in ("causal_lm", "instruction") and not settings.text_column
+    form = conversations.form_of(train.column_names) if chats else ""
     if task == "instruction" and not form:
         raise UserError(f"--task instruction needs rows with a 'messages' column (chats), 'conversations' (ShareGPT), "
                         f"'prompt' and 'completion', or 'instruction' and 'output' (Alpaca); {settings.dataset} has: "

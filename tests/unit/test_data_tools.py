@@ -55,7 +55,8 @@ def test_public_tool_calling_rows_are_labelled_on_the_calls_and_answers_only(nam
     rows = datasets.load_dataset("json", data_files=str(TOOLS / name), split="train")
     assert len(rows) == len(lines)
     for i, (row, line) in enumerate(zip(rows, lines)):
-        ids, labels, _, cut = chat.encode_row(tok, row, conversations.form_of(rows.column_names), f"row {i}", BIG, False)
+        form = conversations.form_of(rows.column_names)
+        ids, labels, _, cut = chat.encode_row(tok, row, form, f"row {i}", BIG, False)
         want_ids, want_labels = [], []
         for piece, answer in written_out(line):
             tokens = tok(piece, add_special_tokens=False)["input_ids"]
