@@ -129,16 +129,6 @@ def _values(reward: Reward, values, count: int, rows: list) -> list:
     return [_value(v, reward, row) for v, row in zip(values, rows)]
 
 
-def _run(fn, kwargs: dict):
-    """fn's return for kwargs, awaited where fn is an `async def` function."""
-    returned = fn(**kwargs)
-    if inspect.isawaitable(returned):
-        returned = asyncio.run(_awaited([returned]))[0]
-        if isinstance(returned, BaseException):
-            raise returned
-    return returned
-
-
 async def _awaited(pending: list) -> list:
     return await asyncio.gather(*pending, return_exceptions=True)
 
@@ -162,9 +152,8 @@ def _returns(rewards: list, kwargs: dict) -> list:
 def _failing_row(reward: Reward, kwargs: dict, rows: list) -> str:
     """The first row whose completion alone makes the function raise (else all of them together)."""
     for i, row in enumerate(rows):
-        try:
-            _run(reward.fn, {k: v if k == "trainer_state" else v[i:i + 1] for k, v in kwargs.items()})
-        except Exception:  # noqa: BLE001 (found: this row)
+        alone = {k: v if k == "trainer_state" else v[i:i + 1] for k, v in kwargs.items()}
+        if isinstance(_returns([reward], alone)[0], BaseException):
             return row
     return f"{rows[0]} and the rows after it, together"
 
