@@ -140,9 +140,9 @@ def _imagefolder(data_dir, image_size):
         train = torchvision.datasets.ImageFolder(str(train_dir), transform=tf, loader=open_image)
     except (FileNotFoundError, RuntimeError) as e:
         raise UserError(f"ImageFolder {train_dir}: {e}") from None
-    val_dir = next((root / d for d in ("val", "test") if (root / d).is_dir()), None)
+    val_dir = next((root / d for d in EVAL_FOLDERS if (root / d).is_dir()), None)
     if val_dir is not None:
-        eval_set = torchvision.datasets.ImageFolder(str(val_dir), transform=tf, loader=open_image)
+        eval_set = _eval_folder(val_dir, train, tf)
     else:
         order = torch.randperm(len(train), generator=torch.Generator().manual_seed(0)).tolist()
         cut = max(1, len(order) // 10)
@@ -150,6 +150,27 @@ def _imagefolder(data_dir, image_size):
         train = Subset(train, order[cut:])
     classes = len(train.dataset.classes if isinstance(train, Subset) else train.classes)
     return train, eval_set, DataInfo(classes, 3, image_size)
+
+
+EVAL_FOLDERS = ("val", "validation", "valid", "test")  # the held-out folder beside train/, first found
+
+
+def _eval_folder(val_dir: Path, train, tf):
+    """The ImageFolder of val_dir, each image labelled by the index its class has in train (ImageFolder numbers
+    each folder's classes on its own, so a val/ without one of train's classes would shift the others' labels)."""
+    import torchvision
+    try:
+        held_out = torchvision.datasets.ImageFolder(str(val_dir), transform=tf, loader=open_image)
+    except (FileNotFoundError, RuntimeError) as e:
+        raise UserError(f"ImageFolder {val_dir}: {e}") from None
+    unknown = [name for name in held_out.classes if name not in train.class_to_idx]
+    if unknown:
+        raise UserError(f"{val_dir} has class folders {train.root} has not ({', '.join(unknown[:5])}): the model "
+                        f"learns only the classes of train/; add them there or remove them from {val_dir.name}/")
+    held_out.samples = [(path, train.class_to_idx[held_out.classes[label]]) for path, label in held_out.samples]
+    held_out.imgs, held_out.targets = held_out.samples, [label for _, label in held_out.samples]
+    held_out.classes, held_out.class_to_idx = train.classes, train.class_to_idx
+    return held_out
 
 
 def open_image(path: str):

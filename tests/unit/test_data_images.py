@@ -65,6 +65,24 @@ def test_imagefolder_with_val_dir(tmp_path):
     assert train[0][0].shape == (3, 16, 16)
 
 
+def test_a_val_folder_without_one_of_trains_classes_keeps_trains_labels(tmp_path):
+    _images(tmp_path / "train", classes=("cat", "dog", "fox"))
+    _images(tmp_path / "validation", classes=("cat", "fox"), per_class=1)
+    train, held_out, info = images.build_image_sets("imagefolder", str(tmp_path), image_size=8)
+    assert info.num_classes == 3 and train.class_to_idx["fox"] == 2
+    assert [label for _, label in held_out] == [0, 2]  # fox is 2 in both, though val/ has two classes
+
+
+def test_a_val_class_that_train_has_not_is_one_line(tmp_path):
+    _images(tmp_path / "train")
+    _images(tmp_path / "val", classes=("cat", "owl"), per_class=1)
+    with pytest.raises(UserError, match=r"val has class folders .* has not \(owl\)"):
+        images.build_image_sets("imagefolder", str(tmp_path))
+    (tmp_path / "val" / "owl" / "0.png").unlink()
+    with pytest.raises(UserError, match="Found no valid file for the classes owl"):
+        images.build_image_sets("imagefolder", str(tmp_path))
+
+
 def test_imagefolder_without_val_holds_out_a_tenth(tmp_path):
     _images(tmp_path, per_class=10)
     train, held_out, info = images.build_image_sets("imagefolder", str(tmp_path), image_size=8)
