@@ -119,10 +119,11 @@ class Loop:
         self.divergence = Divergence(self.engine, schedule.max_nonfinite_steps)
         self.samples, self.seconds, self.last_eval, self.stopped = 0.0, 0.0, {}, False
         self.position = None  # (epoch, micro batches done in it) at the last log row
+        self.boundary = (0, 0)  # where the data stood at the last optimizer step: what a checkpoint resumes at
 
     def run(self, start=(0, 0)) -> dict:
         """Train from (epoch, micro batch) start; the run's totals and its last evaluation."""
-        epoch, skip = start
+        epoch, skip = self.boundary = start
         if self.profiler is not None:
             self.profiler.at(self.engine.global_steps)
         self.clock.lap()
@@ -139,8 +140,8 @@ class Loop:
                     break
             else:  # the epoch ran to its end
                 evaluated = self.schedule.eval_after_epoch(self.engine.global_steps) and self._evaluate(epoch)
-                if evaluated or self.save_after_epoch:
-                    self._save(epoch + 1, 0)
+                if evaluated or self.save_after_epoch:  # mid-window, the window's batches train again on resume
+                    self._save(*self.boundary)
                 self.save_after_epoch = False
             epoch, skip = epoch + 1, 0
         if self.profiler is not None:
@@ -159,6 +160,8 @@ class Loop:
     def _after_step(self, epoch: int, batch_index: int):
         """What the schedule asks for after an optimizer step: a log row, an evaluation, a checkpoint."""
         step, schedule = self.engine.global_steps, self.schedule
+        done = batch_index == len(self.train_loader)
+        self.boundary = (epoch + 1, 0) if done else (epoch, batch_index)
         if self.profiler is not None:
             self.profiler.at(step)
         self.log.advance(1)
@@ -175,11 +178,10 @@ class Loop:
                                skipped, extra)
         save_best = schedule.eval_now(step) and self._evaluate(epoch)
         if save_best or schedule.save_now(step, self.stopped):
-            done = batch_index == len(self.train_loader)
             if done and not self.stopped and schedule.eval_after_epoch(step):
                 self.save_after_epoch = True  # after the epoch's evaluation, whose verdict the checkpoint keeps
             else:
-                self._save(epoch + done, 0 if done else batch_index)
+                self._save(*self.boundary)
 
     def _save(self, epoch: int, batch: int):
         """A checkpoint of this step, to continue at (epoch, batch)."""

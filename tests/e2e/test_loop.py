@@ -16,6 +16,9 @@ SCENARIOS = {  # name: (total steps, start, engine's step at start, stop at step
     "whole": (7, (0, 0), 0, 0, dict(log_interval=1)),
     "resumed": (7, (1, 2), 5, 0, dict(log_interval=1)),  # saved at step 5: epoch 1, batch 2
     "stopped": (100, (0, 0), 0, 2, dict(log_interval=10, save_interval=50)),
+    # 2 micro batches a step: epoch 0 ends inside step 2's window, where --keep_best saves its first evaluation
+    "accumulated": (4, (0, 0), 0, 0, dict(log_interval=1), 2),
+    "accumulated_resumed": (4, (0, 2), 1, 0, dict(log_interval=1), 2),  # from that save
 }
 
 
@@ -29,27 +32,30 @@ class StopAt:
         return step >= self.step
 
 
-def _fit(total, start, at_step, stop_at, intervals):
-    """(rows, saves, result) of Loop.run over 10 samples in micro batches of 4 (3 per epoch, the last padded)."""
+def _fit(total, start, at_step, stop_at, intervals, accumulation=1):
+    """(rows, saves, result) of Loop.run over 10 samples in micro batches of 4 (3 per epoch, the last padded);
+    with accumulation > 1, --keep_best's early stopping judges each evaluation."""
     import torch
     from app.observe import runlog
     from app.core import tasks
+    from app.core.early_stop import EarlyStopping
     from app.core.step import TrainStep
     from app.settings import Settings
     from app.data.loader import build_loader
     gen = torch.Generator().manual_seed(1)
     data = torch.utils.data.TensorDataset(torch.randn(10, 2, generator=gen), torch.randint(0, 3, (10,), generator=gen))
-    train_loader = build_loader(data, 4, rank=0, world_size=1, shuffle=True, seed=3)
+    train_loader = build_loader(data, 4, rank=0, world_size=1, shuffle=True, seed=3, accumulation=accumulation)
     eval_loader = build_loader(data, 4, rank=0, world_size=1, shuffle=False, seed=3)
     torch.manual_seed(0)
-    engine = engine_of(torch.nn.Linear(2, 3), dict(LOOP_CONFIG))
+    engine = engine_of(torch.nn.Linear(2, 3), {**LOOP_CONFIG, "gradient_accumulation_steps": accumulation})
     engine.global_steps = at_step  # as a checkpoint load leaves it
     log, saves = runlog.RunLog(None, total), []
     log.write_row = log.rows.append  # keep the rows in memory: no output_dir
     stop = StopAt(stop_at, engine) if stop_at else None
     forward = TrainStep(engine, tasks.ImageClassification(Settings()), compile_model=False)
     fitted = loop.Loop(forward, train_loader, eval_loader, loop.Schedule(total, **intervals), log,
-                       save=lambda *at: saves.append(list(at)), stop=stop)
+                       save=lambda *at: saves.append(list(at)), stop=stop,
+                       early=EarlyStopping("eval_loss", 100, keep_best=True) if accumulation > 1 else None)
     result = fitted.run(start)
     return {"rows": log.rows, "saves": saves, "result": result}
 
@@ -107,3 +113,12 @@ def test_loop_stops_when_every_rank_agrees_and_saves_where_it_stopped(fitted):
     assert [r["step"] for r in rows if "loss" in r] == [2]
     assert saves == [[2, 0, 2]] and result["stopped_early"] is True and result["steps"] == 2
     assert not [r for r in rows if "eval_loss" in r], "a stopped run saves and leaves; no evaluation"
+
+
+def test_a_save_at_an_epoch_end_inside_a_window_resumes_at_the_windows_start(fitted):
+    """The epoch ends one micro batch into step 2's window: the new best's checkpoint (step 1) resumes at that
+    window's first batch, so the resumed run's steps take the whole run's windows."""
+    whole, resumed = fitted["accumulated"], fitted["accumulated_resumed"]
+    assert whole["saves"][0] == [1, 0, 2], "step 1, resuming at epoch 0's batch 2, the window's first"
+    assert list(_losses(resumed["rows"])) == [2, 3, 4]
+    assert _losses(resumed["rows"]) == {step: _losses(whole["rows"])[step] for step in (2, 3, 4)}
