@@ -134,6 +134,7 @@ def settle(settings: Settings, world: World, ds: dict, board: endings.Board) -> 
     ranks = layout.rank_layout(ds, world.world_size, world.rank, settings.deepspeed_config)
     early_stop.watched(settings.early_stopping_metric)  # a mistake there is one line before anything is built
     spec = resolver.spec_of(settings)
+    lora.check_flags(settings)
     lora.check_layout(settings.lora, ranks)
     tiled.check_layout(settings.tiled, ranks)
     ds, filled, note = run_dict.planned(ds, settings.deepspeed_config, world.device, ranks.replicas,

@@ -55,8 +55,8 @@ def wrap(hf, settings, task: str):
 
 def _check_targets(hf, targets: list):
     """One line naming a target the model has no module of (peft's own error lists every module)."""
-    names = {name.rsplit(".", 1)[-1] for name, _ in hf.named_modules()}
-    missing = [target for target in targets if target not in names]
+    names = [f".{name}" for name, _ in hf.named_modules()]  # peft's match: the whole name or its dotted end
+    missing = [target for target in targets if not any(name.endswith(f".{target}") for name in names)]
     if missing:
         linear = sorted({name.rsplit(".", 1)[-1] for name, module in hf.named_modules()
                          if isinstance(module, torch.nn.Linear) or type(module).__name__ == "Conv1D"})
@@ -121,9 +121,21 @@ def record(settings, spec) -> dict:
     """What a checkpoint records of LoRA: {} without it; else the adapters' settings and the base's fingerprint."""
     if not settings.lora:
         return {}
+    targets = targets_of(settings)  # as peft takes them: "q_proj, v_proj" is "q_proj,v_proj"
     return {"rank": settings.lora_rank, "alpha": settings.lora_alpha, "dropout": settings.lora_dropout,
-            "targets": settings.lora_targets,
+            "targets": targets if targets == ALL_LINEAR else ",".join(targets),
             "base": fingerprint(settings.model, spec.pretrained, settings.seed, spec.config)}
+
+
+FLAGS = {"lora_rank": 8, "lora_alpha": 16.0, "lora_dropout": 0.0, "lora_targets": ALL_LINEAR}  # and their defaults
+
+
+def check_flags(settings):
+    """One line for LoRA's flags given without --lora: the run would train the whole model."""
+    alone = [f"--{name}" for name, default in FLAGS.items() if getattr(settings, name) != default]
+    if alone and not settings.lora:
+        raise UserError(f"{', '.join(alone)} set the adapters of a LoRA run, and --lora is not given, so the whole "
+                        f"model would train: add --lora, or leave {'them' if len(alone) > 1 else 'it'} out")
 
 
 def check_layout(lora: bool, ranks):
@@ -169,7 +181,7 @@ def write_adapters(hf_files: Path, state: dict, out: Path):
     if unexpected or trained & set(missing):
         raise UserError(f"{hf_files.parent} does not match its adapter config (missing "
                         f"{sorted(trained & set(missing))[:3]}, unexpected {sorted(unexpected)[:3]})")
-    wrapped.save_pretrained(str(out))
+    wrapped.save_pretrained(str(out), save_embedding_layers=False)  # the base's vocabulary: never resized here
 
 
 def merge(adapters: Path, base: str, task: str, out: Path, hf_files: Path):

@@ -59,6 +59,8 @@ FLAG_CASES = {
                           ["missing or empty", "/nonexistent/images"]),
     "absent mnist": (["--dataset", "mnist", "--data_dir", "/nonexistent/mnist"], ["MNIST is not in", "HF_HUB_OFFLINE"]),
     "zero epochs": (["--epochs", "0"], ["--epochs must be at least 1"]),
+    "lora flags without --lora": (["--lora_rank", "16"], ["--lora_rank set the adapters of a LoRA run",
+                                                          "add --lora"]),
     "images too small for the model": (["--model", "alexnet", "--dataset", "synthetic"],
                                        ["--model alexnet cannot take the data's 32x32 images", "Output size is too small"]),
 }

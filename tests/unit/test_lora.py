@@ -42,6 +42,27 @@ def test_a_target_the_model_does_not_have_is_named_with_those_it_has():
         lora.wrap(tiny_llama(), replace(FLAGS, lora_targets="q_proj,qkv_proj"), "causal_lm")
 
 
+def test_loras_flags_without_lora_are_one_line_not_a_whole_model_trained():
+    from dataclasses import fields
+    assert lora.FLAGS == {f.name: f.default for f in fields(Settings) if f.name in lora.FLAGS}
+    with pytest.raises(UserError, match="--lora_rank, --lora_targets set the adapters of a LoRA run, and --lora is "
+                                        "not given, so the whole model would train: add --lora"):
+        lora.check_flags(Settings(lora_rank=16, lora_targets="q_proj,v_proj"))
+    lora.check_flags(Settings(lora=True, lora_rank=16))
+    lora.check_flags(Settings())
+
+
+def test_targets_match_as_peft_matches_them_and_are_recorded_as_it_takes_them():
+    dotted = lora.wrap(tiny_llama(), replace(FLAGS, lora_targets="self_attn.q_proj"), "causal_lm")
+    assert {name.split(".")[-4] for name, p in dotted.named_parameters() if p.requires_grad} == {"q_proj"}
+    with pytest.raises(UserError, match="has no module named mlp.q_proj"):
+        lora.wrap(tiny_llama(), replace(FLAGS, lora_targets="mlp.q_proj"), "causal_lm")
+    spec = SimpleNamespace(pretrained="", config=None)
+    spaced, plain = (lora.record(replace(FLAGS, model="llama", lora_targets=t), spec) for t in ("q_proj, v_proj",
+                                                                                               "q_proj,v_proj"))
+    assert spaced == plain and plain["targets"] == "q_proj,v_proj"
+
+
 def test_only_the_adapters_train_and_their_sizes_are_known_from_the_shape():
     sizes = lora.adapter_sizes(tiny_llama(), lora.ALL_LINEAR, 8)
     wrapped = lora.wrap(tiny_llama(), FLAGS, "causal_lm")
@@ -105,14 +126,16 @@ def test_adapters_resumed_onto_another_base_or_other_flags_are_one_line(tmp_path
     resume.check_compatible(state(**saved), state(**saved), tmp_path)
 
 
-def test_the_adapter_folder_and_the_merged_model_hold_the_trained_adapters(tmp_path):
+@pytest.mark.parametrize("targets", [lora.ALL_LINEAR, "q_proj,lm_head,embed_tokens"])
+def test_the_adapter_folder_and_the_merged_model_hold_the_trained_adapters(targets, tmp_path):
     """A checkpoint's state dict (the app's names) written as peft's adapter folder loads back by value, and the
-    merged model computes what the base with its adapters does."""
+    merged model computes what the base with its adapters does; adapters on the output layer and the embeddings
+    too (the base built on the meta device has no weights of them to save)."""
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
     base = tmp_path / "base"
     tiny_llama().save_pretrained(base)
-    wrapped = lora.wrap(AutoModelForCausalLM.from_pretrained(base), FLAGS, "causal_lm")
+    wrapped = lora.wrap(AutoModelForCausalLM.from_pretrained(base), replace(FLAGS, lora_targets=targets), "causal_lm")
     with torch.no_grad():
         for name, p in wrapped.named_parameters():
             if p.requires_grad:
