@@ -188,9 +188,8 @@ def merge(adapters: Path, base: str, task: str, out: Path, hf_files: Path):
     """A transformers folder of the base model with the adapters folded into its weights; the config is the run's
     (hf_files: its classes, its padding token), so a classifier's new head fits."""
     from peft import PeftModel
-    from transformers import AutoConfig
-    from app.core.models import hf_class
-    model = hf_class(task).from_pretrained(base, config=AutoConfig.from_pretrained(hf_files),
+    from app.core.models import exported_config, hf_class
+    model = hf_class(task).from_pretrained(base, config=exported_config(hf_files),
                                            ignore_mismatched_sizes=task == "sequence_classification")
     with quiet():
         merged = PeftModel.from_pretrained(model, str(adapters)).merge_and_unload()

@@ -235,10 +235,22 @@ HF_FILES = "hf"  # a checkpoint's folder for the config and tokenizer, for expor
 WEIGHT_FILES = ("*.safetensors", "*.bin", "*.safetensors.index.json", "*.bin.index.json")
 
 
-def save_hf_files(config, tokenizer, folder):
-    """The config and tokenizer that make a checkpoint exportable in save_pretrained form."""
+def save_hf_files(config, tokenizer, folder, generation=None):
+    """The config and tokenizer that make a checkpoint exportable in save_pretrained form, and the base model's
+    generation settings (generation: its GenerationConfig, None for a model that does not generate)."""
     config.save_pretrained(folder)
     tokenizer.save_pretrained(folder)
+    if generation is not None:
+        generation.save_pretrained(folder)
+
+
+def exported_config(files):
+    """The run's transformers config from a checkpoint's hf folder as an exported model takes it: with the KV cache
+    that training turns off turned on, so that generate() uses it."""
+    from transformers import AutoConfig
+    config = AutoConfig.from_pretrained(files)
+    config.use_cache = True
+    return config
 
 
 def train_flops_per_token(model: nn.Module, seq_len: int, forward_only: bool = False) -> float:

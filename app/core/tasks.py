@@ -109,7 +109,7 @@ class TextTask(Task):
 
     def __init__(self, settings: Settings, spec: models.HFSpec, data: Data = None, tokenizer=None):
         super().__init__(settings, data)
-        self.spec, self.tokenizer, self.config, self.adapters = spec, tokenizer, None, None
+        self.spec, self.tokenizer, self.config, self.adapters, self.generation = spec, tokenizer, None, None, None
         self.tokens_per_sample = self.sequences * data.info.seq_len if data is not None else 0
 
     def per_sample(self) -> dict:
@@ -123,6 +123,7 @@ class TextTask(Task):
         with lora.seeded(settings.seed) if settings.lora and not self.spec.pretrained else contextlib.nullcontext():
             model = models.build_hf(self.spec, info, self.tokenizer, ds_config, settings.attention)
         self.config = model.hf.config  # not the model: a pipeline stage keeps only its own layers
+        self.generation = getattr(model.hf, "generation_config", None)  # the base's sampling defaults, end tokens
         if settings.lora:
             model.hf = lora.wrap(model.hf, settings, self.name)
             self.adapters = model.hf.peft_config["default"]
@@ -135,7 +136,7 @@ class TextTask(Task):
     def save_files(self, folder: Path):
         """The config and tokenizer that make the checkpoint exportable in save_pretrained form (and with --lora,
         the adapters' peft config)."""
-        models.save_hf_files(self.config, self.tokenizer, folder / models.HF_FILES)
+        models.save_hf_files(self.config, self.tokenizer, folder / models.HF_FILES, self.generation)
         if self.adapters is not None:
             self.adapters.save_pretrained(str(folder / models.HF_FILES))
 

@@ -5,7 +5,10 @@ run's folder is the adapter folder peft loads (PeftModel.from_pretrained), or wi
 adapters folded in.
 """
 import argparse
+import contextlib
 import json
+import os
+import shutil
 import sys
 import tempfile
 from pathlib import Path
@@ -18,7 +21,8 @@ from app.parallel import pipeline
 from app.checkpoint import resume
 from app.parallel import tensor_parallel
 from app.ds.internals.safe_load import data_only
-from app.errors import UserError, report
+from app.errors import UserError, first_line, report
+
 
 def fp32_state_dict(folder: Path) -> dict:
     """The model's full fp32 weights from a checkpoint folder of any ZeRO stage or pipeline split, loaded as data."""
@@ -40,18 +44,58 @@ def _fp32_state_dict(folder: Path) -> dict:
 
 
 def save_pretrained(folder: Path, state: dict, task: str, out: Path):
-    """Write a transformers model folder (config, safetensors weights, tokenizer) that from_pretrained loads."""
-    from transformers import AutoConfig, AutoTokenizer
-    from app.core.models import HF_FILES, hf_class
+    """Write a transformers model folder (config, safetensors weights, generation settings, tokenizer) that
+    from_pretrained loads; a vocabulary padded for speed is cut back to the tokenizer's tokens."""
+    from transformers import AutoTokenizer
+    from app.core.models import HF_FILES, exported_config, hf_class, vocab_size
     files = folder / HF_FILES
-    hf = hf_class(task).from_config(AutoConfig.from_pretrained(files))
+    hf = hf_class(task).from_config(exported_config(files))
     missing, unexpected = hf.load_state_dict({k.removeprefix("hf."): v for k, v in state.items()}, strict=False)
     tied = {name for name, p in hf.named_parameters(remove_duplicate=False)} - dict(hf.named_parameters()).keys()
     if unexpected or set(missing) - tied:
         raise UserError(f"{folder} does not match its saved config (missing {sorted(set(missing) - tied)[:3]}, "
                         f"unexpected {sorted(unexpected)[:3]})")
+    if vocab_size(hf.config) < hf.config.vocab_size:  # the padding rows never trained; left in, they would be sampled
+        hf.resize_token_embeddings(vocab_size(hf.config), mean_resizing=False)
+        del hf.config.unpadded_vocab_size
+    if hf.generation_config is not None:
+        _generation(hf, files)
     hf.save_pretrained(out)
     AutoTokenizer.from_pretrained(files).save_pretrained(out)
+
+
+def _generation(hf, files: Path):
+    """The base model's generation settings the checkpoint kept (its sampling defaults, its end tokens), with the KV
+    cache on."""
+    from transformers import GenerationConfig
+    if (files / "generation_config.json").is_file():
+        hf.generation_config = GenerationConfig.from_pretrained(files)
+    hf.generation_config.use_cache = True
+
+
+@contextlib.contextmanager
+def _writing(out: Path):
+    """A path beside out to write, moved to out once whole: a failed export leaves nothing at out, and a failure to
+    write (a full disk, a folder without write access) is one line."""
+    from safetensors import SafetensorError  # how safetensors says an OSError
+    partial = out.with_name(f".{out.name}.partial")
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        _remove(partial)
+        yield partial
+        os.replace(partial, out)
+    except (OSError, SafetensorError) as e:
+        _remove(partial)
+        raise UserError(f"export to {out} failed ({first_line(e)}); nothing was written there: free some space or "
+                        f"name a path you can write") from None
+    except BaseException:
+        _remove(partial)
+        raise
+
+
+def _remove(path: Path):
+    with contextlib.suppress(OSError):
+        shutil.rmtree(path) if path.is_dir() else path.unlink(missing_ok=True)
 
 
 def export_lora(folder: Path, saved, state: dict, out: Path, merged: bool):
@@ -99,13 +143,14 @@ def export(folder: Path, out: Path, merged: bool = False) -> dict:
         raise UserError(f"{folder} holds a {saved.model} image model; export it to a file ending in .safetensors")
     state = {name: tensor.detach().to(torch.float32).contiguous().clone() for name, tensor in
              fp32_state_dict(folder).items()}
-    if out.suffix != ".safetensors":
-        export_lora(folder, saved, state, out, merged) if saved.lora else save_pretrained(folder, state, task, out)
-        return state
-    meta = {key: json.dumps(getattr(saved, key)) for key in ("model", "dataset", "step", "zero_stage", "world_size",
-                                                             "data_info")}
-    out.parent.mkdir(parents=True, exist_ok=True)
-    save_file(state, str(out), metadata=meta)
+    with _writing(out) as partial:
+        if out.suffix != ".safetensors":
+            export_lora(folder, saved, state, partial, merged) if saved.lora else save_pretrained(folder, state, task,
+                                                                                                 partial)
+        else:
+            meta = {key: json.dumps(getattr(saved, key)) for key in ("model", "dataset", "step", "zero_stage",
+                                                                     "world_size", "data_info")}
+            save_file(state, str(partial), metadata=meta)
     return state
 
 

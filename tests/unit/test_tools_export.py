@@ -1,6 +1,8 @@
 """Export from hand-written checkpoint folders: each layout's weights, each output form, and the one-line refusals."""
 import hashlib
 import json
+import subprocess
+import sys
 from dataclasses import asdict
 
 import pytest
@@ -14,6 +16,7 @@ from app.errors import UserError
 from app.parallel import pipeline, tensor_parallel
 from app.settings import Settings
 from app.tools import export
+from conftest import REPO
 
 DIGITS = DataInfo(10, 1, 8)
 TEXT = DataInfo(0, task="causal_lm", vocab_size=258, seq_len=16)
@@ -103,6 +106,46 @@ def test_a_transformers_checkpoint_exports_a_folder_that_from_pretrained_loads_w
         assert torch.equal(loaded.state_dict()[name], tensor), name
     tokenizer = AutoTokenizer.from_pretrained(tmp_path / "out")
     assert tokenizer("opposite?").input_ids == byte_tokenizer()("opposite?").input_ids
+
+
+def test_the_exported_model_generates_as_its_base_did_without_the_padding_rows(tmp_path):
+    """The checkpoint's config is the training one (no KV cache, a vocabulary padded to a multiple of 64) and keeps
+    the base's generation settings: the export has the cache on, those settings, and the tokenizer's 300 tokens."""
+    from transformers import AutoModelForCausalLM, GenerationConfig
+    hf = _tiny_gpt2()
+    hf.config.unpadded_vocab_size, hf.config.use_cache = 300, False
+    module = {f"hf.{name}": t for name, t in hf.state_dict().items() if name != "lm_head.weight"}
+    folder = tmp_path / "step00000003"
+    _checkpoint(folder, module, model="gpt2-tiny", info=TEXT, hf=hf)
+    GenerationConfig(do_sample=True, temperature=0.6, eos_token_id=[1, 2]).save_pretrained(folder / models.HF_FILES)
+    _checkpoint(tmp_path / "again", module, model="gpt2-tiny", info=TEXT, hf=hf)  # its manifest lists that file
+    for name in ("manifest.json", "trainer_state.json"):
+        (folder / name).write_bytes((tmp_path / "again" / name).read_bytes())
+    export.export(folder, tmp_path / "out")
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "out")
+    assert loaded.config.vocab_size == 300 and not hasattr(loaded.config, "unpadded_vocab_size")
+    assert torch.equal(loaded.transformer.wte.weight, hf.transformer.wte.weight[:300])
+    assert loaded(torch.tensor([[5, 299]])).logits.shape[-1] == 300
+    generation = GenerationConfig.from_pretrained(tmp_path / "out")
+    assert loaded.config.use_cache and generation.use_cache
+    assert (generation.temperature, generation.eos_token_id) == (0.6, [1, 2])
+
+
+def test_an_export_that_cannot_be_written_is_one_line_and_leaves_nothing(tmp_path):
+    """A file size limit (as a full disk) stops the write half way: no file at out, none beside it, one line."""
+    hf = _tiny_gpt2()
+    folder = _checkpoint(tmp_path / "step00000003", {f"hf.{n}": t for n, t in hf.state_dict().items()},
+                         model="gpt2-tiny", info=TEXT, hf=hf)
+    out = tmp_path / "out" / "model.safetensors"
+    limited = ("import resource, signal, sys; signal.signal(signal.SIGXFSZ, signal.SIG_IGN); "
+               "resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 13, 1 << 13)); from app.tools import export; "
+               f"sys.exit(export.main([{str(folder)!r}, {str(out)!r}]))")
+    done = subprocess.run([sys.executable, "-c", limited], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 2 and done.stderr.startswith(f"error: export to {out} failed ("), done.stderr
+    assert "nothing was written there" in done.stderr and len(done.stderr.strip().splitlines()) == 1
+    assert list((tmp_path / "out").iterdir()) == []
+    (tmp_path / "file").write_text("")
+    assert export.main([str(folder), str(tmp_path / "file" / "model.safetensors")]) == 2
 
 
 def test_weights_that_do_not_fit_the_saved_config_are_one_line_and_write_nothing(tmp_path):
