@@ -5,7 +5,7 @@ import difflib
 import json
 from pathlib import Path
 
-from app.ds import accelerate_file
+from app.ds import accelerate_file, older
 from app.ds import auto as ds_auto
 from app.ds import internals as ds_internals
 from app.ds.precision import resolve_precision
@@ -29,7 +29,7 @@ def load_ds_config(path, cuda=None, bf16_ok=None, resolve: bool = True, say=prin
         raise UserError(f"DeepSpeed config {path} not found; pass --deepspeed_config with one of "
                         f"{', '.join(sorted(p.name for p in (REPO / 'ds_configs').glob('*.json')))} in ds_configs/")
     ds = accelerate_file.ds_config(path, say) if accelerate_file.is_accelerate_file(path) else _json_object(path)
-    ds = ds_auto.older_keys(without_comments(ds), str(path), say)  # before the checks, which today's keys pass
+    ds = older.today(without_comments(ds), str(path), say)  # before the checks, which today's keys pass
     resolved, _ = resolve_precision(ds, str(path), cuda, bf16_ok) if resolve else \
         resolve_precision(ds, str(path), cuda=False)  # checked as on a CPU: the same keys
     ds_auto.check(resolved, str(path))
@@ -105,6 +105,8 @@ def check_ds_keys(ds: dict, where: str, say=print) -> list:
         ds_internals.parse_config(recorder)
     except ValidationError as e:
         err = e.errors()[0]
+        if not err["loc"]:  # a check of the whole section (offload's ratio under ZeRO 1-2, fp16's loss scale)
+            raise UserError(f"{where}: DeepSpeed rejected the config ({e.title}): {err['msg']}") from None
         loc = ".".join(str(p) for p in err["loc"])
         section = _section_of(ds, err["loc"][0]) or e.title
         given = f", got {err['input']!r}" if err["type"] != "extra_forbidden" and "input" in err else ""
@@ -170,9 +172,8 @@ def _number(value) -> bool:
 
 def _numeric_text(value) -> bool:
     try:
-        float(value)
-        return isinstance(value, str)
-    except (TypeError, ValueError):
+        return isinstance(value, str) and float(value) is not None
+    except ValueError:
         return False
 
 
@@ -217,10 +218,8 @@ def _pydantic_checked(ds, key) -> bool:
     probe[key]["__probe__"] = 0
     try:
         ds_internals.parse_config(probe)
-    except ValidationError as e:
-        return "__probe__" in str(e)
-    except Exception:
-        return False
+    except Exception as e:  # DeepSpeed's own errors are plain ones: not a section pydantic checks
+        return isinstance(e, ValidationError) and "__probe__" in str(e)
     return False
 
 

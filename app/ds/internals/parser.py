@@ -1,5 +1,7 @@
 """DeepSpeed's config parser: what it reads, its sections' fields, its defaults."""
 
+from collections.abc import KeysView
+
 
 class Recorder(dict):
     """A dict that remembers which keys DeepSpeed's config parser looked at."""
@@ -19,6 +21,10 @@ class Recorder(dict):
     def __contains__(self, key):
         self.read.add(key)
         return super().__contains__(key)
+
+    def keys(self):
+        """A view whose `in` is recorded: DeepSpeed asks `"optimizer" in param_dict.keys()` of some sections."""
+        return KeysView(self)
 
 
 def parse_config(ds: dict):
