@@ -37,11 +37,18 @@ def as_text(value):
 
 
 def alpaca_turns(row: dict, index: str) -> list:
-    """An Alpaca row as a chat: its system text if any, its history's [question, answer] pairs (LLaMA-Factory's, each
-    answer learned too), the instruction (and its input, after a blank line) from the user, the output from the
-    assistant."""
-    instruction, given, output = (as_text(row.get(key)) for key in ("instruction", "input", "output"))
-    if not isinstance(instruction, str) or not isinstance(output, str) or not output:
+    """An Alpaca row as a chat: alpaca_prompt's turns, then the output from the assistant."""
+    output = as_text(row.get("output"))
+    if not isinstance(output, str) or not output:
+        raise UserError(f"{index}: its instruction or output is empty or not text")
+    return alpaca_prompt(row, index) + [{"role": "assistant", "content": output}]
+
+
+def alpaca_prompt(row: dict, index: str) -> list:
+    """An Alpaca row's turns before its answer: its system text if any, its history's [question, answer] pairs
+    (LLaMA-Factory's, each answer learned too), the instruction (and its input, after a blank line) from the user."""
+    instruction, given = as_text(row.get("instruction")), as_text(row.get("input"))
+    if not isinstance(instruction, str):
         raise UserError(f"{index}: its instruction or output is empty or not text")
     asked = instruction + (f"\n\n{given}" if isinstance(given, str) and given else "")
     before = []
@@ -49,10 +56,10 @@ def alpaca_turns(row: dict, index: str) -> list:
         if not (isinstance(pair, (list, tuple)) and len(pair) == 2 and all(isinstance(t, str) for t in pair)):
             raise UserError(f"{index}: its history is not a list of [question, answer] pairs of text")
         before += [{"role": "user", "content": pair[0]}, {"role": "assistant", "content": pair[1]}]
-    return _with_system(row, before + [{"role": "user", "content": asked}, {"role": "assistant", "content": output}])
+    return with_system(row, before + [{"role": "user", "content": asked}])
 
 
-def _with_system(row: dict, messages: list) -> list:
+def with_system(row: dict, messages: list) -> list:
     """The row's `system` column (Alpaca's and LLaMA-Factory's ShareGPT rows) as a first turn, unless one leads."""
     system = as_text(row.get("system"))
     if not isinstance(system, str) or not system or (messages and messages[0]["role"] == "system"):
@@ -70,7 +77,7 @@ def conversation(row: dict, form: str, index: str) -> tuple:
         asked = turns(row["prompt"], index, "its prompt")
         messages, first = asked + turns(row["completion"], index, "its completion"), len(asked)
     else:
-        messages = _with_system(row, turns(row[form], index, f"its {form}"))
+        messages = with_system(row, turns(row[form], index, f"its {form}"))
     answers = [i for i in range(first, len(messages))
                if messages[i]["role"] == "assistant" and not messages[i].get(SKIPPED)]
     if not answers:

@@ -15,12 +15,17 @@ from app.distributed import dist
 from app.errors import UserError
 
 
+PROMPTS = ("prompt", "conversations", "messages", "instruction")
+"""Columns that hold a pair's prompt: TRL's prompt, ShareGPT's conversations or a chat's messages (LLaMA-Factory's
+ranking rows), Alpaca's instruction (with its input, history and system columns)."""
+
+
 def form_of(columns) -> str:
-    """'explicit' (a prompt column, or ShareGPT's conversations, beside chosen and rejected), 'implicit' (chosen and
-    rejected hold whole texts or conversations that start alike), or '' when the rows are not preference pairs."""
+    """'explicit' (a prompt column, PROMPTS, beside chosen and rejected), 'implicit' (chosen and rejected hold whole
+    texts or conversations that start alike), or '' when the rows are not preference pairs."""
     if "chosen" not in columns or "rejected" not in columns:
         return ""
-    return "explicit" if "prompt" in columns or "conversations" in columns else "implicit"
+    return "explicit" if any(column in columns for column in PROMPTS) else "implicit"
 
 
 def _shared_start(chosen, rejected) -> int:
@@ -50,12 +55,27 @@ def _asked_within(chosen, rejected) -> bool:
     return any(isinstance(turn, dict) and turn.get("role", turn.get("from")) in ("user", "human") for turn in shared)
 
 
+def _prompt(row: dict, index: str):
+    """The row's prompt: its text, or its turns (with the row's system column); None where the answers hold it."""
+    if row.get("prompt") is None and row.get("conversations") is None and row.get("messages") is None and \
+            row.get("instruction") is not None:
+        return conversations.alpaca_prompt(row, index)
+    prompt = next((row[key] for key in ("prompt", "conversations", "messages") if row.get(key) is not None), None)
+    if isinstance(prompt, (list, dict)):
+        return conversations.with_system(row, _as_turns(prompt, index, "its prompt"))
+    return conversations.as_text(prompt)
+
+
 def split_row(row: dict, index: str) -> tuple:
     """(prompt, chosen, rejected): three texts, or three lists of turns."""
-    chosen, rejected = row["chosen"], row["rejected"]
-    prompt = row.get("prompt", row.get("conversations"))
+    chosen, rejected = conversations.as_text(row["chosen"]), conversations.as_text(row["rejected"])
+    prompt = _prompt(row, index)
     if isinstance(prompt, str) and not isinstance(chosen, str) and _asked_within(chosen, rejected):
         prompt = None  # UltraFeedback's form: the prompt's text beside conversations that hold it, as TRL reads it
+    if isinstance(prompt, list) and isinstance(chosen, str) and isinstance(rejected, str):
+        if not chosen or not rejected:  # Alpaca's and LLaMA-Factory's ranking rows: the answers are the reply's text
+            raise UserError(f"{index}: its {'chosen' if not chosen else 'rejected'} answer is empty")
+        chosen, rejected = ([{"role": "assistant", "content": answer}] for answer in (chosen, rejected))
     if isinstance(chosen, str) != isinstance(rejected, str) or (prompt is not None and
                                                                 isinstance(prompt, str) != isinstance(chosen, str)):
         raise UserError(f"{index}: its prompt, chosen and rejected are not all text nor all lists of turns")
@@ -68,8 +88,6 @@ def split_row(row: dict, index: str) -> tuple:
     if prompt is None:
         cut = _shared_start(chosen, rejected)
         prompt, chosen, rejected = chosen[:cut], chosen[cut:], rejected[cut:]
-    else:
-        prompt = _as_turns(prompt, index, "its prompt")
     return prompt, chosen, rejected
 
 

@@ -120,6 +120,35 @@ def test_the_form_needs_both_answers_and_a_prompt_or_conversations_makes_it_expl
     assert preference.form_of(["prompt", "chosen", "rejected"]) == "explicit"
     assert preference.form_of(["conversations", "chosen", "rejected"]) == "explicit"
     assert preference.form_of(["prompt", "chosen"]) == "" and preference.form_of(["messages"]) == ""
+    assert preference.form_of(["instruction", "input", "chosen", "rejected"]) == "explicit"
+    assert preference.form_of(["messages", "chosen", "rejected"]) == "explicit"
+
+
+def test_llamafactorys_ranking_rows_keep_their_prompt_and_system():
+    """LLaMA-Factory's documented preference rows (data/README.md): Alpaca's instruction and input beside text
+    answers, ShareGPT's conversations with a system column, a chat's messages; numbers in cells read as text."""
+    alpaca = {"instruction": "Translate: cat", "input": "into French", "system": "Be brief.", "chosen": "chat",
+              "rejected": "chien"}
+    prompt, chosen, rejected = preference.split_row(alpaca, "row 0")
+    assert prompt == [{"role": "system", "content": "Be brief."},
+                      {"role": "user", "content": "Translate: cat\n\ninto French"}]
+    assert (chosen, rejected) == ([{"role": "assistant", "content": "chat"}],
+                                  [{"role": "assistant", "content": "chien"}])
+    tok = tokenizer()
+    encoded = preference.encode_row(tok, alpaca, "row 0", BIG)
+    asked = tok.decode(encoded["chosen"][:encoded["prompt"]])
+    assert "Translate: cat" in asked and "Be brief." in asked
+    sharegpt = {"conversations": [{"from": "human", "value": "hi"}], "system": "You are a pirate.",
+                "chosen": {"from": "gpt", "value": "arr"}, "rejected": {"from": "gpt", "value": "hello"}}
+    assert preference.split_row(sharegpt, "row 1")[0] == [{"role": "system", "content": "You are a pirate."},
+                                                           {"role": "user", "content": "hi"}]
+    chat_row = {"messages": [{"role": "user", "content": "hi"}], "chosen": {"role": "assistant", "content": "yes"},
+                "rejected": {"role": "assistant", "content": "no"}}
+    assert preference.split_row(chat_row, "row 2")[0] == [{"role": "user", "content": "hi"}]
+    assert preference.split_row({"prompt": "What is 2+2?", "chosen": 4, "rejected": 5.0}, "row 3") == \
+        ("What is 2+2?", "4", "5")
+    with pytest.raises(UserError, match="row 4: its rejected answer is empty"):
+        preference.split_row({**alpaca, "rejected": ""}, "row 4")
 
 
 def test_a_text_prompt_beside_conversations_that_hold_it_is_their_shared_start_as_trl_reads_it():
