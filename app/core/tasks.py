@@ -141,12 +141,21 @@ class TextTask(Task):
             self.adapters.save_pretrained(str(folder / models.HF_FILES))
 
 
+DROPOUT_WORDS = ("dropout", "pdrop", "layerdrop")
+"""Words in the name of a module's float that holds a dropout rate it hands to torch's functional dropout or to
+attention (OPT's layers, attention's attention_dropout, OPT's and BART's LayerDrop)."""
+
+
 def without_dropout(model: nn.Module) -> nn.Module:
     """The model with every dropout off: the trained model and its reference score a sequence alike (TRL's
-    disable_dropout)."""
+    disable_dropout, and also the rates modules keep as numbers, which TRL's leaves on)."""
     for module in model.modules():
         if isinstance(module, nn.Dropout):
             module.p = 0.0
+        rates = [name for name, value in vars(module).items()
+                 if isinstance(value, float) and any(word in name for word in DROPOUT_WORDS)]
+        for name in rates:
+            setattr(module, name, 0.0)
     return model
 
 

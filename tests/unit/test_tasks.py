@@ -86,3 +86,21 @@ def test_benchmark_data_of_a_language_model():
     assert (info.task, info.vocab_size, info.seq_len, lm.tokens_per_sample) == ("causal_lm", 8192, 16, 16)
     with pytest.raises(UserError, match="bert-tiny is a sequence classifier"):
         resolver.build(Settings(model="bert-tiny")).sample_data(6, 16)
+
+
+def test_without_dropout_turns_off_the_rates_layers_keep_as_numbers_too():
+    """OPT's layers call torch's functional dropout with a rate they keep as a float, and skip layers by LayerDrop:
+    a preference or GRPO model scores a sequence the same in training mode as its reference does in eval mode."""
+    from transformers import OPTConfig, OPTForCausalLM
+    torch.manual_seed(0)
+    model = OPTForCausalLM(OPTConfig(vocab_size=64, hidden_size=16, num_hidden_layers=2, ffn_dim=32,
+                                     num_attention_heads=2, max_position_embeddings=32, word_embed_proj_dim=16,
+                                     dropout=0.3, attention_dropout=0.3, activation_dropout=0.3, layerdrop=0.3))
+    ids = torch.randint(64, (2, 12))
+    model.train()
+    with torch.no_grad():
+        assert not torch.equal(model(ids).logits, model(ids).logits), "the test's model drops out"
+        tasks.without_dropout(model)
+        trained = model(ids).logits
+        assert torch.equal(trained, model(ids).logits)
+        assert torch.allclose(trained, model.eval()(ids).logits, atol=1e-6)
