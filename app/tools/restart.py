@@ -5,15 +5,18 @@ launcher (the deepspeed launcher has no such option).
         --output_dir runs/a --save_interval 100
 
 A command that ends with a code other than 0 (done, or stopped on request) and 2 (a user's error, which running
-again would not cure) is run again with --resume auto, up to --max_restarts times; the run continues from its
-newest complete checkpoint in --output_dir. Each attempt sees APP_RESTART_COUNT (0, 1, ...).
+again would not cure) is run again, up to --max_restarts times: with --resume auto once it has saved a checkpoint in
+--output_dir, so the run continues from its newest; before that, as it was given (its own --resume, a checkpoint of
+another run, still the one to start from). Each attempt sees APP_RESTART_COUNT (0, 1, ...).
 """
 import argparse
 import os
 import subprocess
 import sys
 import time
+from pathlib import Path
 
+from app.checkpoint.save import MANIFEST, checkpoint_root, complete_checkpoints
 from app.errors import UserError, report
 
 USER_ERROR = 2
@@ -51,18 +54,29 @@ def with_resume(command: list) -> list:
     return [*kept, "--resume", "auto"]
 
 
+def checkpoints(command: list) -> set:
+    """(name, manifest's mtime) of each complete checkpoint in the command's --output_dir."""
+    at = next(i for i, a in enumerate(command) if a == "--output_dir" or a.startswith("--output_dir="))
+    output_dir = command[at].partition("=")[2] or (command[at + 1] if at + 1 < len(command) else "")
+    return {(folder.name, (folder / MANIFEST).stat().st_mtime_ns)
+            for folder in complete_checkpoints(checkpoint_root(Path(output_dir)))}
+
+
 def main(argv=None) -> int:
     """Run the command, again after each crash; the last run's exit code."""
     try:
         max_restarts, wait, command = parse(argv)
     except UserError as e:
         return report(e)
+    before, run = checkpoints(command), command  # before: another run's, or a timeline the command drops
     for attempt in range(max_restarts + 1):
-        run = command if attempt == 0 else with_resume(command)
         code = subprocess.run(run, env={**os.environ, "APP_RESTART_COUNT": str(attempt)}).returncode
         if code in (0, USER_ERROR) or attempt == max_restarts:
             return code
-        print(f"restart: the run exited with {code}; running it again from its last checkpoint "
+        saved = bool(checkpoints(command) - before)
+        run = with_resume(command) if saved else command
+        print(f"restart: the run exited with {code}; running it again from "
+              f"{'its last checkpoint' if saved else 'where it started (it saved no checkpoint)'} "
               f"({attempt + 1} of {max_restarts} restarts) in {wait:g} s", flush=True)
         time.sleep(wait)
     return code

@@ -30,3 +30,26 @@ def test_the_restart_tool_stops_at_success_a_user_error_or_its_last_restart(tmp_
         assert restart.main(["--max_restarts", "2", "--wait", "0", "--", sys.executable, "-c", script, str(code),
                              "--output_dir", "x"]) == code
         assert len(counter.read_text()) == runs, code
+
+
+def test_a_restart_keeps_the_commands_own_resume_until_the_run_saved_a_checkpoint(tmp_path, capsys):
+    """Started from another run's checkpoint, a run that crashes before its first save starts from it again (not
+    afresh, as --resume auto in its empty folder would); once it saved one, it continues from its own. A
+    checkpoint in the folder before the command started (a timeline it drops) is not its own."""
+    out = tmp_path / "b"
+    (out / "checkpoints" / "step00000009").mkdir(parents=True)
+    (out / "checkpoints" / "step00000009" / "manifest.json").write_text("{}")  # the timeline it rolls back from
+    log = tmp_path / "argv"
+    script = (f"import pathlib, sys; log = pathlib.Path({str(log)!r}); runs = log.read_text().count('\\n') "
+              f"if log.exists() else 0; log.write_text((log.read_text() if log.exists() else '') + "
+              f"' '.join(sys.argv[1:]) + '\\n'); saved = pathlib.Path({str(out)!r}) / 'checkpoints' / 'step00000003'; "
+              f"runs == 1 and (saved.mkdir(), (saved / 'manifest.json').write_text('{{}}')); sys.exit(1)")
+    command = [sys.executable, "-c", script, "--output_dir", str(out), "--resume", "runs/a/checkpoints/step00000200"]
+    assert restart.main(["--max_restarts", "2", "--wait", "0", "--", *command]) == 1
+    assert log.read_text().splitlines() == [
+        f"--output_dir {out} --resume runs/a/checkpoints/step00000200",  # the first run, as given
+        f"--output_dir {out} --resume runs/a/checkpoints/step00000200",  # no save yet: as given again
+        f"--output_dir {out} --resume auto"]  # it saved step 3: from there
+    said = capsys.readouterr().out
+    assert "running it again from where it started (it saved no checkpoint) (1 of 2" in said
+    assert "running it again from its last checkpoint (2 of 2" in said
