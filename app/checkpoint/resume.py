@@ -10,7 +10,7 @@ from app.distributed import dist
 from app.ds import internals as ds_internals
 from app.checkpoint import outdir
 from app.ds.internals.safe_load import check_files, data_only
-from app.checkpoint.save import MANIFEST, RANK_FILES, STATE, UNIVERSAL, TrainerState, checkpoint_root, \
+from app.checkpoint.save import MANIFEST, RANK_FILES, STATE, UNIVERSAL, TrainerState, checkpoint_root, same_base, \
     complete_checkpoints, atomic_write, has_frozen, set_rng_state, sha256_of
 from app.errors import UserError, first_line
 
@@ -131,10 +131,11 @@ def check_compatible(saved: TrainerState, current: TrainerState, folder: Path):
                         f"same --lora flags or start a new --output_dir")
     _check_task_record(saved, current, folder)
     _check_windows(saved, current, folder)
-    if saved.lora.get("base") != current.lora.get("base"):
+    if saved.lora and not same_base(saved.lora.get("base", ""), current.lora.get("base", "")):
         raise UserError(f"checkpoint {folder} holds LoRA adapters trained on another base model than {current.model} "
                         f"has now (its config or weights differ); resume on the base model they were trained on, "
                         f"or start a new --output_dir")
+
 
 
 # The flag that sets each field of a task's record where it is not --<field> (the reference one also follows --lora).

@@ -268,3 +268,7 @@ def remove_checkpoint(folder: Path):
     shutil.rmtree(folder.parent / UNIVERSAL / folder.name, ignore_errors=True)
 
 
+def same_base(saved: str, now: str) -> bool:
+    """Whether a checkpoint's base fingerprint is this run's; one that could not read a hub model's revision (None)
+    holds its name alone."""
+    return saved == now or (saved.endswith("(hub, revision None)") and now.startswith(saved.rsplit(" revision", 1)[0]))

@@ -152,8 +152,10 @@ def fingerprint(model_name: str, pretrained: str, seed: int, config=None) -> str
     if not pretrained:
         return f"{model_name} initialised with seed {seed}"
     folder = Path(pretrained)
-    if not folder.is_dir():  # a hub model: the revision its config came from
-        return f"{pretrained} (hub, revision {getattr(config, '_commit_hash', None)})"
+    if not folder.is_dir():  # a hub model: the snapshot transformers took it from, named by its revision
+        from huggingface_hub import try_to_load_from_cache
+        cached = try_to_load_from_cache(pretrained, "config.json")
+        return f"{pretrained} (hub, revision {Path(cached).parent.name if isinstance(cached, str) else None})"
     digest = hashlib.sha256((folder / "config.json").read_bytes())
     for path in sorted(p for p in folder.iterdir() if p.suffix in (".safetensors", ".bin")):
         size = path.stat().st_size

@@ -19,6 +19,7 @@ from app.core import lora
 from app.ds import internals as ds_internals
 from app.parallel import pipeline
 from app.checkpoint import resume
+from app.checkpoint.save import same_base
 from app.parallel import tensor_parallel
 from app.ds.internals.safe_load import data_only
 from app.errors import UserError, first_line, report
@@ -114,7 +115,8 @@ def export_lora(folder: Path, saved, state: dict, out: Path, merged: bool):
             raise UserError(f"--merged folds the adapters into the base model's weights, and {base} was built from "
                             f"random weights the checkpoint does not hold; export the adapters alone (leave out "
                             f"--merged)")
-        if lora.fingerprint(base, spec.pretrained, saved.settings["seed"], spec.config) != saved.lora["base"]:
+        if not same_base(saved.lora["base"], lora.fingerprint(base, spec.pretrained, saved.settings["seed"],
+                                                              spec.config)):
             raise UserError(f"{base} is not the base model the adapters of {folder} were trained on (its config or "
                             f"weights differ); put that model back, or export the adapters alone")
         with tempfile.TemporaryDirectory() as adapters:

@@ -107,6 +107,31 @@ def test_the_fingerprint_follows_the_base_models_config_and_weights(tmp_path):
     assert lora.fingerprint("llama-tiny", "", 1) != lora.fingerprint("llama-tiny", "", 2), "a preset: its seed"
 
 
+def test_a_hub_models_fingerprint_is_the_revision_its_cached_snapshot_names(tmp_path):
+    """The hub cache's layout as huggingface_hub writes it (refs/main naming a snapshot): a new commit pushed to
+    the model gives another fingerprint; a checkpoint from when the revision could not be read keeps the name."""
+    import subprocess
+    import sys
+    from app.checkpoint.save import same_base
+    from conftest import REPO
+    repo = tmp_path / "hub" / "models--org--tiny"
+    for commit in ("a" * 40, "b" * 40):
+        (repo / "snapshots" / commit).mkdir(parents=True)
+        (repo / "snapshots" / commit / "config.json").write_text("{}")
+    said = []
+    for commit in ("a" * 40, "b" * 40):
+        (repo / "refs").mkdir(exist_ok=True)
+        (repo / "refs" / "main").write_text(commit)
+        done = subprocess.run([sys.executable, "-c", "from app.core import lora; print(lora.fingerprint('org/tiny', "
+                               "'org/tiny', 1))"], cwd=REPO, capture_output=True, text=True, timeout=120,
+                              env={"PATH": "/usr/bin:/bin", "HF_HUB_CACHE": str(tmp_path / "hub"),
+                                   "HF_HUB_OFFLINE": "1"})
+        said.append(done.stdout.strip().splitlines()[-1])
+    assert said == [f"org/tiny (hub, revision {'a' * 40})", f"org/tiny (hub, revision {'b' * 40})"]
+    assert not same_base(said[0], said[1]) and same_base("org/tiny (hub, revision None)", said[1])
+    assert not same_base("org/other (hub, revision None)", said[1])
+
+
 def state(**lora_record) -> TrainerState:
     return TrainerState(step=4, epoch=0, batch=4, model="m", dataset="d", world_size=2, zero_stage=3, settings={},
                         data_info={}, deepspeed_config={}, lora=lora_record)
