@@ -79,17 +79,31 @@ def cache_bytes(config, rows: int, tokens: int, element: int) -> int:
     return 2 * config.num_hidden_layers * kv_heads * head_dim * tokens * rows * element
 
 
+UNSHAPED = dict(repetition_penalty=1.0, encoder_repetition_penalty=1.0, no_repeat_ngram_size=0,
+                encoder_no_repeat_ngram_size=0, min_length=0, min_new_tokens=0, remove_invalid_values=False)
+"""Each setting of HF generate that reshapes the scores, at the value that changes nothing: given, it is not taken
+from the model's own generation_config.json (a Qwen instruct model's repetition penalty), so the Sampler draws
+from the model's distribution, the one the loss scores."""
+
+
+def generation_config(max_new: int, eos: int, pad: int):
+    """HF generate's settings for the completions: greedy over the Sampler's scores (its draw is the pick), up to
+    max_new tokens, nothing else shaping the scores (UNSHAPED)."""
+    from transformers import GenerationConfig
+    return GenerationConfig(do_sample=False, num_beams=1, max_new_tokens=max_new, eos_token_id=eos, pad_token_id=pad,
+                            use_cache=True, **UNSHAPED)
+
+
 def sample(engine, prompts: torch.Tensor, lengths: torch.Tensor, u: torch.Tensor, how: Sampling, vocab: int,
            eos: int, pad: int, synced: bool, gather: bool = False) -> tuple:
     """(completions (rows, max_new) padded after their end, mask: their tokens up to and with the first eos,
     truncated: rows that reached max_new without an eos); prompts left-padded (rows, P), lengths their tokens.
     gather: under ZeRO-3, the whole model gathered once for the call (every rank calls together), so no decoding
     step gathers and the ranks need not step in lock-step; else synced keeps them so."""
-    from transformers import GenerationConfig, LogitsProcessorList
+    from transformers import LogitsProcessorList
     width = prompts.shape[1]
     attention = (torch.arange(width)[None] >= width - lengths[:, None]).long()
-    config = GenerationConfig(do_sample=False, num_beams=1, max_new_tokens=how.max_new, eos_token_id=eos,
-                              pad_token_id=pad, use_cache=True)
+    config = generation_config(how.max_new, eos, pad)
     hf, device, training = engine.module.hf, engine.device, engine.module.training
     engine.eval()
     try:

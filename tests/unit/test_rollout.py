@@ -1,7 +1,7 @@
 """Completions drawn inside a run (app/core/rollout.py): each row's draws its own, so a prompt's completions are
 the same in any batch, on any rank; the sampling rules (temperature, top-k, top-p, greedy) as TRL's."""
 import torch
-from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM, LogitsProcessorList
+from transformers import LlamaConfig, LlamaForCausalLM, LogitsProcessorList
 
 from app.core import rollout
 
@@ -32,8 +32,7 @@ def _generated(model, prompts: torch.Tensor, rows: list, how: rollout.Sampling) 
     u = rollout.draws(0, 1, rows, 1, how.max_new)
     width = prompts.shape[1]
     out = model.generate(input_ids=prompts, attention_mask=(prompts != 0).long(),
-                         generation_config=GenerationConfig(do_sample=False, max_new_tokens=how.max_new,
-                                                            pad_token_id=0, eos_token_id=2),
+                         generation_config=rollout.generation_config(how.max_new, 2, 0),
                          logits_processor=LogitsProcessorList([rollout.Sampler(u, width, 30, how)]))
     new = torch.zeros(len(prompts), how.max_new, dtype=torch.long)  # a batch that ended early is shorter
     new[:, :out.shape[1] - width] = out[:, width:]
@@ -54,6 +53,9 @@ def test_a_prompts_completion_does_not_depend_on_the_batch_it_is_sampled_in():
     assert torch.equal(whole, halves) and torch.equal(whole[3:], alone)
     assert int(whole.max()) < 30, "tokens past the tokenizer's are never drawn"
     assert len({tuple(row.tolist()) for row in whole}) == 4
+    model.generation_config.update(repetition_penalty=3.0, no_repeat_ngram_size=1, min_new_tokens=8)  # a model's own
+    with torch.no_grad():
+        assert torch.equal(_generated(model, prompts, [0, 1, 2, 3], how), whole), "the model's file shapes nothing"
 
 
 def test_a_completion_is_kept_up_to_and_with_its_first_end_and_one_without_is_truncated():
