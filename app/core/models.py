@@ -195,9 +195,9 @@ def build_hf(spec: HFSpec, info: DataInfo, tokenizer, ds_config: dict, attention
     config = copy.deepcopy(spec.config)
     config.update({"bos_token_id": tokenizer.bos_token_id, "eos_token_id": tokenizer.eos_token_id,
                    "pad_token_id": tokenizer.pad_token_id, "use_cache": False})
-    if info.task == "sequence_classification" and config.num_labels != info.num_classes:
-        config.id2label = {i: str(i) for i in range(info.num_classes)}
-        config.label2id = {str(i): i for i in range(info.num_classes)}
+    if info.task == "sequence_classification" and (info.labels or config.num_labels != info.num_classes):
+        names = info.labels or [str(i) for i in range(info.num_classes)]  # the data's, which the export keeps
+        config.id2label, config.label2id = dict(enumerate(names)), {name: i for i, name in enumerate(names)}
     zero3 = ds_config.get("zero_optimization", {}).get("stage", 0) == 3
     if zero3:  # from_config / from_pretrained then build under deepspeed.zero.Init
         from transformers.integrations import HfDeepSpeedConfig

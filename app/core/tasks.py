@@ -15,6 +15,7 @@ from app.core.fused_loss import TokenSums, counted_next_tokens
 from app.core.task import Task
 from app.data import Data
 from app.data import DataInfo, TextModel
+from app.data.labels import head_names
 from app.data.chat import IGNORE, PackedRows
 from app.distributed import dist
 from app.errors import UserError
@@ -96,7 +97,8 @@ def text_data(settings: Settings, spec: models.HFSpec, asked: str, output_dir: P
     if settings.dataset in BUILDERS:
         raise UserError(f"{settings.model} is a transformers model and trains on text, not {settings.dataset}; pass "
                         f"--dataset <.txt/.json/.jsonl/.csv/.parquet file or folder, or a hub dataset>")
-    model = TextModel(spec.pretrained, models.vocab_size(spec.config), spec.max_positions)
+    model = TextModel(spec.pretrained, models.vocab_size(spec.config), spec.max_positions,
+                      head_names(spec.config, spec.pretrained))
     train, held, info, tokenizer, kind = build_text_sets(settings, model, asked, output_dir)
     return Data(train, held, info), tokenizer, kind
 

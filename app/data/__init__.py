@@ -18,6 +18,8 @@ class DataInfo:
     """Tokens per sample (text only): the block length, or the padded row length."""
     packed: bool = False
     """Samples are rows packed into blocks: the model takes position ids beside the input ids."""
+    labels: tuple = ()
+    """The classes' names, in the order of the head's rows (text classification)."""
 
 
 @dataclass(frozen=True)
@@ -28,6 +30,8 @@ class TextModel:
     vocab_size: int
     """Tokens its embedding really has (without padding rows)."""
     max_positions: int
+    labels: tuple = ()
+    """A pretrained classifier's label names, in its head's order (none when its config names none)."""
 
 
 @dataclass(frozen=True)

@@ -228,7 +228,8 @@ def _held_out(settings, source: str):
         return text.load_splits(settings.eval_file, "", "", settings.eval_fraction, settings.seed, hold_out=False)[0]
     if not Path(source).exists() or text.names_splits(Path(source)):
         splits = split_names(source, settings.dataset_config)
-        split = settings.dataset_test_split or next((name for name in ("validation", "test") if name in splits), None)
+        training = settings.dataset_train_split or "train"  # never held out too
+        split = settings.dataset_test_split or next((s for s in text.HELD_OUT if s in splits and s != training), None)
         if split is not None:  # streamed and kept: loading the split alone would download every split
             text.check_split(splits, source, "--dataset_test_split", split)
             rows = datasets.load_dataset(source, settings.dataset_config or None, split=split, streaming=True)

@@ -110,16 +110,22 @@ def check_split(names, source: str, flag: str, name: str):
                         f"{flag} with one of them")
 
 
+HELD_OUT = ("validation", "test")  # the splits held out by default, the first found that is not the training one
+
+
 def picked(splits, source: str, train_split: str, test_split: str, hold_out: bool = True) -> tuple:
     """(the training split, the held-out one or None): --dataset_train_split, and --dataset_test_split or else
-    validation, else test (when held out here)."""
+    validation, else test, never the training split (when held out here)."""
     train_split = train_split or "train"
     check_split(splits, source, "--dataset_train_split", train_split)
     if test_split and hold_out:
         check_split(splits, source, "--dataset_test_split", test_split)
     if len(splits[train_split]) == 0:
         raise UserError(f"--dataset {source} has no training rows; check the file or the split names")
-    held = (test_split or next((s for s in ("validation", "test") if s in splits), "")) if hold_out else ""
+    if test_split == train_split and hold_out:
+        raise UserError(f"--dataset_test_split {test_split} is the training split too: the held-out rows must be "
+                        f"others; name another split, or leave it out to hold out --eval_fraction of the rows")
+    held = (test_split or next((s for s in HELD_OUT if s in splits and s != train_split), "")) if hold_out else ""
     return splits[train_split], splits[held] if held else None
 
 
@@ -198,20 +204,6 @@ def lm_blocks(dataset, tokenizer, column: str, block_size: int, what: str):
                    f"blocks of {block_size} tokens")
 
 
-def labelled_rows(dataset, tokenizer, column: str, label_column: str, labels: list, block_size: int, what: str):
-    """Each text tokenized (truncated to block_size) with its label's index in labels."""
-    index = {label: i for i, label in enumerate(labels)}
-
-    def encode(batch):
-        ids = tokenizer([t or "" for t in batch[column]], truncation=True, max_length=block_size)["input_ids"]
-        unknown = [y for y in batch[label_column] if y not in index]
-        if unknown:
-            raise UserError(f"held-out label {unknown[0]!r} never occurs in the training data")
-        return {"input_ids": ids, "target": [index[y] for y in batch[label_column]]}
-    return mapped(dataset, encode, cache_key(dataset, tokenizer, "cls", column, label_column, labels, block_size),
-                   what, "labelled rows")
-
-
 def instruction_rows(dataset, tokenizer, form: str, block: int, whole_text: bool, what: str):
     """Rows rendered with the chat template and labelled on their answers (app/data/chat.py), cut to block tokens;
     says once how many were cut, and leaves out those the cut left without an answer token."""
@@ -245,20 +237,6 @@ def chat_texts(dataset, form: str):
                 texts += [t.get("content", t.get("value")) for t in turns
                           if isinstance(t, dict) and isinstance(t.get("content", t.get("value")), str)]
         yield texts
-
-
-def label_names(dataset, column: str) -> list:
-    """The classes in order: a ClassLabel's names, 0..max for integers, sorted values otherwise."""
-    from datasets import ClassLabel
-    feature = dataset.features[column]
-    if isinstance(feature, ClassLabel):
-        return list(range(len(feature.names)))
-    values = set(dataset[column])
-    if None in values:
-        raise UserError(f"--label_column {column!r} has empty values; every row needs a label")
-    if all(isinstance(v, int) for v in values):
-        return list(range(max(values) + 1))
-    return sorted(values, key=str)
 
 
 class Rows(Samples):

@@ -5,7 +5,7 @@ from pathlib import Path
 
 import numpy as np
 
-from app.data import DataInfo, TextModel, chat, preference, prompts, sources, stream, text
+from app.data import DataInfo, TextModel, chat, labels, preference, prompts, sources, stream, text
 from app.data.forms import block_for, instruction_form, kind_of
 from app.data.tokenizers import run_tokenizer
 from app.distributed import dist
@@ -42,21 +42,6 @@ def _joined(parts: list):
     return (parts[0] if len(parts) == 1 else datasets.concatenate_datasets(parts)), offsets
 
 
-def _label_names(trains: list, labels: list) -> list:
-    """The classes of every source together (text.label_names of each, merged); ClassLabel sources must agree on
-    their names, which their labels index."""
-    from datasets import ClassLabel
-    names = [train.features[label].names if isinstance(train.features[label], ClassLabel) else None
-             for train, label in zip(trains, labels)]
-    if any(names) and (None in names or any(n != names[0] for n in names)):
-        raise UserError("the --dataset sources' labels differ in kind or order (ClassLabel names: " + "; ".join(
-            ", ".join(n) if n else "plain values" for n in names) + "); give every source the same labels")
-    found = [text.label_names(train, label) for train, label in zip(trains, labels)]
-    if all(isinstance(v, int) for values in found for v in values):
-        return list(range(max(len(values) for values in found)))
-    return sorted({v for values in found for v in values}, key=str)
-
-
 def _load(settings: Settings, listed: list) -> tuple:
     """([(train, held-out or None)] of each source, the held-out set of all of them or None): each source's own
     held-out split or --eval_file, or one --eval_file for every source."""
@@ -84,15 +69,16 @@ def _packing(settings: Settings, kind: str, weights) -> str:
     return "off"
 
 
-def _encoder(kind: str, tokenizer, block: int, settings: Settings, trains: list):
+def _encoder(kind: str, tokenizer, block: int, settings: Settings, trains: list, head: tuple):
     """encode(data, form, column, what): the tokenized rows of one source's split, as its kind tokenizes them; and
-    the classes (labelled text) or None."""
-    classes = None
+    the names of the classes (labelled text: in the order of head, a pretrained head's names, where they match) or
+    None."""
+    classes, names = None, None
 
     def label(data):
         return text.pick_column(data, settings.label_column, "label", ("label", "labels"))
     if kind == "sequence_classification":
-        classes = _label_names(trains, [label(train) for train in trains])
+        classes, names = labels.in_head_order(*labels.classes(trains, [label(train) for train in trains]), head)
         if len(classes) < 2:
             raise UserError(f"--label_column {label(trains[0])!r} has a single class; classification needs two or more")
 
@@ -102,25 +88,26 @@ def _encoder(kind: str, tokenizer, block: int, settings: Settings, trains: list)
         if kind == "instruction":
             return text.instruction_rows(data, tokenizer, form, block, settings.train_on_prompt, what)
         if kind == "sequence_classification":
-            return text.labelled_rows(data, tokenizer, column, label(data), classes, block, what)
+            return labels.labelled_rows(data, tokenizer, column, label(data), classes, block, what)
         blocks = text.lm_blocks(data, tokenizer, column, block, what)
         if not len(blocks):
             raise UserError(f"the {what} text is shorter than one block of {block} tokens; lower --block_size or "
                             f"add text")
         return blocks
-    return encode, classes
+    return encode, names
 
 
 def _sets(kind: str, train, held, tokenizer, block: int, settings: Settings, packing: str, pack_held: bool,
-          classes) -> tuple:
+          names) -> tuple:
     """(train set, held-out set, DataInfo) of the tokenized rows, as the kind trains on them."""
     if kind == "preference":
         return preference.pair_sets(train, held, tokenizer, block, settings)
     if kind == "instruction":
         return instruction_sets(train, held, tokenizer, block, packing, pack_held)
-    length = max(text.longest(train), text.longest(held), 1) if classes else 0
+    length = max(text.longest(train), text.longest(held), 1) if names else 0
     return (text.Rows(train, tokenizer.pad_token_id, length), text.Rows(held, tokenizer.pad_token_id, length),
-            DataInfo(len(classes or ()), task=kind, vocab_size=len(tokenizer), seq_len=length or block))
+            DataInfo(len(names or ()), task=kind, vocab_size=len(tokenizer), seq_len=length or block,
+                     labels=tuple(names or ())))
 
 
 def _tell_sources(made: tuple, kind: str, names: list, train, train_at, held, held_at, weights, settings):
@@ -157,23 +144,24 @@ def build_text_sets(settings: Settings, model: TextModel, task: str, output_dir:
         read = trains + ([shared] if shared else [])
         forms = [instruction_form(data, task, settings) for data in read]
         kind = kind_of(forms, names, task)
-        columns = ["" if form else text.pick_column(data, settings.text_column, "text", ("text",))
-                   for data, form in zip(read, forms)]
+        pick = labels.text_columns if kind == "sequence_classification" else \
+            (lambda data, wanted: text.pick_column(data, wanted, "text", ("text",)))
+        columns = ["" if form else pick(data, settings.text_column) for data, form in zip(read, forms)]
 
         def texts():
             for data, form, column in zip(trains, forms, columns):
                 yield from text.chat_texts(data, form) if form else \
-                    (batch[column] for batch in data.iter(batch_size=1000))
+                    ([t for name in column.split(",") for t in batch[name]] for batch in data.iter(batch_size=1000))
         tokenizer = run_tokenizer(settings, model, texts, output_dir, chat=bool(forms[0]))
         block = block_for(settings, model, tokenizer)
         packing = _packing(settings, kind, weights)
-        encode, classes = _encoder(kind, tokenizer, block, settings, trains)
+        encode, class_names = _encoder(kind, tokenizer, block, settings, trains, model.labels)
         named = [f"{{}} {name}" if several else "{}" for name in names]
         train, train_at = _joined([encode(data, form, column, n.format("train"))
                                    for data, form, column, n in zip(trains, forms, columns, named)])
         held, held_at = _joined([encode(data, form, column, n.format("held-out")) for (_, data), form, column, n in
                                  zip(loaded, forms, columns, named)] if shared is None else
                                 [encode(shared, forms[-1], columns[-1], "held-out")])
-        made = _sets(kind, train, held, tokenizer, block, settings, packing, len(held_at) == 2, classes)
+        made = _sets(kind, train, held, tokenizer, block, settings, packing, len(held_at) == 2, class_names)
     _tell_sources(made, kind, names, train, train_at, held, held_at, weights, settings)
     return (*made, tokenizer, kind)

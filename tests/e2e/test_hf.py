@@ -89,6 +89,8 @@ def test_tiny_classifier_learns_the_rule(runs):
     _, evals = read_metrics(runs / "classifier")
     assert evals[-1]["eval_accuracy"] >= 0.9  # chance is about 0.6: 5 of the 8 animals are mammals
     assert read_summary(runs / "classifier")["task"] == "sequence_classification"
+    saved = json.loads(next((runs / "classifier" / "checkpoints").glob("step*/hf/config.json")).read_text())
+    assert saved["id2label"] == {"0": "0", "1": "1"}, "the data's classes name the head's rows for the export"
 
 
 def _held_out_loss(model, runs, name) -> float:

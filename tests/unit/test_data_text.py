@@ -222,15 +222,14 @@ def test_blocks_are_the_concatenated_text_cut_once_and_the_cache_is_reused(tmp_p
     assert "(tokenized)" in capsys.readouterr().out
 
 
-def test_labels_of_any_kind_map_to_class_indices(tmp_path):
-    path = tmp_path / "rows.csv"
-    path.write_text("text,label\nfine day,good\nawful day,bad\nnice one,good\n")
-    train, _ = text.load_splits(str(path), "", "", 0.1, seed=0)
-    names = text.label_names(train, "label")
-    assert names == sorted(set(list(train["label"])))
-    rows = text.labelled_rows(train, byte_tokenizer(), "text", "label", names, 4, "train")
-    assert list(rows["target"]) == [names.index(y) for y in list(train["label"])]
-    assert all(len(ids) == 4 for ids in list(rows["input_ids"]))  # truncated to the block size
-    with pytest.raises(UserError, match="held-out label 'meh' never occurs"):
-        held = train.map(lambda row: {"label": "meh"})
-        text.labelled_rows(held, byte_tokenizer(), "text", "label", names, 4, "held-out")
+def test_the_held_out_split_is_never_the_training_one():
+    """A hub dataset with a test split alone (many evaluation sets), trained on with --dataset_train_split test:
+    its held-out rows come from --eval_fraction, not from the rows it trains on."""
+    splits = datasets.DatasetDict(test=datasets.Dataset.from_dict({"text": [f"row {i}" for i in range(10)]}),
+                                  validation=datasets.Dataset.from_dict({"text": ["v"]}))
+    train, held = text.picked(splits, "src", "validation", "")
+    assert (len(train), len(held)) == (1, 10), "trained on validation: held out on test"
+    train, held = text.picked(datasets.DatasetDict(test=splits["test"]), "src", "test", "")
+    assert len(train) == 10 and held is None
+    with pytest.raises(UserError, match="--dataset_test_split test is the training split too"):
+        text.picked(splits, "src", "test", "test")

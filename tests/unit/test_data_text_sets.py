@@ -81,14 +81,3 @@ def test_sources_of_different_kinds_are_refused(tmp_path):
     chats, text = _chats(tmp_path / "chats.jsonl", 20), write_text_rows(tmp_path / "plain.txt", 50)
     with pytest.raises(UserError, match="different kinds of rows \\(chats: instruction data, plain: text\\)"):
         _build(tmp_path, dataset=f"{chats},{text}")
-
-
-def test_labelled_sources_must_agree_on_their_class_names(tmp_path):
-    import datasets
-    one = datasets.Dataset.from_dict({"text": ["a", "b"], "label": [0, 1]},
-                                     features=datasets.Features({"text": datasets.Value("string"),
-                                                                 "label": datasets.ClassLabel(names=["neg", "pos"])}))
-    other = datasets.Dataset.from_dict({"text": ["c", "d"], "labels": ["pos", "neg"]})
-    with pytest.raises(UserError, match="labels differ in kind or order \\(ClassLabel names: neg, pos; plain values"):
-        text_sets._label_names([one, other], ["label", "labels"])
-    assert text_sets._label_names([other, other], ["labels", "labels"]) == ["neg", "pos"]

@@ -50,6 +50,9 @@ def test_build_model_is_for_image_models_and_build_hf_for_transformers():
                                  byte_tokenizer(), {})
     ids = torch.randint(258, (2, 8))
     assert classifier(ids, torch.ones_like(ids)).shape == (2, 3)
+    named = models.build_hf(models.hf_spec("bert-tiny"), DataInfo(2, task="sequence_classification",
+                                                                  labels=("neg", "pos")), byte_tokenizer(), {})
+    assert named.config.id2label == {0: "neg", 1: "pos"} and named.config.label2id == {"neg": 0, "pos": 1}
 
 
 def test_preset_vocabulary_is_padded_to_a_multiple_of_64():
