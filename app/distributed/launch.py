@@ -31,18 +31,28 @@ TELL_S = 30
 DEFAULT_MASTER_PORT = 29500
 
 
+MPI_NAMES = {  # what each MPI's mpirun tells its ranks: rank, world size, local rank, ranks on the node
+    "OMPI_COMM_WORLD_RANK": ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK",
+                             "OMPI_COMM_WORLD_LOCAL_SIZE"),  # Open MPI (deepspeed --launcher openmpi)
+    "MV2_COMM_WORLD_RANK": ("MV2_COMM_WORLD_RANK", "MV2_COMM_WORLD_SIZE", "MV2_COMM_WORLD_LOCAL_RANK",
+                            "MV2_COMM_WORLD_LOCAL_SIZE"),  # MVAPICH2 (deepspeed --launcher mvapich)
+    "MPI_LOCALRANKID": ("PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID", "MPI_LOCALNRANKS"),  # MPICH's, Intel MPI's Hydra
+}
+
+
 def detect_launcher(env=os.environ) -> str:
-    """Name the launcher that started this process, or 'none'."""
+    """Name the launcher that started this process, or 'none' (also for a shell srun --pty opened on the
+    allocation, whose one task is the shell, not the run)."""
     if "RANK" in env and "WORLD_SIZE" in env:
         if "TORCHELASTIC_RUN_ID" in env:
             return "torchrun"
         if "CROSS_RANK" in env or "LOCAL_SIZE" in env:
             return "deepspeed"
         return "env"
-    if "OMPI_COMM_WORLD_RANK" in env:
+    if any(key in env for key in MPI_NAMES):
         return "mpirun"
-    if "SLURM_PROCID" in env and "SLURM_STEP_ID" in env:  # a task of srun, not the batch script itself
-        return "srun"
+    if "SLURM_PROCID" in env and "SLURM_STEP_ID" in env and "SLURM_PTY_PORT" not in env:  # a task of srun, not
+        return "srun"  # the batch script itself
     return "none"
 
 
@@ -51,9 +61,9 @@ def launcher_env(launcher: str, env=os.environ) -> dict:
     if launcher == "mpirun":
         if "MASTER_ADDR" not in env:
             raise UserError("mpirun did not pass MASTER_ADDR: add MASTER_ADDR=<first host> to .deepspeed_env "
-                            "(deepspeed --launcher openmpi) or pass -x MASTER_ADDR=<first host> to mpirun")
-        names = ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK",
-                 "OMPI_COMM_WORLD_LOCAL_SIZE")
+                            "(deepspeed --launcher openmpi or mvapich), or pass it to mpirun (-x MASTER_ADDR=<first "
+                            "host> for Open MPI, -genv MASTER_ADDR <first host> for MPICH, Intel MPI, MVAPICH)")
+        names = next(names for key, names in MPI_NAMES.items() if key in env)
         master = (env["MASTER_ADDR"], env.get("MASTER_PORT", str(DEFAULT_MASTER_PORT)))
     else:
         names = ("SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID", "")
@@ -98,7 +108,8 @@ def node_of(launcher: str, env=os.environ, world_info=None) -> tuple:
     if launcher == "srun":
         return env.get("SLURMD_NODENAME", hostname), env.get("SLURM_NODEID", "0")
     if launcher == "mpirun":  # ranks are placed node by node (by slot): the node's first rank tells it apart
-        return hostname, str(int(env["OMPI_COMM_WORLD_RANK"]) - int(env["OMPI_COMM_WORLD_LOCAL_RANK"]))
+        rank, _, local_rank, _ = next(names for key, names in MPI_NAMES.items() if key in env)
+        return hostname, str(int(env[rank]) - int(env[local_rank]))
     return hostname, "0"
 
 
@@ -146,8 +157,9 @@ def _relaunch():
     on MASTER_PORT or else on a port free now (two such runs on one machine must not both take 29500)."""
     port = os.environ.get("MASTER_PORT") or str(free_port())
     print(f"relaunching: rank 0's rendezvous store listens on 127.0.0.1:{port} only", flush=True)
-    argv = [sys.executable, "-u", "-m", "deepspeed.launcher.runner", "--master_port", port, sys.argv[0],
-            *sys.argv[1:]]
+    spec = sys.modules["__main__"].__spec__  # python -m app.tools.commcheck: each rank runs the module, as asked
+    script = ["--module", spec.name] if spec is not None else [sys.argv[0]]
+    argv = [sys.executable, "-u", "-m", "deepspeed.launcher.runner", "--master_port", port, *script, *sys.argv[1:]]
     os.execv(sys.executable, argv)
 
 
@@ -214,6 +226,10 @@ def setup(single_process: bool = False, timeout_s: int = 600) -> World:
     else:
         if launcher in ("mpirun", "srun"):  # say it in the variables torch and DeepSpeed read
             os.environ.update(launcher_env(launcher))
+        if "MASTER_ADDR" not in os.environ:
+            raise UserError(f"RANK and WORLD_SIZE are set (the {launcher} launcher) but MASTER_ADDR is not: set "
+                            f"MASTER_ADDR to rank 0's host and MASTER_PORT to a free port there, as torchrun does")
+        os.environ.setdefault("MASTER_PORT", str(DEFAULT_MASTER_PORT))
         description = f"started by {launcher}"
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
@@ -245,8 +261,8 @@ def _join(rank: int, world_size: int, node: tuple, backend: str, device, join_s:
         store = wire.open_store(addr, port, world_size, serve, datetime.timedelta(seconds=join_s))
     except (RuntimeError, torch_dist.DistError) as e:
         if serve:
-            raise UserError(f"rank 0 cannot listen on {addr}:{port} ({str(e).splitlines()[0]}); "
-                            f"pass a free --master_port") from None
+            raise UserError(f"rank 0 cannot listen on {addr}:{port} ({str(e).splitlines()[0]}); pass a free port "
+                            f"(the launcher's --master_port, or MASTER_PORT)") from None
         raise UserError(f"rank {rank} on {node[0]} could not reach rank 0 at {addr}:{port} within {join_s} s: "
                         f"is that node up, and is the port open between the nodes?") from None
     # a restarted torchrun worker group meets again in the same agent store: keep each attempt apart

@@ -183,7 +183,7 @@ def run_checks(args) -> list:
 
 def shell_rows(row, args):
     """What DeepSpeed's pdsh runner would hand each node's shell: the training flags and this folder as plain
-    words, and no secret among the variables it exports on its command line."""
+    words, no secret among the variables it exports on its command line, and a .deepspeed_env it reads whole."""
     try:
         node_shell.check_arguments([args.output_dir, *args.train_args], str(Path.cwd()))
         row("shell", "pdsh", "", "flags and launch folder pass as plain words")
@@ -191,6 +191,10 @@ def shell_rows(row, args):
         row("shell", "pdsh", str(e))
     warning = node_shell.secrets_warning(name for name, _ in ds_internals.pdsh_exports(dict(os.environ)))
     row("secrets", "pdsh", warning.removeprefix("warning: "), "no secret-looking variable on it")
+    problem = ds_internals.env_file_problem(dict(os.environ))
+    row("env file", "pdsh", f"{problem} is not NAME=value, which DeepSpeed's launcher makes of each line (a comment "
+        f"or blank line stops the launch: the nodes start nothing); remove it" if problem else "",
+        "each line of .deepspeed_env is NAME=value")
 
 
 def _compare(row, host, mine, theirs, busy, master_addr, master_port):

@@ -43,6 +43,62 @@ def test_mpirun_variables_become_the_standard_ones():
     assert launch.node_of("mpirun", env)[1] == "2", "ranks 2 and 3 share a node"
 
 
+@pytest.mark.parametrize("env", [
+    {"MV2_COMM_WORLD_RANK": "3", "MV2_COMM_WORLD_SIZE": "4", "MV2_COMM_WORLD_LOCAL_RANK": "1",
+     "MV2_COMM_WORLD_LOCAL_SIZE": "2"},  # deepspeed --launcher mvapich: MVAPICH2's mpirun
+    {"PMI_RANK": "3", "PMI_SIZE": "4", "MPI_LOCALRANKID": "1", "MPI_LOCALNRANKS": "2"},  # MPICH's or Intel MPI's
+])
+def test_every_mpis_variables_become_the_standard_ones(env):
+    """Read as none, each rank trained alone as rank 0 of 1 (or relaunched itself on every GPU of its node)."""
+    assert launch.detect_launcher(env) == "mpirun"
+    assert launch.launcher_env("mpirun", {**env, "MASTER_ADDR": "n0"}) == {
+        "RANK": "3", "WORLD_SIZE": "4", "LOCAL_RANK": "1", "LOCAL_SIZE": "2", "MASTER_ADDR": "n0",
+        "MASTER_PORT": "29500"}
+    assert launch.node_of("mpirun", env)[1] == "2"
+    with pytest.raises(UserError, match="-genv MASTER_ADDR"):
+        launch.launcher_env("mpirun", env)
+
+
+def test_a_shell_srun_opened_on_the_allocation_is_no_launcher():
+    """srun --pty bash: its one task is the shell; a run started in it decides as without a launcher (every
+    allocated GPU), not as one task of one rank."""
+    shell = {"SLURM_PROCID": "0", "SLURM_NTASKS": "1", "SLURM_STEP_ID": "0", "SLURM_PTY_PORT": "40231"}
+    assert launch.detect_launcher(shell) == "none"
+
+
+def test_a_relaunch_runs_a_module_as_a_module(monkeypatch):
+    """python -m app.tools.commcheck on several GPUs: each rank runs the module, whose imports need the
+    repository on the path, not the file as a script."""
+    import sys
+    from types import SimpleNamespace
+
+    class Replaced(Exception):
+        pass
+
+    def execv(path, argv):
+        raise Replaced(argv)
+    monkeypatch.setattr(launch.os, "execv", execv)
+    monkeypatch.setattr(sys, "argv", ["/repo/app/tools/commcheck.py", "--rounds", "2"])
+    monkeypatch.setattr(sys.modules["__main__"], "__spec__", SimpleNamespace(name="app.tools.commcheck"))
+    with pytest.raises(Replaced) as module:
+        launch._relaunch()
+    assert module.value.args[0][-4:] == ["--module", "app.tools.commcheck", "--rounds", "2"]
+    monkeypatch.setattr(sys.modules["__main__"], "__spec__", None)  # python app/train.py
+    monkeypatch.setattr(sys, "argv", ["app/train.py", "--epochs", "1"])
+    with pytest.raises(Replaced) as script:
+        launch._relaunch()
+    assert script.value.args[0][-3:] == ["app/train.py", "--epochs", "1"]
+
+
+def test_rank_and_world_size_without_master_addr_is_one_line(monkeypatch):
+    for name in ("MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID", "LOCAL_SIZE", "CROSS_RANK"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    with pytest.raises(UserError, match="RANK and WORLD_SIZE are set \\(the env launcher\\) but MASTER_ADDR is not"):
+        launch.setup()
+
+
 def test_mpirun_without_master_addr_says_how_to_pass_it():
     env = {"OMPI_COMM_WORLD_RANK": "0", "OMPI_COMM_WORLD_SIZE": "2", "OMPI_COMM_WORLD_LOCAL_RANK": "0",
            "OMPI_COMM_WORLD_LOCAL_SIZE": "1"}

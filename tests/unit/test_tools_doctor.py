@@ -41,3 +41,18 @@ def test_a_host_name_that_ssh_would_read_as_an_option_fails(tmp_path, capsys):
     out = capsys.readouterr().out
     assert code == 1 and "begins with '-', which ssh reads as an option" in out
     assert rows_of(out)[("hostfile", str(hostfile))] == "FAIL" and not (tmp_path / "ran").exists()
+
+
+@pytest.mark.parametrize("text, bad", [("NCCL_DEBUG=INFO\n# MASTER_ADDR=10.0.0.1\n", "line 2: '# MASTER_ADDR=10.0.0.1'"),
+                                       ("NCCL_DEBUG=INFO\n\n", "line 2: ''"), ("NCCL_DEBUG=INFO\n", "")])
+def test_a_deepspeed_env_line_the_launcher_would_misread_fails(text, bad, tmp_path, monkeypatch):
+    """DeepSpeed's runner exports each line as written: a '#' comments out the rest of pdsh's line, so the nodes
+    start nothing and the launch exits 0; a blank line ends it in a traceback."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("DS_ENV_FILE", raising=False)
+    (tmp_path / ".deepspeed_env").write_text(text)
+    rows = []
+    doctor.shell_rows(lambda *row: rows.append(row), doctor.build_parser().parse_args(["--output_dir", "runs/a"]))
+    said = {check: status for check, _, status, *_ in rows}
+    assert said["env file"].startswith(f"./.deepspeed_env {bad} is not NAME=value" if bad else ""), said["env file"]
+    assert ("the nodes start nothing" in said["env file"]) == bool(bad)

@@ -19,9 +19,9 @@ from app.ds.internals.gather import whole_bytes, whole_weights
 from app.ds.internals.hf_private import unpacked_positions
 from app.ds.internals.linear import deepspeed_linear, restore_torch_linear
 from app.ds.internals.sequence import sequence_groups, whole_sequences
-from app.ds.internals.launcher import (cpu_info_once, drop_shm_names, launcher_world_info, node_shell_line,
-                                      op_loads_quiet, pdsh_exports, pdsh_words, pin_device, quiet_deepspeed,
-                                      started_by_pdsh)
+from app.ds.internals.launcher import (cpu_info_once, drop_shm_names, env_file_problem, launcher_world_info,
+                                      node_shell_line, op_loads_quiet, pdsh_exports, pdsh_words, pin_device,
+                                      quiet_deepspeed, started_by_pdsh)
 from app.ds.internals.state import (deepspeed_estimate, held_weights, module_states, state_bytes, storages,
                                     weights_finite, zero_tensors)
 
@@ -36,7 +36,8 @@ __all__ = ["autocast_of", "Recorder", "parse_config", "scalar_defaults", "sectio
            "restore_torch_linear", "deepspeed_linear",
            "sequence_groups", "whole_sequences", "skip_bad_steps_on_device",
            "step_bf16_weights_on_device", "constants_on_device", "uncompile", "cpu_info_once", "drop_shm_names",
-           "launcher_world_info", "node_shell_line", "pdsh_exports", "pdsh_words", "started_by_pdsh", "op_loads_quiet",
+           "env_file_problem", "launcher_world_info", "node_shell_line", "pdsh_exports", "pdsh_words",
+           "started_by_pdsh", "op_loads_quiet",
            "pin_device", "quiet_deepspeed", "deepspeed_estimate", "held_weights", "module_states", "state_bytes",
            "storages", "unpacked_positions", "weights_finite", "zero_tensors", "version_note", "WRITTEN_FOR",
            "whole_bytes", "whole_weights"]

@@ -76,6 +76,22 @@ def pdsh_exports(env, here: str = ".") -> list:
     return found
 
 
+def env_file_problem(env, here: str = ".") -> str:
+    """'<file> line <n>: <line>' of the first line of a .deepspeed_env (in ~ and here) that DeepSpeed's runner
+    does not read as NAME=value, or ''. It splits each line at its first '=' and exports the rest on the nodes'
+    command line: a blank line ends the launcher in a traceback, and a comment's '#' comments out the rest of the
+    pdsh line, so the nodes start nothing and the launch exits 0."""
+    name = env.get("DS_ENV_FILE", ".deepspeed_env")
+    for folder in (os.path.expanduser("~"), here):
+        path = os.path.join(folder, name)
+        if os.path.isfile(path):
+            with contextlib.suppress(OSError, UnicodeDecodeError), open(path) as lines:
+                for number, line in enumerate(lines, 1):
+                    if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", line.split("=", 1)[0]) or "=" not in line:
+                        return f"{path} line {number}: {line.rstrip()!r}"
+    return ""
+
+
 def drop_shm_names(rank: int):
     """Remove the name of this rank's /dev/shm segment; call once every rank of the node has mapped them all.
 
