@@ -28,7 +28,7 @@ from app.memory.planner import held_after_search, weighed_for_run
 from app.observe import memory_snapshot, metrics, runlog, startup, trackers
 from app.observe import profiler as profiling
 from app.observe.summary import summarise
-from app.parallel import layout, tiled
+from app.parallel import layout, sequence_parallel, tiled
 from app.settings import Settings, parse, settings_dict
 
 if TYPE_CHECKING:
@@ -143,7 +143,7 @@ def settle(settings: Settings, world: World, ds: dict, board: endings.Board) -> 
     nvme.check(ds, settings.deepspeed_config)  # an NVMe offload's folders and op, before any engine
     output_dir = resume.output_dir_for(settings)
     seed_everything(settings.seed)
-    task = resolver.resolve(settings, spec, output_dir)
+    task = resolver.resolve(sequence_parallel.settings_for(settings, ranks.sequence), spec, output_dir)
     task.check_layout(ranks)
     ds, note = weighed_for_run(ds, note, task, settings, ranks, world)
     task.before_search(ds, ranks.replicas)

@@ -27,13 +27,14 @@ from app.distributed import dist
 
 def sliced(inputs: list, labels: torch.Tensor, degree: int, rank: int) -> tuple:
     """(ids, positions, next-token targets) of this rank's slice of the micro batch; the sequence padded at its end
-    to a multiple of degree with untrained positions."""
-    ids = inputs[0]
-    length = -(-ids.shape[1] // degree) * degree
-    pad = length - ids.shape[1]
+    to a multiple of degree with untrained tokens, at the last real position (after every real token, so causal
+    attention keeps them from the real ones, and within a learned position table)."""
+    ids, real = inputs[0], inputs[0].shape[1]
+    length = -(-real // degree) * degree
+    pad = length - real
     targets = F.pad(labels[:, 1:], (0, pad + 1), value=IGNORE)
     ids = F.pad(ids, (0, pad), value=0)
-    positions = torch.arange(length, device=ids.device).expand(ids.shape[0], -1)
+    positions = torch.arange(length, device=ids.device).clamp(max=real - 1).expand(ids.shape[0], -1)
     part = slice(rank * length // degree, (rank + 1) * length // degree)
     return ids[:, part], positions[:, part], targets[:, part]
 

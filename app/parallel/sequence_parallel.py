@@ -5,6 +5,10 @@ inside attention all T tokens of heads/N heads (DeepSpeed's all-to-all before an
 This module checks the degree and the model and routes the model's attention through Ulysses; the step of a rank
 that holds a slice of each sequence, and how the losses split over the slices, are app/core/sequence_step.py's.
 """
+import inspect
+
+from torch import nn
+
 from app.errors import UserError
 
 KEY = "sequence_parallel_size"
@@ -49,12 +53,50 @@ def check_model(model, degree: int, model_name: str):
     if masked and not attention.startswith("flash_attention"):
         raise UserError(f"{KEY} {degree}: {model_name} sets {masked[0]}, which attention {attention!r} keeps only "
                         f"through the mask DeepSpeed's Ulysses drops; pass --attention flash_attention_2")
+    _mixes_within_attention(model, text, f"{KEY} {degree}: {model_name}")
     heads = text.num_attention_heads
     kv = getattr(text, "num_key_value_heads", None) or heads
     if heads % degree or (kv % degree and degree % kv):
         raise UserError(f"{KEY} {degree}: {model_name} has {heads} attention heads ({kv} key/value heads), which "
                         f"do not split over {degree} ranks; use a {KEY} that divides {heads} (and {kv}, or that "
                         f"{kv} divides)")
+
+
+SEQUENCE_ROPE = ("dynamic", "longrope")
+"""RoPE types whose frequencies follow the length of the positions a forward is given (each rank's slice)."""
+
+
+def _mixes_within_attention(model, text, said: str):
+    """One line unless every token meets the others in attention alone, through transformers' registry, with
+    positions whose rotations do not depend on the slice: no convolution or state-space layer along the sequence
+    (LFM2's short convolutions, Mamba hybrids, Qwen3-Next's linear attention), no attention that calls torch
+    itself (Falcon), no heads of other widths (DeepSeek's latent attention), no RoPE scaled by the length."""
+    mixers = sorted({type(parent).__name__ for parent in model.modules()
+                     if any(isinstance(child, nn.Conv1d) for child in parent.children())})
+    if mixers:
+        raise UserError(f"{said} mixes tokens in {mixers[0]} (a convolution or state space along the sequence), "
+                        f"outside the attention DeepSpeed's Ulysses gathers: each rank would see its slice alone; "
+                        f"train it without {KEY}")
+    direct = sorted({type(m).__name__ for m in model.modules() if type(m).__name__.endswith("Attention")
+                     and "ALL_ATTENTION_FUNCTIONS" not in _source(type(m).forward)})
+    if direct:
+        raise UserError(f"{said}: {direct[0]} computes attention itself, not through transformers' attention "
+                        f"registry that DeepSpeed's Ulysses takes over; train it without {KEY}")
+    if getattr(text, "kv_lora_rank", None) or getattr(text, "v_head_dim", None):
+        raise UserError(f"{said} has query, key and value heads of different widths (latent attention), which "
+                        f"DeepSpeed's Ulysses does not split; train it without {KEY}")
+    rope = getattr(text, "rope_parameters", None) or getattr(text, "rope_scaling", None) or {}
+    kind = rope.get("rope_type", rope.get("type")) if isinstance(rope, dict) else None
+    if kind in SEQUENCE_ROPE:
+        raise UserError(f"{said} scales its RoPE by the length of the positions it is given ({kind}): each rank "
+                        f"would rotate its slice by its own length; train it without {KEY}")
+
+
+def _source(function) -> str:
+    try:
+        return inspect.getsource(function)
+    except (OSError, TypeError):  # no source to read: taken as going through the registry
+        return "ALL_ATTENTION_FUNCTIONS"
 
 
 def attach(model, degree: int, model_name: str):
@@ -80,10 +122,29 @@ def attach(model, degree: int, model_name: str):
                 num_hidden_layers=text.num_hidden_layers, process_group=mpu.get_sequence_parallel_group(),
                 seq_length_is_variable=True)
             by_batch[batch].core_attn_implementation = attention
-        # the mask transformers made is for this rank's slice: causal attention over the gathered positions
-        return by_batch[batch](module, query, key, value, None, *args, **kwargs)
+        # the mask transformers made is for this rank's slice: causal attention over the gathered positions; the
+        # key/value groups DeepSpeed sets on the module for the gathered heads are put back for plain attention
+        # (GRPO's sampling, app/ds/internals/sequence.py whole_sequences)
+        groups = getattr(module, "num_key_value_groups", None)
+        try:
+            return by_batch[batch](module, query, key, value, None, *args, **kwargs)
+        finally:
+            if groups is not None:
+                module.num_key_value_groups = groups
     ulysses.app_core = core
     ALL_ATTENTION_FUNCTIONS[attention] = ulysses
+
+
+def settings_for(settings, degree: int):
+    """settings as a run whose sequences are split takes them: --packing auto off (DeepSpeed's Ulysses drops the
+    attention mask that keeps packed rows apart), said in a line."""
+    if degree == 1 or settings.packing != "auto":
+        return settings
+    from dataclasses import replace
+    from app.distributed import dist
+    dist.print0(f"packing: off: {KEY} {degree} splits each row over ranks, and DeepSpeed's Ulysses drops the "
+                f"attention mask that keeps packed rows apart")
+    return replace(settings, packing="off")
 
 
 def describe(degree: int, replicas: int) -> str:

@@ -128,10 +128,12 @@ def describe(model: nn.Module, fused_logits: bool) -> str:
 
 
 def _own_logits(model: nn.Module) -> str:
-    """The config key of a step the model takes on its logits past its output layer (Gemma 2's soft cap, Cohere's
-    and Granite's scales), which the tiled loss would skip: its logits are then kept whole ('' where none)."""
+    """The config key of a step the model takes on its logits past its output layer (Gemma 2's soft cap, Cohere's,
+    Granite's and Falcon-H1's scales), which the tiled loss would skip: its logits are then kept whole ('' where
+    none)."""
     config = model.hf.config
-    for key, plain in (("final_logit_softcapping", None), ("logit_scale", 1.0), ("logits_scaling", 1.0)):
+    for key, plain in (("final_logit_softcapping", None), ("logit_scale", 1.0), ("logits_scaling", 1.0),
+                       ("lm_head_multiplier", 1.0)):
         if getattr(config, key, plain) not in (None, plain):
             return key
     return ""

@@ -35,6 +35,15 @@ def _llama(heads=4, kv=2, attention="sdpa"):
     return HFLogits(LlamaForCausalLM._from_config(config, attn_implementation=attention))
 
 
+def _tiny(config_name: str, **settings):
+    """A 2-layer model of a transformers family, its attention sdpa."""
+    import transformers
+    config = getattr(transformers, config_name)(**{"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+                                                   "num_attention_heads": 4, "num_key_value_heads": 2,
+                                                   "vocab_size": 50, **settings})
+    return HFLogits(transformers.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa"))
+
+
 def _mistral(window):
     from transformers import MistralConfig, MistralForCausalLM
     config = MistralConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4,
@@ -48,6 +57,14 @@ def _mistral(window):
     (lambda: torch.nn.Linear(2, 2), 2, "is not a transformers language model"),
     (lambda: _llama(attention="flex_attention"), 2, "runs attention 'flex_attention', which the app does not split"),
     (lambda: _mistral(4096), 2, "sets sliding_window, which attention 'sdpa' keeps only through the mask"),
+    (lambda: _tiny("Lfm2Config", layer_types=["conv", "full_attention"]), 2,
+     "mixes tokens in Lfm2ShortConv \\(a convolution or state space along the sequence\\)"),
+    (lambda: _tiny("FalconConfig", num_kv_heads=4), 2, "FalconAttention computes attention itself"),
+    (lambda: _tiny("DeepseekV3Config", kv_lora_rank=16, q_lora_rank=None, qk_rope_head_dim=8, qk_nope_head_dim=8,
+                   v_head_dim=8, n_routed_experts=4, num_experts_per_tok=2, n_group=1, topk_group=1,
+                   first_k_dense_replace=1), 2, "query, key and value heads of different widths"),
+    (lambda: _tiny("LlamaConfig", rope_parameters={"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0}), 2,
+     "scales its RoPE by the length of the positions it is given \\(dynamic\\)"),
 ])
 def test_what_ulysses_cannot_split_is_refused_in_one_line(model, degree, said):
     with pytest.raises(UserError, match=said):
@@ -66,3 +83,13 @@ def test_gpt2_and_grouped_key_value_heads_split():
     sequence_parallel.check_model(_llama(heads=8, kv=2), 4, "llama")
     with pytest.raises(UserError, match="has 12 attention heads \\(3 key/value heads\\), which do not split"):
         sequence_parallel.check_model(_llama(heads=12, kv=3), 4, "llama")
+
+
+def test_packing_auto_is_off_where_sequences_are_split(capsys):
+    """Instruction data packs by default; under Ulysses, which drops the mask that keeps packed rows apart, the
+    default is off (said), and --packing on stays for the task's own one-line refusal."""
+    from app.settings import Settings
+    assert sequence_parallel.settings_for(Settings(), 2).packing == "off"
+    assert "packing: off: sequence_parallel_size 2 splits each row" in capsys.readouterr().out
+    assert sequence_parallel.settings_for(Settings(packing="on"), 2).packing == "on"
+    assert sequence_parallel.settings_for(Settings(), 1).packing == "auto"

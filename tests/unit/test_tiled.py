@@ -228,6 +228,11 @@ def test_a_model_that_scales_or_caps_its_logits_keeps_them_whole():
     model, task = HFLogits(Gemma2ForCausalLM(config)), _Task("on")
     tiled.for_run(model, task, 1, "gemma2")
     assert not task.fused_logits and sum(hasattr(block.mlp, "tiles") for block in named_blocks(model)) == 2
+    from types import SimpleNamespace
+    from transformers import FalconH1Config  # lm_head(h) * lm_head_multiplier
+    assert tiled._own_logits(SimpleNamespace(hf=SimpleNamespace(config=FalconH1Config(lm_head_multiplier=0.5)))) \
+        == "lm_head_multiplier"
+    assert tiled._own_logits(SimpleNamespace(hf=SimpleNamespace(config=FalconH1Config(lm_head_multiplier=1.0)))) == ""
 
 
 def test_tiled_on_under_pipeline_stages_or_tensor_parallelism_is_one_line():
