@@ -61,24 +61,33 @@ def local_files(path: Path, source: str, eval_file: str = "") -> tuple:
 
 def names_splits(path: Path, eval_file: str = "") -> bool:
     """Whether a local folder names its splits as a saved hub dataset does, so that datasets reads them apart: a
-    README.md whose YAML header lists configs, or data files every one of which a split's name claims (train-*,
-    data/test-*, ...), a train split and another among them and --eval_file not one of them. Any other folder is
-    one training set, every file of it."""
+    README.md whose YAML header lists configs, or data files whose names claim a train split and another (train-*,
+    data/test-*, ...), --eval_file not among them (unclaimed() names the files no split claims, which datasets
+    leaves out). Any other folder is one training set, every file of it."""
     if not path.is_dir():
         return False
     readme = path / "README.md"
     head = readme.read_text(errors="replace").split("\n---", 1)[0] if readme.is_file() else ""
     if head.startswith("---\n") and "\nconfigs:" in head:
         return True
+    named = _named_files(path)
+    data = {p.resolve() for p in path.rglob("*") if kind(p)}
+    return "train" in named and len(named) > 1 and not (eval_file and Path(eval_file).resolve() in data)
+
+
+def _named_files(path: Path) -> dict:
+    """{split: its files} as datasets finds them by their names in a folder ({} where it finds none)."""
     from datasets.data_files import DataFilesDict, get_data_patterns
     try:
-        named = DataFilesDict.from_patterns(get_data_patterns(str(path)), base_path=str(path))
+        return DataFilesDict.from_patterns(get_data_patterns(str(path)), base_path=str(path))
     except Exception:  # no data file, or names datasets cannot read as splits
-        return False
-    claimed = {Path(f).resolve() for files in named.values() for f in files}
-    data = {p.resolve() for p in path.rglob("*") if kind(p)}
-    return "train" in named and len(named) > 1 and claimed == data and \
-        not (eval_file and Path(eval_file).resolve() in data)
+        return {}
+
+
+def unclaimed(path: Path) -> list:
+    """The data files of a folder that names its splits which no split's name claims (imdb's unsupervised-*)."""
+    claimed = {Path(f).resolve() for files in _named_files(path).values() for f in files}
+    return sorted(p.name for p in path.rglob("*") if kind(p) and p.resolve() not in claimed)
 
 
 def _local_splits(path: Path, source: str, eval_file: str, config_name: str):
@@ -94,6 +103,10 @@ def _local_splits(path: Path, source: str, eval_file: str, config_name: str):
             return datasets.load_dataset(builder, data_files=data_files)
         else:
             splits = datasets.load_dataset(str(path), config_name or None)
+            left = unclaimed(path) if not (path / "README.md").is_file() else []
+            if left:
+                dist.print0(f"--dataset {source}: its files name their splits ({', '.join(splits)}); left out, as no "
+                            f"split's name claims them: {', '.join(left[:4])}{' ...' if len(left) > 4 else ''}")
         if eval_file:
             splits["validation"] = _local_splits(Path(eval_file), eval_file, "", "")["train"]
         return splits

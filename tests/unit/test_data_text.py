@@ -115,12 +115,11 @@ def test_a_folder_saved_from_the_hub_trains_on_its_train_split_alone(tmp_path):
 
 
 @pytest.mark.parametrize("names, eval_name", [(("rows.jsonl", "test_data.jsonl"), ""),  # no train split named
-                                              (("train.jsonl", "extra.jsonl", "test.jsonl"), ""),  # a file unclaimed
                                               (("train.jsonl", "test.jsonl"), "test.jsonl"),  # held out by hand
                                               (("train-0.jsonl", "train-1.jsonl"), "")])  # one split alone
-def test_a_folder_whose_names_do_not_all_name_splits_stays_one_training_set(tmp_path, names, eval_name):
-    """Only a folder whose every data file a split's name claims, a train split and another among them and the
-    --eval_file not one of them, is read split by split; any other is every file's rows, less the --eval_file."""
+def test_a_folder_whose_names_do_not_name_splits_stays_one_training_set(tmp_path, names, eval_name):
+    """Only a folder whose data files' names claim a train split and another, the --eval_file not one of them, is
+    read split by split; any other is every file's rows, less the --eval_file."""
     for i, name in enumerate(names):
         write_text_rows(tmp_path / name, 5 + i, seed=i)
     eval_file = str(tmp_path / eval_name) if eval_name else ""
@@ -128,6 +127,19 @@ def test_a_folder_whose_names_do_not_all_name_splits_stays_one_training_set(tmp_
     train, held = text.load_splits(str(tmp_path), "", eval_file, 0.2, seed=0, hold_out=bool(eval_file))
     kept = [5 + i for i, name in enumerate(names) if name != eval_name]
     assert len(train) == sum(kept) and (held is None) == (not eval_file)
+
+
+def test_a_file_no_split_claims_is_left_out_and_said_not_the_test_split_trained_on(tmp_path, capsys):
+    """imdb's plain_text folder (train-*, test-*, unsupervised-*): read as datasets reads it, the test rows held
+    out; the file no split's name claims is left out, in a line (the whole folder was one training set, test rows
+    and all)."""
+    for name, rows in (("train-00000-of-00001.jsonl", 12), ("test-00000-of-00001.jsonl", 4),
+                       ("unsupervised-00000-of-00001.jsonl", 7)):
+        write_text_rows(tmp_path / name, rows, seed=rows)
+    assert text.names_splits(tmp_path) and text.unclaimed(tmp_path) == ["unsupervised-00000-of-00001.jsonl"]
+    train, held = text.load_splits(str(tmp_path), "", "", 0.5, seed=0)
+    assert (len(train), len(held)) == (12, 4)
+    assert "left out, as no split's name claims them: unsupervised-00000-of-00001.jsonl" in capsys.readouterr().out
 
 
 def test_a_streamed_folder_that_names_its_splits_holds_out_its_test_split(tmp_path):
