@@ -62,6 +62,9 @@ def _encoded(dataset, tokenizer, what: str):
         ids = [(plain if isinstance(value, str) else []) +
                tokenizer(_prompt_text(tokenizer, value, f"{what} row {i}"), add_special_tokens=False)["input_ids"]
                for value, i in zip(batch["prompt"], indices)]
+        empty = next((i for i, prompt in zip(indices, ids) if not prompt), None)
+        if empty is not None:  # nothing to continue from: the completion's first token has no prompt token before it
+            raise UserError(f"{what} row {empty}: its prompt is empty; give every row a prompt")
         return {**batch, "prompt_ids": ids}
     key = text.cache_key(dataset, tokenizer, "prompts", tokenizer.chat_template)
     cache = [f["filename"] for f in dataset.cache_files]

@@ -74,6 +74,7 @@ def test_a_text_prompt_opens_with_the_tokenizers_start_token_as_trls_grpo_tokeni
                                                      "every reward function is given .*; rename the column"),
     ([{"prompt": "q", "prompts": "p"}] * 10, {}, "a column named 'prompts'"),
     ([{"prompt": "q", "prompt_ids": [1]}] * 10, {}, "a column named 'prompt_ids', where the app puts each prompt's"),
+    ([{"prompt": "q"}] * 9 + [{"prompt": ""}], {}, "row \\d+: its prompt is empty; give every row a prompt"),
 ])
 def test_rows_grpo_cannot_train_on_are_refused_in_one_line(tmp_path, rows, given, message):
     with pytest.raises(UserError, match=message):
