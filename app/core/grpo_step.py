@@ -240,7 +240,8 @@ class GrpoStep(TrainStep):
 
 def window_totals(parts: list, group: int, functions: list, counts: bool = True) -> dict:
     """What the window's loss and metrics need from every rank, in one host sum: its completion tokens, the reward
-    sums for the step's std and the means shown (reward, reward_std, frac_reward_zero_std, rewards/<f>/mean);
+    sums for the step's std and the means shown (reward, reward_std: that std, as TRL logs it since 0.27,
+    frac_reward_zero_std, rewards/<f>/mean);
     counts: whether this rank's parts count (not where another rank holds the same)."""
     real = [(p.share > 0) for p in parts]
     reward = [grpo_loss.combined(p.rewards, [f.weight for f in functions]) for p in parts]
@@ -250,21 +251,19 @@ def window_totals(parts: list, group: int, functions: list, counts: bool = True)
     local += [counted, sum(float(s.sum()) for s in scored), sum(float((s ** 2).sum()) for s in scored)]
     stds = [grpo_loss.group_stats(x, group)[1] for x in reward]
     groups = [r.view(-1, group)[:, 0] for r in real]
-    local += [sum(float(torch.nan_to_num(s)[g].sum()) for s, g in zip(stds, groups)),
-              sum(float((s[g] < 1e-8).sum()) for s, g in zip(stds, groups)),  # NaN: no std, not a zero one
+    local += [sum(float((s[g] < 1e-8).sum()) for s, g in zip(stds, groups)),  # NaN: no std, not a zero one
               sum(float(g.sum()) for g in groups)]
     for f in range(len(functions)):
         values = [(p.rewards[:, f], r) for p, r in zip(parts, real)]
         local += [sum(float(torch.nansum(torch.where(r, v, 0.0))) for v, r in values),
                   sum(float((r & ~v.isnan()).sum()) for v, r in values)]
     local = local if counts else [0.0] * len(local)
-    tokens, n, total, square, std_sum, zero, count, *per_function = dist.host_sum(local)
-    shown = {"reward": total / max(n, 1), "reward_std": std_sum / max(count, 1),
-             "frac_reward_zero_std": zero / max(count, 1),
+    tokens, n, total, square, zero, count, *per_function = dist.host_sum(local)
+    batch_std = max(0.0, (square - total ** 2 / n) / (n - 1)) ** 0.5 if n > 1 else float("nan")
+    shown = {"reward": total / max(n, 1), "reward_std": batch_std, "frac_reward_zero_std": zero / max(count, 1),
              **{f"rewards/{f.name}/mean": per_function[2 * i] / max(per_function[2 * i + 1], 1)
                 for i, f in enumerate(functions)}}
-    return {"tokens": tokens, "shown": shown,
-            "batch_std": max(0.0, (square - total ** 2 / n) / (n - 1)) ** 0.5 if n > 1 else float("nan")}
+    return {"tokens": tokens, "shown": shown, "batch_std": batch_std}
 
 
 def write_completions(output_dir: Path, step: int, parts: list, task):
