@@ -1,6 +1,6 @@
 """The app's own Settings (what DeepSpeed's JSON does not own) and the command line."""
 import argparse
-from dataclasses import asdict, dataclass, fields
+from dataclasses import dataclass, fields
 
 from app.distributed import dist
 from app.ds.config import DEFAULT_DS_CONFIG, load_ds_config
@@ -12,6 +12,9 @@ class Settings:
     """What the app itself owns; everything about optimisation lives in the DeepSpeed JSON."""
     model: str = "cnn"
     """cnn, mlp, a torchvision classifier (resnet18, ...), a transformers preset, save_pretrained folder or hub name."""
+    model_weights: str = ""
+    """torchvision classifiers: pretrained weights to start from, torchvision's (DEFAULT, IMAGENET1K_V2, ...: fetched
+    once into TORCH_HOME) or a state-dict file; the classifier's head is new, sized to the data's classes."""
     dataset: str = "digits"
     """Images: digits, synthetic, mnist, fashion_mnist, cifar10, imagefolder. Text (transformers models): a
     .txt/.json/.jsonl/.csv/.parquet file or a folder of them, or a hub dataset name; several, comma-separated (a,b),
@@ -293,8 +296,3 @@ def parse(argv=None):
     values["deepspeed_config"] = args.deepspeed_config or str(DEFAULT_DS_CONFIG)
     settings = Settings(**values)
     return settings, load_ds_config(settings.deepspeed_config, resolve=False, say=dist.print0)  # precision: once the device is set
-
-
-def settings_dict(settings: Settings) -> dict:
-    """Settings as a plain dict, for the run's saved record."""
-    return asdict(settings)

@@ -29,7 +29,7 @@ from app.observe import memory_snapshot, metrics, runlog, startup, trackers
 from app.observe import profiler as profiling
 from app.observe.summary import summarise
 from app.parallel import layout, sequence_parallel, tiled
-from app.settings import Settings, parse, settings_dict
+from app.settings import Settings, parse
 
 if TYPE_CHECKING:
     import deepspeed
@@ -170,7 +170,7 @@ def build(settings: Settings, world: World, settled: Settled) -> Built:
                              settled.ds["gradient_accumulation_steps"])
     state = TrainerState(step=0, epoch=0, batch=0, model=settings.model, dataset=settings.dataset,  # what checkpoints
                          world_size=world.world_size, zero_stage=ds_config.zero_stage(settled.ds),  # record, at step 0
-                         settings=settings_dict(settings), data_info=asdict(info), deepspeed_config=settled.ds,
+                         settings=asdict(settings), data_info=asdict(info), deepspeed_config=settled.ds,
                          pipeline_stages=ranks.split.stages if ranks.split else 0, data_parallel_size=ranks.replicas,
                          tensor_parallel_size=ranks.tensor, lora=lora.record(settings, task.spec),
                          task_record=task.record())

@@ -1,6 +1,9 @@
 """torchvision's classifiers, randomly initialised and fitted to the data: its classes, its channels, and its image
 side where a model is built for one; a model that cannot take the data's images is one line before any engine."""
+from pathlib import Path
+
 import torch
+from safetensors.torch import load_file
 from torch import nn
 
 from app.data import DataInfo
@@ -18,9 +21,13 @@ def names() -> list:
     return torchvision.models.list_models(module=torchvision.models)
 
 
-def build(name: str, info: DataInfo) -> nn.Module:
-    """torchvision's classifier called name for info's classes, channels and image side."""
+def build(name: str, info: DataInfo, weights: str = "") -> nn.Module:
+    """torchvision's classifier called name for info's classes, channels and image side; weights: pretrained ones
+    to start from (pretrained()), its head new where the data's classes are not the weights'."""
     import torchvision
+    if weights and info.in_channels != 3:
+        raise UserError(f"--model_weights: {name}'s pretrained weights take 3-channel images and the data has "
+                        f"{info.in_channels}; train on colour images (imagefolder, cifar10), or leave the weights out")
     try:
         model = torchvision.models.get_model(name, weights=None, num_classes=info.num_classes, **_fitted(name, info))
     except (ValueError, AssertionError) as e:  # a side the model's blocks cannot divide (vit_b_16 at 8, maxvit_t)
@@ -28,7 +35,62 @@ def build(name: str, info: DataInfo) -> nn.Module:
     if info.in_channels != 3:
         _replace_first_conv(model, info.in_channels)
     _takes_images(model, name, info)
+    if weights:
+        _start_from(model, pretrained(name, weights), name, weights)
     return model
+
+
+def pretrained(name: str, weights: str) -> dict:
+    """The state dict of weights for torchvision's model name: a file, or a member of torchvision's weights for it
+    (DEFAULT, IMAGENET1K_V1, ...), read from TORCH_HOME's cache or fetched there once."""
+    import torchvision
+    if Path(weights).is_file():
+        return _state_file(weights)
+    kinds = torchvision.models.get_model_weights(name)
+    if weights not in kinds.__members__:
+        raise UserError(f"--model_weights {weights!r} is neither a file nor one of {name}'s torchvision weights "
+                        f"({', '.join(kinds.__members__)})")
+    try:
+        return kinds[weights].get_state_dict(progress=False)
+    except (OSError, RuntimeError, ValueError) as e:  # offline, a cut download
+        file = Path(torch.hub.get_dir()) / "checkpoints" / Path(kinds[weights].url).name
+        raise UserError(f"{name}'s {weights} weights are not in {file} and cannot be fetched ({first_line(e)}): "
+                        f"run once online, or copy {kinds[weights].url} there") from None
+
+
+def _state_file(path: str) -> dict:
+    """A file's state dict: plain, under "model" or "state_dict" (torchvision's reference scripts, Lightning), its
+    keys without DDP's "module." (a run's own export loads as it is)."""
+    from safetensors import SafetensorError
+    from app.ds.internals.safe_load import data_only
+    try:
+        with data_only(path):
+            state = load_file(path) if path.endswith(".safetensors") else \
+                torch.load(path, map_location="cpu", weights_only=True)
+    except (OSError, RuntimeError, EOFError, SafetensorError) as e:
+        raise UserError(f"--model_weights {path} cannot be read ({first_line(e)}): save the model's state dict "
+                        f"with torch.save or safetensors") from None
+    held = next((state[key] for key in ("model", "state_dict") if isinstance(state, dict) and
+                 isinstance(state.get(key), dict)), state)
+    if not isinstance(held, dict):
+        raise UserError(f"--model_weights {path} holds a {type(held).__name__}, not a state dict")
+    return {key.removeprefix("module."): value for key, value in held.items()}
+
+
+def _start_from(model: nn.Module, state: dict, name: str, weights: str):
+    """Load the weights whose names and shapes are the model's; the others (the head, where the data's classes are
+    not the weights') keep their fresh start, and are said."""
+    own = model.state_dict()
+    unknown = [key for key in state if key not in own]
+    fits = {key: value for key, value in state.items() if key in own and own[key].shape == value.shape}
+    if unknown or not fits:
+        missing = ", ".join(unknown[:3]) or "tensor of their names and shapes"
+        raise UserError(f"--model_weights {weights}: not {name}'s weights (it has no {missing}); pass {name}'s own")
+    model.load_state_dict(fits, strict=False)
+    fresh = [key for key in own if key not in fits and own[key].is_floating_point()]
+    from app.distributed import dist
+    dist.print0(f"model weights: {name} from {weights}" + (f"; new for the data's classes: {', '.join(fresh)}"
+                                                           if fresh else ""))
 
 
 def _fitted(name: str, info: DataInfo) -> dict:

@@ -275,12 +275,16 @@ def model_names() -> list:
     return sorted(BUILTIN) + sorted(PRESETS) + classifiers.names()
 
 
-def build_model(name: str, info: DataInfo) -> nn.Module:
-    """The image model called name (a built-in or a torchvision classifier), shaped for the data info describes."""
+def build_model(name: str, info: DataInfo, weights: str = "") -> nn.Module:
+    """The image model called name (a built-in or a torchvision classifier), shaped for the data info describes;
+    weights: a torchvision classifier's pretrained ones to start from."""
     if name in BUILTIN:
+        if weights:
+            raise UserError(f"--model_weights starts a torchvision classifier from pretrained weights; {name} is "
+                            f"the app's own, trained from scratch")
         return BUILTIN[name](info)
     if name in classifiers.names():
-        return classifiers.build(name, info)
+        return classifiers.build(name, info, weights)
     raise UserError(f"unknown model {name!r}; choose cnn, mlp or a torchvision classifier such as resnet18 "
                     f"(python -c 'import torchvision; print(torchvision.models.list_models())')")
 

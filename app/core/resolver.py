@@ -44,6 +44,9 @@ def spec_of(settings: Settings, run: bool = True):
                         f"sequence classifier: pass a causal LM")
     elif asked(settings, spec) == "grpo":
         Grpo.check(settings, rewarded=run)
+    if spec is not None and settings.model_weights:
+        raise UserError(f"--model_weights starts a torchvision classifier from pretrained weights; a transformers "
+                        f"model's come with --model (a save_pretrained folder or a hub name), not {settings.model}")
     if run and spec is not None and spec.pretrained and Path(spec.pretrained).is_dir():
         models.check_weights(spec.pretrained)
     return spec

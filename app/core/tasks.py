@@ -62,7 +62,8 @@ def image_data(settings: Settings) -> Data:
     """A torchvision dataset or a built-in one; an unreadable image is refused on every rank before any write."""
     from app.data.images import build_image_sets, unreadable_images
     with dist.main_process_first():  # rank 0 downloads, the others then read its files
-        train, held, info = build_image_sets(settings.dataset, settings.data_dir, settings.image_size)
+        train, held, info = build_image_sets(settings.dataset, settings.data_dir, settings.image_size,
+                                             imagenet=bool(settings.model_weights))
     problem = dist.broadcast_object(unreadable_images(train, held) if dist.is_main() else "")
     if problem:
         raise UserError(problem)
@@ -82,7 +83,7 @@ class ImageClassification(Task):
         return build_image_sets("digits" if self.settings.model in models.BUILTIN else "synthetic", "data")[::2]
 
     def build_model(self, info: DataInfo, ds_config: dict) -> nn.Module:
-        return models.build_model(self.settings.model, info)
+        return models.build_model(self.settings.model, info, self.settings.model_weights)
 
     def flops_per_sample(self, model: nn.Module, info: DataInfo) -> float:
         """Training FLOPs of one sample, counted on a forward and backward pass."""

@@ -125,8 +125,12 @@ def _file_being_read(error: BaseException, folder: Path) -> str:
     return found
 
 
-def _imagefolder(data_dir, image_size):
-    """data_dir/train/<class>/*.png and data_dir/val/<class>/*.png (or a fixed 10% held out of train)."""
+IMAGENET = ((0.485, 0.456, 0.406), (0.229, 0.224, 0.225))  # the mean and std torchvision's weights were trained at
+
+
+def _imagefolder(data_dir, image_size, normal=((0.5, 0.5, 0.5), (0.25, 0.25, 0.25))):
+    """data_dir/train/<class>/*.png and data_dir/val/<class>/*.png (or a fixed 10% held out of train), normalised by
+    normal's (mean, std)."""
     import torchvision
     from torchvision import transforms
     root = Path(data_dir)
@@ -135,7 +139,7 @@ def _imagefolder(data_dir, image_size):
         raise UserError(f"ImageFolder data directory {train_dir} is missing or empty; put one folder of images "
                         f"per class in {root}/train (and optionally {root}/val)")
     tf = transforms.Compose([transforms.Resize(image_size), transforms.CenterCrop(image_size), transforms.ToTensor(),
-                             transforms.Normalize((0.5, 0.5, 0.5), (0.25, 0.25, 0.25))])
+                             transforms.Normalize(*normal)])
     try:
         train = torchvision.datasets.ImageFolder(str(train_dir), transform=tf, loader=open_image)
     except (FileNotFoundError, RuntimeError) as e:
@@ -213,9 +217,12 @@ BUILDERS = {
 }
 
 
-def build_image_sets(name: str, data_dir: str, image_size: int = 224):
-    """(train set, eval set, DataInfo) for an image dataset name."""
+def build_image_sets(name: str, data_dir: str, image_size: int = 224, imagenet: bool = False):
+    """(train set, eval set, DataInfo) for an image dataset name; imagenet: an image folder normalised as ImageNet's
+    images were, for weights pretrained on them."""
     if name not in BUILDERS:
         hint = " (text needs a transformers model, e.g. --model gpt2-tiny)" if Path(name).exists() else ""
         raise UserError(f"unknown image dataset {name!r}; choose one of {', '.join(sorted(BUILDERS))}{hint}")
+    if name == "imagefolder":
+        return _imagefolder(data_dir, image_size, IMAGENET if imagenet else ((0.5, 0.5, 0.5), (0.25, 0.25, 0.25)))
     return BUILDERS[name](data_dir, image_size)

@@ -61,6 +61,11 @@ FLAG_CASES = {
     "zero epochs": (["--epochs", "0"], ["--epochs must be at least 1"]),
     "lora flags without --lora": (["--lora_rank", "16"], ["--lora_rank set the adapters of a LoRA run",
                                                           "add --lora"]),
+    "model weights for the app's own model": (["--model_weights", "DEFAULT"],
+                                              ["--model_weights starts a torchvision classifier", "cnn is the app's"]),
+    "model weights for a transformers model": (["--model", "gpt2-tiny", "--model_weights", "DEFAULT"],
+                                               ["--model_weights starts a torchvision classifier",
+                                                "a transformers model's come with --model"]),
     "images too small for the model": (["--model", "alexnet", "--dataset", "synthetic"],
                                        ["--model alexnet cannot take the data's 32x32 images", "Output size is too small"]),
 }

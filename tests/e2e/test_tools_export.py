@@ -51,7 +51,7 @@ def _save_and_record(rank, world, out):
             engine.backward(tasks.class_loss(engine(x), y).mean())
             engine.step()
         state = TrainerState(step=3, epoch=0, batch=3, model="cnn", dataset="digits", world_size=world,
-                             zero_stage=ds_config.zero_stage(ds), settings=config.settings_dict(config.Settings()),
+                             zero_stage=ds_config.zero_stage(ds), settings=asdict(config.Settings()),
                              data_info=asdict(info), deepspeed_config=ds)
         save_checkpoint(engine, out / name, state, keep_last=0)
         params = list(engine.module.parameters())

@@ -191,3 +191,23 @@ def test_bf16_weights_train_alike_on_one_and_two_ranks_and_resume_exactly(tmp_pa
         assert len(two[name]) == 6 and worst < (2e-3 if name == "dp" else 2e-2), (name, one, two[name])
     for name in ("dp", "zero2"):
         assert two_rank_losses_of(two_rank, "bf16", f"{name}-resumed") == two[name], name
+
+
+def test_a_torchvision_classifier_starts_from_pretrained_weights(tmp_path):
+    """--model_weights with a state-dict file: the run says what it loaded and what is new, and its first
+    checkpoint's body is the file's weights moved by one step (lr 0: the file's own)."""
+    import torch
+    import torchvision
+    torch.manual_seed(3)
+    weights = torchvision.models.resnet18(num_classes=1000).state_dict()
+    torch.save(weights, tmp_path / "resnet18.pth")
+    config = config_variant(tmp_path, "dp", train_micro_batch_size_per_gpu=8,
+                            optimizer={"type": "AdamW", "params": {"lr": 0.0, "weight_decay": 0.0}})
+    out = tmp_path / "run"
+    result = train("python", 1, "--model", "resnet18", "--model_weights", tmp_path / "resnet18.pth", "--dataset",
+                   "synthetic", "--deepspeed_config", config, "--max_steps", 1, "--output_dir", out)
+    assert "model weights: resnet18 from" in result.stdout and "new for the data's classes: fc.weight, fc.bias" in \
+        result.stdout
+    from app.tools import export
+    exported = export.fp32_state_dict(next((out / "checkpoints").glob("step*")))
+    assert torch.equal(exported["layer4.1.conv2.weight"], weights["layer4.1.conv2.weight"])

@@ -1,5 +1,7 @@
 """torchvision's classifiers fitted to the data: auxiliary heads off, the image side where a model is built for
 one, and a model that cannot take the data's images one line at build, not a traceback in the first step."""
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -43,3 +45,59 @@ def test_the_check_leaves_the_model_in_train_mode_with_real_weights():
     assert model.training and model.conv1.in_channels == 1
     assert all(type(p) is torch.nn.Parameter and p.device.type == "cpu" for p in model.parameters())
     assert model.bn1.num_batches_tracked.item() == 0, "the check's forward ran in eval mode: no statistics taken"
+
+
+def _imagenet_resnet18():
+    """resnet18 as torchvision's ImageNet weights shape it (1,000 classes), its values drawn from a seed."""
+    import torchvision
+    torch.manual_seed(3)
+    return torchvision.models.resnet18(num_classes=1000).state_dict()
+
+
+def test_pretrained_weights_start_the_body_and_the_head_is_new_for_the_datas_classes(tmp_path, capsys):
+    """A state-dict file (as torchvision's reference scripts save it: under "model", DDP's "module." names) starts
+    every weight of the body; the 1,000-class head cannot hold the data's 10 classes and starts fresh, said."""
+    state = _imagenet_resnet18()
+    path = tmp_path / "resnet18.pth"
+    torch.save({"model": {f"module.{k}": v for k, v in state.items()}, "epoch": 89}, path)
+    model = classifiers.build("resnet18", DataInfo(10, 3, 32), str(path))
+    own = model.state_dict()
+    assert all(torch.equal(own[k], v) for k, v in state.items() if not k.startswith("fc."))
+    assert own["fc.weight"].shape == (10, 512)
+    assert f"model weights: resnet18 from {path}; new for the data's classes: fc.weight, fc.bias" in \
+        capsys.readouterr().out
+
+
+def test_torchvisions_named_weights_are_read_from_torch_homes_cache(tmp_path, monkeypatch):
+    """IMAGENET1K_V1 (and DEFAULT, its alias here) as torchvision fetches it once into TORCH_HOME: the file there is
+    read, nothing downloaded."""
+    import torchvision
+    monkeypatch.setenv("TORCH_HOME", str(tmp_path))
+    cached = tmp_path / "hub" / "checkpoints" / Path(torchvision.models.ResNet18_Weights.IMAGENET1K_V1.url).name
+    cached.parent.mkdir(parents=True)
+    state = _imagenet_resnet18()
+    torch.save(state, cached)
+    for name in ("IMAGENET1K_V1", "DEFAULT"):
+        model = classifiers.build("resnet18", DataInfo(1000, 3, 32), name)
+        assert all(torch.equal(model.state_dict()[k], v) for k, v in state.items()), "1,000 classes: the head too"
+
+
+@pytest.mark.parametrize("weights, info, said", [
+    ("IMAGENET1K_V9", DataInfo(10, 3, 32), "neither a file nor one of resnet18's torchvision weights "
+                                           "\\(IMAGENET1K_V1, DEFAULT\\)"),
+    ("IMAGENET1K_V1", DataInfo(10, 1, 28), "pretrained weights take 3-channel images and the data has 1"),
+])
+def test_weights_a_classifier_cannot_start_from_are_one_line(weights, info, said):
+    with pytest.raises(UserError, match=said):
+        classifiers.build("resnet18", info, weights)
+
+
+def test_another_models_weights_are_one_line(tmp_path):
+    import torchvision
+    path = tmp_path / "mobilenet.pth"
+    torch.save(torchvision.models.mobilenet_v3_small().state_dict(), path)
+    with pytest.raises(UserError, match="not resnet18's weights \\(it has no features.0.0.weight"):
+        classifiers.build("resnet18", DataInfo(10, 3, 32), str(path))
+    (tmp_path / "cut.pth").write_bytes(path.read_bytes()[:100])
+    with pytest.raises(UserError, match="cut.pth cannot be read"):
+        classifiers.build("resnet18", DataInfo(10, 3, 32), str(tmp_path / "cut.pth"))

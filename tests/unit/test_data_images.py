@@ -83,6 +83,18 @@ def test_a_val_class_that_train_has_not_is_one_line(tmp_path):
         images.build_image_sets("imagefolder", str(tmp_path))
 
 
+def test_imagefolder_for_pretrained_weights_is_normalised_as_imagenet_was(tmp_path):
+    """A black pixel is 0 - mean over std, with torchvision's ImageNet mean and std where the weights came from."""
+    from PIL import Image
+    for name in ("cat", "dog"):
+        (tmp_path / "train" / name).mkdir(parents=True)
+        Image.new("RGB", (8, 8), (0, 0, 0)).save(tmp_path / "train" / name / "0.png")
+    train, _, _ = images.build_image_sets("imagefolder", str(tmp_path), image_size=8, imagenet=True)
+    assert train[0][0][:, 0, 0].tolist() == pytest.approx([-0.485 / 0.229, -0.456 / 0.224, -0.406 / 0.225])
+    plain, _, _ = images.build_image_sets("imagefolder", str(tmp_path), image_size=8)
+    assert plain[0][0][:, 0, 0].tolist() == pytest.approx([-2.0] * 3)
+
+
 def test_imagefolder_without_val_holds_out_a_tenth(tmp_path):
     _images(tmp_path, per_class=10)
     train, held_out, info = images.build_image_sets("imagefolder", str(tmp_path), image_size=8)
