@@ -124,7 +124,8 @@ def check_compatible(saved: TrainerState, current: TrainerState, folder: Path):
                         f"ones (precision \"auto\" weighs this GPU's memory); set the JSON's precision sections to "
                         f"what that run had (its trainer_state.json holds its DeepSpeed dict), or start a new "
                         f"--output_dir")
-    then, now = ({k: v for k, v in state.lora.items() if k != "base"} for state in (saved, current))
+    then, now = ({k: v.replace(" ", "") if k == "targets" else v for k, v in state.lora.items() if k != "base"}
+                 for state in (saved, current))  # a record of before: the targets as typed
     if then != now:
         said = lambda lora: f"LoRA {lora}" if lora else "no LoRA"  # noqa: E731
         raise UserError(f"checkpoint {folder} was made with {said(then)} but this run has {said(now)}; pass the "
@@ -163,7 +164,8 @@ def _check_task_record(saved: TrainerState, current: TrainerState, folder: Path)
         raise UserError(f"checkpoint {folder} was made with other {kinds[0][0]} settings than this run has ({said}), "
                         f"which would change the loss mid-run; pass the same {flags} as that run or start a new "
                         f"--output_dir")
-    if then.get("base") != now.get("base") and then.get("reference") not in (None, "", "none (SimPO)"):
+    if not same_base(then.get("base") or "", now.get("base") or "") and \
+            then.get("reference") not in (None, "", "none (SimPO)"):
         raise UserError(f"checkpoint {folder} trained against a reference of another base model than {current.model} "
                         f"has now (its config or weights differ, or its seed); resume on the base model it started "
                         f"from, or start a new --output_dir")
@@ -171,8 +173,7 @@ def _check_task_record(saved: TrainerState, current: TrainerState, folder: Path)
 
 def _check_windows(saved: TrainerState, current: TrainerState, folder: Path):
     """A run that trains each window of samples several times (GRPO's --num_iterations) resumes only on the same
-    windows: the same micro batch over all data-parallel ranks and the same accumulation, so that the loader's
-    repeats stay in step with the cycles the checkpoint counts."""
+    windows (micro batch over the data-parallel ranks, accumulation): the loader's repeats keep the saved cycles."""
     if saved.task_record.get("num_iterations", 1) == 1:
         return
     micro, steps = "train_micro_batch_size_per_gpu", "gradient_accumulation_steps"
@@ -191,8 +192,7 @@ def needs_universal(saved: TrainerState, world_size: int) -> bool:
 
 
 def _optimizer_place(state: TrainerState) -> str:
-    """Where a run keeps its optimizer state under ZeRO-3: "nvme", "cpu" or "the device" (below ZeRO-3 nothing is
-    swapped: "the device" for any)."""
+    """Where a run keeps its ZeRO-3 optimizer state: "nvme", "cpu" or "the device" (below ZeRO-3, "the device")."""
     zero = state.deepspeed_config.get("zero_optimization") or {}
     device = str((zero.get("offload_optimizer") or {}).get("device") or "none") if state.zero_stage == 3 else "none"
     return "the device" if device == "none" else device

@@ -15,6 +15,9 @@ heads' weights would take no gradient from the one loss the app trains (torchvis
 off for these, but for inception_v3's pretrained weights)."""
 
 
+AUXILIARY_HEADS = ("AuxLogits.", "aux1.", "aux2.")  # their weights, in the pretrained state dicts of AUXILIARY
+
+
 def names() -> list:
     """Every torchvision classifier --model accepts."""
     import torchvision
@@ -29,7 +32,8 @@ def build(name: str, info: DataInfo, weights: str = "") -> nn.Module:
         raise UserError(f"--model_weights: {name}'s pretrained weights take 3-channel images and the data has "
                         f"{info.in_channels}; train on colour images (imagefolder, cifar10), or leave the weights out")
     try:
-        model = torchvision.models.get_model(name, weights=None, num_classes=info.num_classes, **_fitted(name, info))
+        model = torchvision.models.get_model(name, weights=None, num_classes=info.num_classes,
+                                             **_fitted(name, info, bool(weights)))
     except (ValueError, AssertionError) as e:  # a side the model's blocks cannot divide (vit_b_16 at 8, maxvit_t)
         raise UserError(_too_small(name, info, e)) from None
     if info.in_channels != 3:
@@ -81,6 +85,7 @@ def _start_from(model: nn.Module, state: dict, name: str, weights: str):
     """Load the weights whose names and shapes are the model's; the others (the head, where the data's classes are
     not the weights') keep their fresh start, and are said."""
     own = model.state_dict()
+    state = {key: value for key, value in state.items() if not key.startswith(AUXILIARY_HEADS)}  # built without
     unknown = [key for key in state if key not in own]
     fits = {key: value for key, value in state.items() if key in own and own[key].shape == value.shape}
     if unknown or not fits:
@@ -93,11 +98,12 @@ def _start_from(model: nn.Module, state: dict, name: str, weights: str):
                                                            if fresh else ""))
 
 
-def _fitted(name: str, info: DataInfo) -> dict:
-    """Arguments that fit name's build to the data: no auxiliary heads (AUXILIARY); the image side for the models
-    built for one side (the vision transformers' position embeddings, MaxViT's windows)."""
-    if name in AUXILIARY:
-        return {"aux_logits": False, "init_weights": True}  # torchvision's own initialisation, said without a warning
+def _fitted(name: str, info: DataInfo, pretrained: bool = False) -> dict:
+    """Arguments that fit name's build to the data: no auxiliary heads (AUXILIARY), and for pretrained weights the
+    input transform torchvision builds them with; the image side for the models built for one side (the vision
+    transformers' position embeddings, MaxViT's windows)."""
+    if name in AUXILIARY:  # init_weights: torchvision's own initialisation, said without a warning
+        return {"aux_logits": False, "init_weights": True, **({"transform_input": True} if pretrained else {})}
     if name.startswith("vit_"):
         return {"image_size": info.image_size}
     if name.startswith("maxvit"):

@@ -81,12 +81,15 @@ def adapter_sizes(hf, targets, rank: int) -> list:
     sizes = []
     for name, module in hf.named_modules():
         linear = isinstance(module, torch.nn.Linear)
-        if not (linear or type(module).__name__ == "Conv1D") or module is out:
+        if targets == ALL_LINEAR and module is out:  # all-linear leaves the output layer out, as peft does
             continue
-        if targets != ALL_LINEAR and name.rsplit(".", 1)[-1] not in targets:
+        if targets != ALL_LINEAR and not any(f".{name}".endswith(f".{target}") for target in targets):
             continue
-        inputs, outputs = module.weight.shape[::-1] if linear else module.weight.shape  # Conv1D keeps (in, out)
-        sizes += [rank * inputs, outputs * rank]
+        if isinstance(module, torch.nn.Embedding) and targets != ALL_LINEAR:  # peft's lora_embedding_A and _B
+            sizes += [rank * module.num_embeddings, module.embedding_dim * rank]
+        elif linear or type(module).__name__ == "Conv1D":
+            inputs, outputs = module.weight.shape[::-1] if linear else module.weight.shape  # Conv1D keeps (in, out)
+            sizes += [rank * inputs, outputs * rank]
     return sizes
 
 

@@ -13,6 +13,8 @@ UNLABELLED = -1  # a ClassLabel's value for a row without a label (SNLI's, a GLU
 def text_columns(dataset, wanted: str) -> str:
     """The text column, or two joined by a comma (--text_column a,b, or a pair PAIRS names where no 'text' is)."""
     if "," in wanted:
+        if wanted.count(",") > 1:
+            raise UserError(f"--text_column {wanted!r}: a classifier reads one text a row or a pair of them (a,b)")
         for name in wanted.split(","):
             text.pick_column(dataset, name, "text", ())
         return wanted

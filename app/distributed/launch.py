@@ -51,8 +51,9 @@ def detect_launcher(env=os.environ) -> str:
         return "env"
     if any(key in env for key in MPI_NAMES):
         return "mpirun"
-    if "SLURM_PROCID" in env and "SLURM_STEP_ID" in env and "SLURM_PTY_PORT" not in env:  # a task of srun, not
-        return "srun"  # the batch script itself
+    shell = "SLURM_PTY_PORT" in env and env.get("SLURM_NTASKS", "1") == "1"  # srun --pty's one task: a shell
+    if "SLURM_PROCID" in env and "SLURM_STEP_ID" in env and not shell:  # a task of srun, not the batch script
+        return "srun"
     return "none"
 
 

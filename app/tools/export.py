@@ -6,6 +6,7 @@ adapters folded in.
 """
 import argparse
 import contextlib
+import errno
 import json
 import os
 import shutil
@@ -74,6 +75,10 @@ def _generation(hf, files: Path):
     hf.generation_config.use_cache = True
 
 
+WRITE_ERRORS = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOTDIR,
+                errno.EEXIST}  # where the cure is space or another path (else a read: a base model, a tokenizer)
+
+
 @contextlib.contextmanager
 def _writing(out: Path):
     """A path beside out to write, moved to out once whole: a failed export leaves nothing at out, and a failure to
@@ -87,8 +92,9 @@ def _writing(out: Path):
         os.replace(partial, out)
     except (OSError, SafetensorError) as e:
         _remove(partial)
-        raise UserError(f"export to {out} failed ({first_line(e)}); nothing was written there: free some space or "
-                        f"name a path you can write") from None
+        cure = ": free some space or name a path you can write" if isinstance(e, SafetensorError) or \
+            getattr(e, "errno", None) in WRITE_ERRORS else ""
+        raise UserError(f"export to {out} failed ({first_line(e)}); nothing was written there{cure}") from None
     except BaseException:
         _remove(partial)
         raise

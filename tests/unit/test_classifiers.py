@@ -101,3 +101,16 @@ def test_another_models_weights_are_one_line(tmp_path):
     (tmp_path / "cut.pth").write_bytes(path.read_bytes()[:100])
     with pytest.raises(UserError, match="cut.pth cannot be read"):
         classifiers.build("resnet18", DataInfo(10, 3, 32), str(tmp_path / "cut.pth"))
+
+
+def test_googlenets_pretrained_weights_load_without_its_auxiliary_heads(tmp_path):
+    """torchvision's googlenet and inception_v3 weights hold the auxiliary heads the app builds them without, and
+    were trained with their input transform on."""
+    import torchvision
+    torch.manual_seed(3)
+    state = torchvision.models.googlenet(num_classes=1000, aux_logits=True, init_weights=True).state_dict()
+    assert any(key.startswith("aux1.") for key in state)
+    torch.save(state, tmp_path / "googlenet.pth")
+    model = classifiers.build("googlenet", DataInfo(1000, 3, 64), str(tmp_path / "googlenet.pth"))
+    assert model.transform_input and model.aux1 is None
+    assert all(torch.equal(model.state_dict()[k], v) for k, v in state.items() if not k.startswith("aux"))

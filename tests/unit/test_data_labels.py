@@ -72,6 +72,8 @@ def test_sentence_pairs_are_read_both_and_unlabelled_rows_left_out(capsys):
     assert labels.text_columns(rows, "sentence2") == "sentence2"
     with pytest.raises(UserError, match="--text_column 'premise' is not in the dataset"):
         labels.text_columns(rows, "premise,hypothesis")
+    with pytest.raises(UserError, match="one text a row or a pair of them"):
+        labels.text_columns(rows, "sentence1,sentence2,label")
     tokenizer = byte_tokenizer()
     encoded = labels.labelled_rows(rows, tokenizer, "sentence1,sentence2", "label", [0, 1], 64, "train")
     assert list(encoded["target"]) == [0, 1]

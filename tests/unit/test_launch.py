@@ -64,6 +64,8 @@ def test_a_shell_srun_opened_on_the_allocation_is_no_launcher():
     allocated GPU), not as one task of one rank."""
     shell = {"SLURM_PROCID": "0", "SLURM_NTASKS": "1", "SLURM_STEP_ID": "0", "SLURM_PTY_PORT": "40231"}
     assert launch.detect_launcher(shell) == "none"
+    inner = {**shell, "SLURM_NTASKS": "4", "SLURM_STEP_ID": "1"}  # srun -n 4 typed in that shell: its tasks
+    assert launch.detect_launcher(inner) == "srun"
 
 
 def test_a_relaunch_runs_a_module_as_a_module(monkeypatch):

@@ -72,6 +72,11 @@ def test_only_the_adapters_train_and_their_sizes_are_known_from_the_shape():
     assert lora.counts(wrapped)[1] == sum(p.numel() for p in wrapped.parameters())
     named = lora.wrap(tiny_llama(), replace(FLAGS, lora_targets="q_proj, v_proj"), "causal_lm")
     assert {name.split(".")[-4] for name, p in named.named_parameters() if p.requires_grad} == {"q_proj", "v_proj"}
+    for targets in ("self_attn.q_proj", "q_proj,lm_head,embed_tokens"):  # the plan counts what peft makes
+        wrapped = lora.wrap(tiny_llama(), replace(FLAGS, lora_targets=targets), "causal_lm")
+        made = sum(p.numel() for p in wrapped.parameters() if p.requires_grad)
+        assert sum(lora.adapter_sizes(tiny_llama(), lora.targets_of(replace(FLAGS, lora_targets=targets)), 8)) == \
+            made, targets
 
 
 def test_the_adapters_start_from_the_seed_and_leave_the_random_stream_as_it_was():
@@ -149,6 +154,8 @@ def test_adapters_resumed_onto_another_base_or_other_flags_are_one_line(tmp_path
     with pytest.raises(UserError, match=message):
         resume.check_compatible(state(**saved), state(**current), tmp_path)
     resume.check_compatible(state(**saved), state(**saved), tmp_path)
+    spaced = {**ADAPTED, "targets": "q_proj, v_proj"}  # as a checkpoint of before recorded them, typed
+    resume.check_compatible(state(**spaced), state(**{**ADAPTED, "targets": "q_proj,v_proj"}), tmp_path)
 
 
 @pytest.mark.parametrize("targets", [lora.ALL_LINEAR, "q_proj,lm_head,embed_tokens"])

@@ -290,6 +290,9 @@ def test_a_preference_run_resumed_on_another_base_or_task_is_refused(then, now, 
     assert _one_line(caught).endswith("start a new --output_dir")
     # SimPO trains against no reference: its base may change as another task's may
     resume.check_compatible(_state(task_record=SIMPO), _state(task_record={**SIMPO, "base": "other"}), tmp_path)
+    hub = {**DPO, "base": "org/tiny (hub, revision None)"}  # saved when a hub model's revision could not be read
+    resume.check_compatible(_state(task_record=hub), _state(task_record={**hub, "base": "org/tiny (hub, revision "
+                                                                                         "0123abcd)"}), tmp_path)
 
 
 def _windows(micro: int, accumulation: int, replicas: int, repeats: int = 2) -> TrainerState:
