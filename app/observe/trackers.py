@@ -91,10 +91,11 @@ def _wandb_login_problem(wandb) -> str:
     wandb.init would otherwise end rank 0 inside DeepSpeed's engine while the others wait for it."""
     if os.environ.get("WANDB_MODE", "").strip().lower() in ("offline", "dryrun", "disabled"):
         return ""
+    from app.ds import internals as ds_internals
     try:
-        if wandb.login(verify=False, prompt=False):
+        if ds_internals.wandb_key_found(wandb):
             return ""
-    except TypeError:  # a W&B older than `prompt`: wandb.init says for itself
+    except TypeError:  # a W&B older than its quiet search: wandb.init says for itself
         return ""
     except Exception as e:  # noqa: BLE001 (W&B's own refusal of the key it found, in one line)
         return f"W&B refuses its login here ({first_line(e)}); run `wandb login` again or fix WANDB_API_KEY"

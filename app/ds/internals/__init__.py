@@ -24,6 +24,7 @@ from app.ds.internals.launcher import (cpu_info_once, drop_shm_names, env_file_p
                                       quiet_deepspeed, started_by_pdsh)
 from app.ds.internals.state import (deepspeed_estimate, held_weights, module_states, state_bytes, storages,
                                     weights_finite, zero_tensors)
+from app.ds.internals.wandb_key import wandb_key_found
 
 WRITTEN_FOR = "0.19.8"
 __all__ = ["autocast_of", "Recorder", "parse_config", "scalar_defaults", "section_fields", "config_saved_as",
@@ -40,7 +41,7 @@ __all__ = ["autocast_of", "Recorder", "parse_config", "scalar_defaults", "sectio
            "started_by_pdsh", "op_loads_quiet",
            "pin_device", "quiet_deepspeed", "deepspeed_estimate", "held_weights", "module_states", "state_bytes",
            "storages", "unpacked_positions", "weights_finite", "zero_tensors", "version_note", "WRITTEN_FOR",
-           "whole_bytes", "whole_weights"]
+           "whole_bytes", "whole_weights", "wandb_key_found"]
 
 
 def version_note() -> str:
