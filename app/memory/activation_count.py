@@ -5,6 +5,7 @@ backward are counted (the compiled step). What the memory plan (estimate, planne
 """
 import contextlib
 import functools
+import threading
 import weakref
 from typing import Callable, NamedTuple
 
@@ -28,30 +29,38 @@ class Work(NamedTuple):
 
 
 class LiveBytes(torch_private.TorchDispatchMode):
-    """Counts the bytes of every tensor storage made under it while they are alive, and their peak."""
+    """Counts the bytes of every tensor storage made under it while they are alive, and their peak. A storage may
+    be freed on another thread (a collective's, which held it last): the counts change under a lock, else that
+    thread's decrement could land inside this one's read and write of `live`, and be lost."""
 
     def __init__(self):
         super().__init__()
         self.live, self.peak, self.seen = 0, 0, set()
+        self._lock = threading.RLock()  # reentrant: a free on this thread, inside a count, must not wait on itself
 
     def _freed(self, key, nbytes):
-        self.seen.discard(key)
-        self.live -= nbytes
+        with self._lock:
+            self.seen.discard(key)
+            self.live -= nbytes
 
     def hold(self, tensor: torch.Tensor):
         """Count tensor's storage from now until it is freed (once, however many tensors view it)."""
         storage = tensor.untyped_storage()
-        if storage._cdata not in self.seen:
-            self.seen.add(storage._cdata)
-            self.live += storage.nbytes()
-            weakref.finalize(storage, self._freed, storage._cdata, storage.nbytes())
+        key, nbytes = storage._cdata, storage.nbytes()
+        with self._lock:
+            if key in self.seen:
+                return
+            self.seen.add(key)
+            self.live += nbytes
+        weakref.finalize(storage, self._freed, key, nbytes)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         for tensor in torch_private.tree_flatten(out)[0]:
             if isinstance(tensor, torch.Tensor):
                 self.hold(tensor)
-        self.peak = max(self.peak, self.live)
+        with self._lock:
+            self.peak = max(self.peak, self.live)
         return out
 
 

@@ -37,6 +37,33 @@ def test_a_view_of_a_weight_made_before_is_not_counted():
     assert held < 256 * 256 * 4 / 2, "the weight's transpose counted as new bytes"
 
 
+def test_storages_freed_on_another_thread_while_this_one_counts_are_all_taken_off():
+    """A collective's thread frees what it held last while this thread counts new storages (the real engine's step
+    in tests/e2e/test_plan.py): no decrement is lost between this thread's read and write of the live bytes, which
+    would leave the peak of a later moment too high. Thread switches forced as often as Python allows."""
+    import queue
+    import sys
+    import threading
+    handed = queue.Queue()
+
+    def drop():
+        while handed.get() is not None:
+            pass  # the tensor's last reference goes with the loop's variable, on this thread
+    thread, interval = threading.Thread(target=drop), sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    try:
+        with activation_count.LiveBytes() as counter:
+            thread.start()
+            for _ in range(150_000):
+                handed.put(torch.ones(64))  # 256 B, freed over there
+                torch.zeros(32).add_(1)  # counted and freed here
+            handed.put(None)
+            thread.join()
+    finally:
+        sys.setswitchinterval(interval)
+    assert counter.live == 0 and counter.peak > 0
+
+
 def test_checkpointing_holds_fewer_activations():
     from app.core.tasks import next_token_loss
 
