@@ -25,7 +25,14 @@ def source_names(sources: list) -> list:
     are alike. They name the per-source columns: eval_loss/<name>, rows/<name>, tokens/<name>."""
     names = [Path(s).stem if Path(s).is_file() else Path(s).resolve().name if Path(s).is_dir() else
              s.rstrip("/").split("/")[-1] for s in sources]
-    return [f"{name}-{names[:i].count(name) + 1}" if names.count(name) > 1 else name for i, name in enumerate(names)]
+    numbered = [f"{name}-{names[:i].count(name) + 1}" if names.count(name) > 1 else name
+                for i, name in enumerate(names)]
+    unique = []
+    for i, name in enumerate(numbered):  # a numbered name may be another source's own (a-2.jsonl beside two a's)
+        taken = unique + numbered[i + 1:]
+        unique.append(name if name not in taken else next(
+            f"{name}-{n}" for n in range(2, len(numbered) + 2) if f"{name}-{n}" not in taken))
+    return unique
 
 
 def eval_files(eval_file: str, sources: list) -> list:
@@ -36,6 +43,9 @@ def eval_files(eval_file: str, sources: list) -> list:
     if len(files) not in (0, 1, len(sources)):
         raise UserError(f"--eval_file names {len(files)} files for {len(sources)} --dataset sources; give one per "
                         f"source, in the same order, or one for all, or leave it out to hold out part of each")
+    missing = [file for file in files if not Path(file).exists()]
+    if missing:
+        raise UserError(f"--eval_file {missing[0]} is not a file or folder here: pass the path of the held-out rows")
     return files
 
 

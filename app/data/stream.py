@@ -6,6 +6,7 @@ another as one endless sequence of samples, so the run counts --max_steps, every
 every rank takes the same number of steps. Each rank reads the whole sequence and keeps its share of each global
 micro batch, as the sampler of loaded data does; a resume reads the sequence again up to where the run stopped,
 so it continues with exactly the batches it would have taken, on any world size."""
+import functools
 import itertools
 from pathlib import Path
 
@@ -40,13 +41,11 @@ def read_rows(source: str, config: str, seed: int, buffer: int, one_pass: int, s
         files = [f for f in files["train"] if Path(f).resolve() != held]
         if not files:
             raise UserError(f"--dataset {source} holds no data file besides --eval_file {eval_file}")
-        rows = iter(datasets.load_dataset(builder, data_files=files, split="train", streaming=True))
+        streamed = functools.partial(datasets.load_dataset, builder, data_files=files, split="train", streaming=True)
     else:
         text.check_split(split_names(source, config), source, "--dataset_train_split", split)
-        try:
-            rows = iter(datasets.load_dataset(source, config or None, split=split, streaming=True))
-        except Exception as e:  # unreadable files, offline: many exception types
-            raise UserError(f"cannot stream the {split!r} split of --dataset {source}: {first_line(e)}") from None
+        streamed = functools.partial(datasets.load_dataset, source, config or None, split=split, streaming=True)
+    rows = _read(streamed, source, split)
     if buffer <= 0:
         yield from rows
         return
@@ -58,6 +57,17 @@ def read_rows(source: str, config: str, seed: int, buffer: int, one_pass: int, s
         held[slot] = row
     for slot in rng.permutation(len(held)):
         yield held[slot]
+
+
+def _read(streamed, source: str, split: str):
+    """The rows of streamed(); a file it cannot open or parse, found as it is read (mid-run too), one line."""
+    try:
+        for row in streamed():
+            yield row
+    except UserError:
+        raise
+    except Exception as e:  # unreadable or malformed files, offline: many exception types
+        raise UserError(f"cannot stream the {split!r} split of --dataset {source}: {first_line(e)}") from None
 
 
 class Stream:
@@ -225,10 +235,12 @@ def _held_out(settings, source: str):
     validation or test split (a hub dataset's, or a local folder's that names its splits)."""
     import datasets
     if settings.eval_file:
-        return text.load_splits(settings.eval_file, "", "", settings.eval_fraction, settings.seed, hold_out=False)[0]
+        file = sources.eval_files(settings.eval_file, [source])[0]
+        return text.load_splits(file, "", "", settings.eval_fraction, settings.seed, hold_out=False)[0]
     if not Path(source).exists() or text.names_splits(Path(source)):
         splits = split_names(source, settings.dataset_config)
         training = settings.dataset_train_split or "train"  # never held out too
+        text.check_held_out(settings.dataset_test_split, training)
         split = settings.dataset_test_split or next((s for s in text.HELD_OUT if s in splits and s != training), None)
         if split is not None:  # streamed and kept: loading the split alone would download every split
             text.check_split(splits, source, "--dataset_test_split", split)

@@ -123,6 +123,13 @@ def check_split(names, source: str, flag: str, name: str):
                         f"{flag} with one of them")
 
 
+def check_held_out(test_split: str, train_split: str):
+    """--dataset_test_split naming the training split is one line."""
+    if test_split == train_split:
+        raise UserError(f"--dataset_test_split {test_split} is the training split too: the held-out rows must be "
+                        f"others; name another split, or leave it out to hold out --eval_fraction of the rows")
+
+
 HELD_OUT = ("validation", "test")  # the splits held out by default, the first found that is not the training one
 
 
@@ -135,9 +142,8 @@ def picked(splits, source: str, train_split: str, test_split: str, hold_out: boo
         check_split(splits, source, "--dataset_test_split", test_split)
     if len(splits[train_split]) == 0:
         raise UserError(f"--dataset {source} has no training rows; check the file or the split names")
-    if test_split == train_split and hold_out:
-        raise UserError(f"--dataset_test_split {test_split} is the training split too: the held-out rows must be "
-                        f"others; name another split, or leave it out to hold out --eval_fraction of the rows")
+    if hold_out:
+        check_held_out(test_split, train_split)
     held = (test_split or next((s for s in HELD_OUT if s in splits and s != train_split), "")) if hold_out else ""
     return splits[train_split], splits[held] if held else None
 

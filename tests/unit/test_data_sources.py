@@ -2,6 +2,7 @@
 read, each epoch's draw by weight of rows or tokens, and the sampler that shards the draw over ranks and counts what
 each source gave."""
 import collections
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -23,7 +24,7 @@ def test_the_dataset_list_its_names_and_a_path_with_a_comma(tmp_path):
     assert sources.source_names(listed) == ["a,b", "chats", "alpaca-1", "alpaca-2"]
 
 
-def test_weights_and_held_out_files_are_read_or_refused_in_one_line():
+def test_weights_and_held_out_files_are_read_or_refused_in_one_line(tmp_path, monkeypatch):
     assert sources.mix_weights("", 3) is None
     assert sources.mix_weights("2,1,1", 3) == [0.5, 0.25, 0.25]
     assert sources.mix_weights("0,1", 2) == [0.0, 1.0]
@@ -33,12 +34,28 @@ def test_weights_and_held_out_files_are_read_or_refused_in_one_line():
                               ("nan,1", 2, "numbers of 0 or more")]:
         with pytest.raises(UserError, match=says):
             sources.mix_weights(text, count)
+    monkeypatch.chdir(tmp_path)
+    for name in ("h.jsonl", "ha.jsonl", "hb.jsonl", "x,y.jsonl"):
+        Path(name).write_text('{"text": "held out"}\n')
     assert sources.eval_files("", ["a", "b"]) == []
     assert sources.eval_files("h.jsonl", ["a", "b"]) == ["h.jsonl"]
     assert sources.eval_files("ha.jsonl, hb.jsonl", ["a", "b"]) == ["ha.jsonl", "hb.jsonl"]
     assert sources.eval_files("x,y.jsonl", ["a"]) == ["x,y.jsonl"]
     with pytest.raises(UserError, match="names 2 files for 3 --dataset sources; give one per source"):
         sources.eval_files("ha,hb", ["a", "b", "c"])
+    with pytest.raises(UserError, match="--eval_file hc.jsonl is not a file or folder here"):  # not a hub dataset
+        sources.eval_files("ha.jsonl, hc.jsonl", ["a", "b"])
+
+
+def test_sources_alike_get_names_no_other_source_has(tmp_path):
+    """Two a.jsonl and an a-2.jsonl: a-2 is not named twice (one source's eval_loss/rows columns and held-out loader
+    would stand for both)."""
+    paths = [tmp_path / "x" / "a.jsonl", tmp_path / "y" / "a.jsonl", tmp_path / "a-2.jsonl"]
+    for path in paths:
+        path.parent.mkdir(exist_ok=True)
+        path.write_text('{"text": "a row"}\n')
+    names = sources.source_names([str(p) for p in paths])
+    assert len(set(names)) == 3 and names[:2] == ["a-1", "a-2-2"] and names[2] == "a-2", names
 
 
 @pytest.mark.parametrize("by", ["rows", "tokens"])

@@ -137,3 +137,25 @@ def test_streamed_sets_refuse_what_they_cannot_stream(tmp_path):
     train, held, info, _, kind = build(dataset=str(chats), eval_file=str(alpaca), packing="off")
     assert kind == "instruction" and info.seq_len == 128 and not info.packed and len(held) == 20
     assert len(train) == stream.HEAD and train.stream is not None and train[0][0].shape == (128,)
+
+
+def test_a_damaged_file_or_a_wrong_held_out_flag_is_one_line_naming_it(tmp_path):
+    """A line of JSON cut short, read as the stream reaches it (here, the second row); --eval_file that is not there
+    (not blamed on --dataset as an unknown hub dataset); --dataset_test_split naming the training split."""
+    damaged = tmp_path / "damaged.jsonl"
+    damaged.write_text('{"text": "a whole row"}\n{"text": "broken\n')
+    with pytest.raises(UserError, match=rf"cannot stream the 'train' split of --dataset {damaged}: \w"):
+        list(stream.read_rows(str(damaged), "", 0, 0, 0))
+    chats, splits = _chats(tmp_path / "chats.jsonl", 20), tmp_path / "splits"
+    splits.mkdir()
+    for split in ("train", "test"):
+        _chats(splits / f"{split}.jsonl", 20)
+
+    def build(**given):
+        settings = Settings(model="llama-tiny", tokenizer="bytes", streaming="on", max_steps=2, **given)
+        return text_sets.build_text_sets(settings, TextModel("", 8192, 128), "causal_lm", tmp_path / "run")
+    with pytest.raises(UserError, match=f"--eval_file {tmp_path / 'gone.jsonl'} is not a file or folder here"):
+        build(dataset=str(chats), eval_file=str(tmp_path / "gone.jsonl"))
+    with pytest.raises(UserError, match="--dataset_test_split train is the training split too"):
+        build(dataset=str(splits), dataset_test_split="train")
+    assert len(build(dataset=str(splits), packing="off")[1]) == 20  # test.jsonl, held out by default
