@@ -9,6 +9,8 @@ from app.errors import UserError
 # fp16's loss scaling, which older DeepSpeed let a "bf16" section carry (and ignored there); today's refuses it
 LOSS_SCALING = ("loss_scale", "initial_scale_power", "loss_scale_window", "hysteresis", "consecutive_hysteresis",
                 "min_loss_scale")
+# older DeepSpeed's offload switches inside zero_optimization, and the sections DeepSpeed reads them as when true
+OFFLOAD_SWITCHES = {"cpu_offload": "offload_optimizer", "cpu_offload_param": "offload_param"}
 # older DeepSpeed's "compile" section, handed to torch.compile; today's has none of these, the app's --compile owns them
 OLD_COMPILE = ("disable", "backend", "kwargs")
 
@@ -18,7 +20,7 @@ def today(ds: dict, where: str, say) -> dict:
     ds = copy.deepcopy(ds)
     if "bfloat16" in ds and "bf16" not in ds:  # DeepSpeed's older name for the section, read the same: no note
         ds["bf16"] = ds.pop("bfloat16")
-    for change in (_zero_true, _bf16_loss_scaling, _old_compile, _aio_inside_zero, _aio_thread_count, _apex_amp_off):
+    for change in (_zero_true, _offload_switches, _bf16_loss_scaling, _old_compile, _aio_inside_zero, _aio_thread_count, _apex_amp_off):
         note = change(ds, where)
         if note:
             say(f"note: {where}: {note}")
@@ -33,6 +35,25 @@ def _zero_true(ds: dict, where: str) -> str:
     stage = int(ds["zero_optimization"])
     ds["zero_optimization"] = {"stage": stage}
     return f'read "zero_optimization": {str(bool(stage)).lower()} as {{"stage": {stage}}}, as DeepSpeed does'
+
+
+def _offload_switches(ds: dict, where: str) -> str:
+    """zero_optimization's cpu_offload and cpu_offload_param (DeepSpeed's older switches, in published configs) as
+    the sections DeepSpeed puts them in: true, the section with device cpu and its defaults; false, none (dropped).
+    The memory plan and the host-memory check read the sections. What was read."""
+    zero = ds.get("zero_optimization")
+    read = []
+    for switch, section in OFFLOAD_SWITCHES.items():
+        if not isinstance(zero, dict) or not isinstance(zero.get(switch), bool):
+            continue  # anything but true or false stays for DeepSpeed's own check
+        if not zero.pop(switch):
+            continue
+        if section in zero:
+            raise UserError(f"{where}: zero_optimization sets both {switch}, DeepSpeed's older switch, and "
+                            f"{section}, which replaces it: keep {section}")
+        zero[section] = {"device": "cpu"}
+        read.append(f'zero_optimization.{switch}: true as "{section}": {{"device": "cpu"}}')
+    return f"read {' and '.join(read)}, as DeepSpeed does" if read else ""
 
 
 def _bf16_loss_scaling(ds: dict, where: str) -> str:

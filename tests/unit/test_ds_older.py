@@ -235,3 +235,38 @@ def test_zero_optimization_true_is_stage_1_as_deepspeed_reads_it(tmp_path):
     ds, _ = _load_saying(tmp_path, GETTING_STARTED.replace('"zero_optimization": true', '"zero_optimization": false'),
                          cuda=False, bf16_ok=False)
     assert zero_stage(ds) == 0
+
+
+# The shape of a stage-2 file published with accelerate's DeepSpeedPlugin examples: DeepSpeed's older offload switch
+CPU_OFFLOAD_STAGE2 = """{
+  "train_micro_batch_size_per_gpu": 4,
+  "zero_optimization": {
+    "stage": 2,
+    "allgather_partitions": true,
+    "allgather_bucket_size": 5e8,
+    "overlap_comm": true,
+    "reduce_scatter": true,
+    "reduce_bucket_size": 5e8,
+    "contiguous_gradients": true,
+    "cpu_offload": true
+  },
+  "fp16": {"enabled": true},
+  "amp": {"enabled": false}
+}"""
+
+
+def test_older_offload_switches_are_the_sections_deepspeed_reads_them_as(tmp_path):
+    """The memory plan sees the optimizer on the host, as DeepSpeed puts it; both forms at once are one line."""
+    from app.memory import estimate
+    ds, said = _load_saying(tmp_path, CPU_OFFLOAD_STAGE2, cuda=True, bf16_ok=True)
+    assert ds["zero_optimization"]["offload_optimizer"] == {"device": "cpu"} and estimate.offloads(ds) == ("cpu", "")
+    assert "cpu_offload" not in ds["zero_optimization"]
+    assert f'note: {tmp_path / "c.json"}: read zero_optimization.cpu_offload: true as "offload_optimizer": ' \
+           f'{{"device": "cpu"}}, as DeepSpeed does' in said
+    stage3 = CPU_OFFLOAD_STAGE2.replace('"stage": 2', '"stage": 3').replace('"cpu_offload": true',
+                                                                         '"cpu_offload": false, "cpu_offload_param": true')
+    ds, _ = _load_saying(tmp_path, stage3, cuda=True, bf16_ok=True)
+    assert estimate.offloads(ds) == ("", "cpu") and "cpu_offload" not in ds["zero_optimization"]
+    both = CPU_OFFLOAD_STAGE2.replace('"cpu_offload": true', '"cpu_offload": true, "offload_optimizer": {"device": "cpu"}')
+    with pytest.raises(UserError, match="sets both cpu_offload, DeepSpeed's older switch, and offload_optimizer"):
+        _load_saying(tmp_path, both, cuda=True, bf16_ok=True)
