@@ -58,7 +58,8 @@ def pieces(tokenizer, row: dict, form: str, index: str) -> list:
     if form == "prompt_completion" and isinstance(prompt, str):
         if not isinstance(completion, str) or not completion:
             raise UserError(f"{index}: its completion is empty or not text")
-        return [(prompt, False), (completion + (tokenizer.eos_token or ""), True)]
+        eos = tokenizer.eos_token or ""
+        return [(prompt, False), (completion if eos and completion.endswith(eos) else completion + eos, True)]  # one
     messages, answers = conversations.conversation(row, form, index)
     offered = tools.offered(row, index)
     whole, cuts = render(tokenizer, messages, False, index, offered), [0]

@@ -46,6 +46,8 @@ def test_prompt_and_completion_rows_plain_and_conversational():
     ids, labels, _, _ = chat.encode_row(tok, {"prompt": "2+2=", "completion": "4"}, "prompt_completion", "r", 99,
                                         False)
     assert tok.decode(ids) == f"2+2=4{EOS}" and labelled(tok, ids, labels) == f"4{EOS}"
+    ended = chat.encode_row(tok, {"prompt": "2+2=", "completion": f"4{EOS}"}, "prompt_completion", "r", 99, False)
+    assert ended[0] == ids, "a completion that ends with the end token gets no second one (as TRL's SFT adds it)"
     row = {"prompt": TWO_TURNS["messages"][:4], "completion": TWO_TURNS["messages"][4:]}
     ids, labels, _, _ = chat.encode_row(tok, row, "prompt_completion", "r", 999, False)
     assert tok.decode(ids) == tok.apply_chat_template(TWO_TURNS["messages"], tokenize=False)
