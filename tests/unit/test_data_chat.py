@@ -108,6 +108,7 @@ def test_sharegpt_conversations_read_as_chats():
      "a tool call is not valid JSON: 'f(1)'"),
     ({"messages": "hello"}, "its messages is not a list of turns"),
     ({"prompt": "x", "completion": ""}, "its completion is empty or not text"),
+    ({"prompt": "", "completion": "x"}, "its prompt is empty; give every row a prompt"),
 ])
 def test_a_bad_row_is_one_line_naming_it(row, said):
     form = conversations.form_of(row.keys()) or "prompt_completion"
@@ -124,6 +125,25 @@ def test_a_template_that_rewrites_earlier_turns_is_refused():
                          "{% else %}{{ m['content'] }}{% endif %}{% endfor %}")
     with pytest.raises(UserError, match="does not render the start of a conversation as the start of the whole"):
         chat.pieces(tok, TWO_TURNS, "messages", "row 0")
+
+
+# microsoft/Phi-3.5-mini-instruct's template, as published: the end-of-text token after the last turn only
+PHI35 = ("{% for message in messages %}{% if message['role'] == 'system' and message['content'] %}{{'<|system|>\\n' + "
+         "message['content'] + '<|end|>\\n'}}{% elif message['role'] == 'user' %}{{'<|user|>\\n' + message['content'] "
+         "+ '<|end|>\\n'}}{% elif message['role'] == 'assistant' %}{{'<|assistant|>\\n' + message['content'] + "
+         "'<|end|>\\n'}}{% endif %}{% endfor %}{% if add_generation_prompt %}{{ '<|assistant|>\\n' }}{% else %}"
+         "{{ eos_token }}{% endif %}")
+
+
+def test_a_template_that_closes_a_conversation_otherwise_than_a_turn_labels_every_answer():
+    """Phi-3's closes the last turn with <|end|> and its end-of-text token, earlier ones with <|end|> alone: each
+    answer is labelled with its own close, the last one's end token too, as the whole renders them."""
+    tok = byte_tokenizer()
+    tok.chat_template = PHI35
+    answers = [text for text, is_answer in chat.pieces(tok, TWO_TURNS, "messages", "row 0") if is_answer]
+    assert answers == ["3<|end|>\n", f"4<|end|>\n{tok.eos_token}"]
+    assert "".join(text for text, _ in chat.pieces(tok, TWO_TURNS, "messages", "row 0")) == \
+        tok.apply_chat_template(TWO_TURNS["messages"], tokenize=False)
 
 
 def _rows(tmp_path, n=30):
