@@ -147,8 +147,7 @@ def plans(work, named: dict, ranks: int, adapters=None, reference: bool = False,
 
 
 def runs_deepspeed_linear(ds: dict) -> bool:
-    """Whether an engine of ds runs its linear layers through DeepSpeed's function: under ZeRO-3 unless
-    memory_efficient_linear is false."""
+    """Whether an engine of ds runs its linears in DeepSpeed's function: ZeRO-3 but memory_efficient_linear off."""
     return zero_stage(ds) == 3 and (ds.get("zero_optimization") or {}).get("memory_efficient_linear") is not False
 
 
@@ -188,6 +187,15 @@ def micro_of(ds: dict, replicas: int, largest: int) -> tuple:
         return max(1, total // ((steps if isinstance(steps, int) else 1) * replicas)), False
     share = total // replicas if isinstance(total, int) else ds_auto.SAMPLES_PER_REPLICA
     return max((m for m in range(1, min(share, largest) + 1) if share % m == 0), default=0), True
+
+
+def with_accumulation(ds: dict, replicas: int, micro: int = 0) -> dict:
+    """ds with the accumulation DeepSpeed derives where the file sets the global and micro batches (micro: the plan's
+    own, else the file's) and no accumulation, or "auto": the plan counts what such a step accumulates."""
+    total, steps, micro = ds.get("train_batch_size"), ds.get("gradient_accumulation_steps"), micro or ds.get(MICRO)
+    if isinstance(steps, int) or not (isinstance(total, int) and isinstance(micro, int)):
+        return ds
+    return {**ds, "gradient_accumulation_steps": max(1, total // (micro * replicas))}
 
 
 def with_bf16_weights(ds: dict) -> dict:

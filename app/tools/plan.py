@@ -180,8 +180,9 @@ def measure(args, named: dict, task) -> dict:
     adapters = (args.lora_rank, lora.targets_of(args)) if args.lora else None
     work = planner.workload(task, args.seq_len, args.image_size, frozen=args.lora, sequence=args.sequence_parallel)
     facts = resolver.auto_facts(task.spec)
-    zero = {name: {**ds, "zero_optimization": ds_auto.fill(ds, facts, args.world_size)[0]["zero_optimization"]}
-            if "zero_optimization" in ds else ds for name, ds in named.items()}
+    zero = {name: planner.with_accumulation({**ds, "zero_optimization": ds_auto.fill(ds, facts, args.world_size)[0][
+        "zero_optimization"]} if "zero_optimization" in ds else ds, args.world_size // args.sequence_parallel,
+        args.micro_batch) for name, ds in named.items()}
     return planner.plans(work, zero, args.world_size, adapters, task.reference_kind == "frozen copy",
                          planner.sampling_of(task, args.seq_len), planner.compiles_under(task, args.compile))
 

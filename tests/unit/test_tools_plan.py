@@ -85,6 +85,21 @@ def test_a_row_plans_the_micro_batch_the_run_takes_not_the_largest_that_fits(tmp
         assert ("* the micro batch is \"auto\"" in out) == shown.endswith("*")
 
 
+def test_a_global_batch_over_the_micro_batch_and_ranks_is_planned_as_the_accumulation_it_makes(tmp_path):
+    """64 samples in micro batches of 4 on 2 ranks: DeepSpeed accumulates 8, and a ZeRO-0 step holds its gradients
+    through the next forward, as with the accumulation written out; with none, the peak is lower."""
+    peaks = []
+    for name, batch in (("global", {"train_batch_size": 64}), ("written", {"gradient_accumulation_steps": 8}),
+                        ("none", {"gradient_accumulation_steps": 1})):
+        path = tmp_path / f"{name}.json"
+        path.write_text(json.dumps({**batch, "train_micro_batch_size_per_gpu": 4, "zero_optimization": {"stage": 0}}))
+        args = plan_tool.parse(["--model", "gpt2-tiny", "--world_size", "2", "--gpu_memory", "80GB",
+                                "--deepspeed_config", str(path)])
+        planned = plan_tool.measure(args, plan_tool.configs(args), plan_tool.task_of(args))
+        peaks.append(planned[str(path)].peak(4))
+    assert peaks[0] == peaks[1] > peaks[2], peaks
+
+
 def test_a_micro_batch_too_few_for_a_batchnorm_model_does_not_fit_and_says_why(capsys):
     """resnet18 on 32-pixel images trains on no fewer than 2 samples a micro batch: at 1 no row fits, however much
     memory, and the recommendation says to raise it rather than lower it."""
