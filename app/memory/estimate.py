@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 import torch
 
 from app.ds.config import buckets_within, zero_stage
+from app.memory import optimizer_states
 
 FP32 = 4
 # What a GPU gives a run of its memory: the CUDA context and the caching allocator's fragmentation take the rest.
@@ -127,12 +128,12 @@ def model_states(sizes: list, ds: dict, ranks: int, trainable: list = None) -> t
     base model, whose weights then have no gradient, optimizer state nor master copy). Weights in fp32 (autocast
     keeps them so) unless the config's bf16 or fp16 section makes them 16-bit.
     """
-    width = weight_bytes(ds)
+    width, states = weight_bytes(ds), FP32 * optimizer_states.state_words(ds)
     learnt = trained(sizes, trainable)
     stage, total, learnt_total = zero_stage(ds), sum(sizes), sum(learnt)
     offload, offload_params = offloads(ds)
     if stage == 0:
-        return {"weights": width * total, "gradients": width * learnt_total, "optimizer": 2 * FP32 * learnt_total,
+        return {"weights": width * total, "gradients": width * learnt_total, "optimizer": states * learnt_total,
                 "masters": FP32 * learnt_total if width == 2 else 0}, {}
     if stage == 3:
         part = sum(math.ceil(size / ranks) for size in learnt)
@@ -148,9 +149,9 @@ def model_states(sizes: list, ds: dict, ranks: int, trainable: list = None) -> t
         held = 0 if stage == 3 or _reduced_as_they_arrive(ds, stage) else grads  # ZeRO-1's, whole till the boundary
         device["gradients"] = 0 if stage == 3 else width * (max(learnt, default=0) + held)  # and a gradient's staging
         kept = part - host["masters"] // FP32 if offload == "cpu" else 0  # the sub-groups ZeRO-3's ratio keeps
-        device.update({"optimizer": 2 * FP32 * kept, "masters": FP32 * kept, "gradients": FP32 * kept} if kept else {})
+        device.update({"optimizer": states * kept, "masters": FP32 * kept, "gradients": FP32 * kept} if kept else {})
     else:
-        device.update({"optimizer": 2 * FP32 * part, "masters": FP32 * part})
+        device.update({"optimizer": states * part, "masters": FP32 * part})
     if offload_params and stage == 3:  # DeepSpeed offloads weights under ZeRO-3 only, NVMe's to disk
         weights = device.pop("weights")
         host.update({"weights": weights} if offload_params == "cpu" else {})
@@ -229,18 +230,17 @@ def _offloaded(ds: dict, stage: int, width: int, part: int, learnt: list, ranks:
     (ZeRO-3 on NVMe: on disk); ZeRO-3 also its flat gradient partition in the weights' dtype; ZeRO 1-2 (which take
     NVMe for the CPU) a copy of the weights' partition, a staging buffer of the largest parameter and, with gradient
     accumulation, the gradients of the parameters the partition touches, whole, in the weights' dtype."""
-    zero = ds.get("zero_optimization") or {}
+    zero, states = ds.get("zero_optimization") or {}, FP32 * optimizer_states.state_words(ds)
     if stage == 3:
         moved = offloaded_share(zero, [math.ceil(size / ranks) for size in learnt]) \
             if offloads(ds)[0] == "cpu" else 0
-        return {"optimizer": 2 * FP32 * moved, "masters": FP32 * moved, "gradients": FP32 * moved + width * part}
+        return {"optimizer": states * moved, "masters": FP32 * moved, "gradients": FP32 * moved + width * part}
     touched = max(_touched(learnt, rank, part) for rank in range(ranks)) if accumulates(ds) else 0
-    return {"optimizer": 2 * FP32 * part, "masters": FP32 * part, "gradients": FP32 * part,
+    return {"optimizer": states * part, "masters": FP32 * part, "gradients": FP32 * part,
             "copies": width * (part + max(learnt, default=0) + touched)}
 
 
-# The modules whose weights DeepSpeed's torch_autocast communicates in the autocast dtype by default
-# (runtime/torch_autocast.py: the module's class exactly, not a subclass).
+# Modules whose weights DeepSpeed's torch_autocast sends in its dtype (runtime/torch_autocast.py: exact class)
 LOWER_PRECISION_SAFE = ("Linear", "Conv1d", "Conv2d", "Conv3d")
 
 
