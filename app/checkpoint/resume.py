@@ -9,6 +9,7 @@ from pathlib import Path
 from app.distributed import dist
 from app.ds import internals as ds_internals
 from app.checkpoint import outdir
+from app.data import sources
 from app.ds.internals.safe_load import check_files, data_only
 from app.checkpoint.save import MANIFEST, RANK_FILES, STATE, UNIVERSAL, TrainerState, checkpoint_root, same_base, \
     complete_checkpoints, atomic_write, has_frozen, set_rng_state, sha256_of
@@ -107,17 +108,16 @@ def _weights_of(ds: dict) -> str:
 
 
 def check_compatible(saved: TrainerState, current: TrainerState, folder: Path):
-    """Refuse a checkpoint made for another model, dataset, order of its rows, ZeRO stage, pipeline split, weights'
-    precision, LoRA adapters or the task's recorded settings."""
+    """Refuse a checkpoint of another model, dataset, row order, ZeRO stage, pipeline split, precision, LoRA or task."""
     for key in ("model", "dataset", "zero_stage", "pipeline_stages", "tensor_parallel_size"):
         if getattr(saved, key) != getattr(current, key):
             raise UserError(f"checkpoint {folder} was made with {key}={getattr(saved, key)!r} but this run has "
                             f"{key}={getattr(current, key)!r}; use the same settings or start a new --output_dir")
-    for key, default in {"mix_weights": "", "mix_by": "rows", "streaming": "off", "shuffle_buffer": 10000}.items():
-        then, now = (state.settings.get(key, default) for state in (saved, current))
-        if then != now:  # the order of the rows would change under the resumed run
-            raise UserError(f"checkpoint {folder} was made with --{key} {then!r} but this run has {now!r}, which "
-                            f"trains on other rows; pass the same or start a new --output_dir")
+    orders = [sources.row_order(state.settings) for state in (saved, current)]
+    for key in (key for key in orders[0] if orders[0][key] != orders[1][key]):  # other rows under the resumed run
+        then, now = (state.settings.get(key, order[key]) for state, order in zip((saved, current), orders))
+        raise UserError(f"checkpoint {folder} was made with --{key} {then!r} but this run has {now!r}, which "
+                        f"trains on other rows; pass the same or start a new --output_dir")
     weights = [_weights_of(state.deepspeed_config) for state in (saved, current)]
     if weights[0] != weights[1]:
         raise UserError(f"checkpoint {folder} was trained with {weights[0]} weights and this run has {weights[1]} "

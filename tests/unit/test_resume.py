@@ -232,16 +232,25 @@ def test_a_checkpoint_of_another_model_dataset_or_stage_is_refused(change, text,
     assert _one_line(caught).startswith(f"checkpoint {tmp_path / 'step00000004'} was made with")
 
 
-@pytest.mark.parametrize("key, then, now", [("mix_weights", "1,3", "1,1"), ("mix_by", "rows", "tokens"),
-                                             ("streaming", "off", "on"), ("shuffle_buffer", 10000, 100)])
-def test_a_resume_that_would_train_on_other_rows_is_refused(key, then, now, tmp_path):
-    saved, current = (_state(settings={"model": "cnn", key: value}) for value in (then, now))
+@pytest.mark.parametrize("key, then, now, within", [
+    ("mix_weights", "1,3", "1,1", {}), ("mix_by", "rows", "tokens", {"mix_weights": "1,3"}),
+    ("streaming", "off", "on", {}), ("shuffle_buffer", 10000, 100, {"streaming": "on"})])
+def test_a_resume_that_would_train_on_other_rows_is_refused(key, then, now, within, tmp_path):
+    saved, current = (_state(settings={"model": "cnn", **within, key: value}) for value in (then, now))
     with pytest.raises(UserError, match=f"was made with --{key} {then!r} but this run has {now!r}, which trains on "
                                         f"other rows"):
         resume.check_compatible(saved, current, tmp_path / "step00000004")
     resume.check_compatible(_state(settings={}), _state(settings={key: {"mix_by": "rows", "streaming": "off",
                                                                           "shuffle_buffer": 10000}.get(key, "")}),
                             tmp_path)  # a checkpoint from before these flags: their defaults
+
+
+def test_a_change_of_flags_that_draws_the_same_rows_resumes():
+    """Weights of the same shares however written, what they weigh by where there are none, a buffer where nothing
+    streams: the resumed run reads the rows it would have."""
+    for then, now in [({"mix_weights": "2,1"}, {"mix_weights": "4, 2"}), ({"mix_by": "rows"}, {"mix_by": "tokens"}),
+                      ({"shuffle_buffer": 10000}, {"shuffle_buffer": 0})]:
+        resume.check_compatible(_state(settings=then), _state(settings=now), "step00000004")
 
 
 def test_what_may_change_across_a_resume():
