@@ -2,6 +2,7 @@
 tokenizes each source in its own form and concatenates them; `--mix_weights` draws each epoch's rows from them by
 weight (of rows, or of tokens with `--mix_by tokens`) inside the one global sample order; each source keeps its
 held-out part, evaluated on its own (`eval_loss/<name>`) and combined."""
+import itertools
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -25,14 +26,11 @@ def source_names(sources: list) -> list:
     are alike. They name the per-source columns: eval_loss/<name>, rows/<name>, tokens/<name>."""
     names = [Path(s).stem if Path(s).is_file() else Path(s).resolve().name if Path(s).is_dir() else
              s.rstrip("/").split("/")[-1] for s in sources]
-    numbered = [f"{name}-{names[:i].count(name) + 1}" if names.count(name) > 1 else name
-                for i, name in enumerate(names)]
-    unique = []
-    for i, name in enumerate(numbered):  # a numbered name may be another source's own (a-2.jsonl beside two a's)
-        taken = unique + numbered[i + 1:]
-        unique.append(name if name not in taken else next(
-            f"{name}-{n}" for n in range(2, len(numbered) + 2) if f"{name}-{n}" not in taken))
-    return unique
+    alone, named = {name for name in names if names.count(name) == 1}, []
+    for name in names:  # a name alike numbered past any source's own (a-2.jsonl keeps a-2 beside two a's)
+        named.append(name if name in alone else next(f"{name}-{n}" for n in itertools.count(1)
+                                                     if f"{name}-{n}" not in alone and f"{name}-{n}" not in named))
+    return named
 
 
 def eval_files(eval_file: str, sources: list) -> list:

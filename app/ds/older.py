@@ -20,7 +20,8 @@ def today(ds: dict, where: str, say) -> dict:
     ds = copy.deepcopy(ds)
     if "bfloat16" in ds and "bf16" not in ds:  # DeepSpeed's older name for the section, read the same: no note
         ds["bf16"] = ds.pop("bfloat16")
-    for change in (_zero_true, _offload_switches, _bf16_loss_scaling, _old_compile, _aio_inside_zero, _aio_thread_count, _apex_amp_off):
+    for change in (_zero_true, _offload_switches, _bf16_loss_scaling, _old_compile, _aio_inside_zero,
+                   _aio_thread_count, _apex_amp_off):
         note = change(ds, where)
         if note:
             say(f"note: {where}: {note}")

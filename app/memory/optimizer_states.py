@@ -17,7 +17,8 @@ def state_words(ds: dict) -> int:
         return 1 if _positive(params.get("momentum", 0)) else 0  # the momentum buffer, made at the first step
     if name == "RMSprop":  # square_avg, and the momentum buffer and centered's grad_avg where asked
         return 1 + _positive(params.get("momentum", 0)) + bool(params.get("centered", False))
-    return KEPT.get(name.lower(), KEPT.get(name, 2))
+    amsgrad = name.lower() in ("adam", "adamw") and params.get("amsgrad") is True  # torch's: the largest second moment
+    return KEPT.get(name.lower(), KEPT.get(name, 2)) + amsgrad
 
 
 def _positive(value) -> bool:

@@ -135,13 +135,23 @@ PHI35 = ("{% for message in messages %}{% if message['role'] == 'system' and mes
          "{{ eos_token }}{% endif %}")
 
 
-def test_a_template_that_closes_a_conversation_otherwise_than_a_turn_labels_every_answer():
-    """Phi-3's closes the last turn with <|end|> and its end-of-text token, earlier ones with <|end|> alone: each
-    answer is labelled with its own close, the last one's end token too, as the whole renders them."""
+# The shape of OLMo's template (allenai/open-instruct's "olmo"): an assistant turn closes with <|im_end|> but the last,
+# which closes with the end-of-text token in its place
+OLMO = ("{% for m in messages %}{% if m['role'] == 'assistant' %}{{ '<|im_start|>assistant\\n' + m['content'] }}"
+        "{% if not loop.last %}{{ '<|im_end|>\\n' }}{% else %}{{ eos_token }}{% endif %}{% else %}"
+        "{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>\\n' }}{% endif %}"
+        "{% if loop.last and add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}{% endfor %}")
+
+
+@pytest.mark.parametrize("template, earlier, last", [(PHI35, "3<|end|>\n", "4<|end|>\n"), (OLMO, "3", "4")])
+def test_a_template_that_closes_a_conversation_otherwise_than_a_turn_labels_every_answer(template, earlier, last):
+    """Phi-3's closes the last turn with <|end|> and its end-of-text token, earlier ones with <|end|> alone; OLMo's
+    the last with that token in place of <|im_end|>: each answer is labelled as the whole renders it up to where
+    that token would be, the last one with it."""
     tok = byte_tokenizer()
-    tok.chat_template = PHI35
+    tok.chat_template = template
     answers = [text for text, is_answer in chat.pieces(tok, TWO_TURNS, "messages", "row 0") if is_answer]
-    assert answers == ["3<|end|>\n", f"4<|end|>\n{tok.eos_token}"]
+    assert answers == [earlier, last + tok.eos_token]
     assert "".join(text for text, _ in chat.pieces(tok, TWO_TURNS, "messages", "row 0")) == \
         tok.apply_chat_template(TWO_TURNS["messages"], tokenize=False)
 

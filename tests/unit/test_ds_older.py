@@ -263,10 +263,11 @@ def test_older_offload_switches_are_the_sections_deepspeed_reads_them_as(tmp_pat
     assert "cpu_offload" not in ds["zero_optimization"]
     assert f'note: {tmp_path / "c.json"}: read zero_optimization.cpu_offload: true as "offload_optimizer": ' \
            f'{{"device": "cpu"}}, as DeepSpeed does' in said
-    stage3 = CPU_OFFLOAD_STAGE2.replace('"stage": 2', '"stage": 3').replace('"cpu_offload": true',
-                                                                         '"cpu_offload": false, "cpu_offload_param": true')
+    stage3 = CPU_OFFLOAD_STAGE2.replace('"stage": 2', '"stage": 3').replace(
+        '"cpu_offload": true', '"cpu_offload": false, "cpu_offload_param": true')
     ds, _ = _load_saying(tmp_path, stage3, cuda=True, bf16_ok=True)
     assert estimate.offloads(ds) == ("", "cpu") and "cpu_offload" not in ds["zero_optimization"]
-    both = CPU_OFFLOAD_STAGE2.replace('"cpu_offload": true', '"cpu_offload": true, "offload_optimizer": {"device": "cpu"}')
+    both = CPU_OFFLOAD_STAGE2.replace('"cpu_offload": true',
+                                      '"cpu_offload": true, "offload_optimizer": {"device": "cpu"}')
     with pytest.raises(UserError, match="sets both cpu_offload, DeepSpeed's older switch, and offload_optimizer"):
         _load_saying(tmp_path, both, cuda=True, bf16_ok=True)

@@ -7,7 +7,7 @@ from app.memory import estimate, optimizer_states
 
 
 @pytest.mark.parametrize("name, params", [
-    ("SGD", {"lr": 0.1}), ("SGD", {"lr": 0.1, "momentum": 0.9}), ("Adam", {}), ("AdamW", {}), ("Adagrad", {}),
+    ("SGD", {"lr": 0.1}), ("SGD", {"lr": 0.1, "momentum": 0.9}), ("Adam", {}), ("AdamW", {}), ("AdamW", {"amsgrad": True}), ("Adagrad", {}),
     ("Adadelta", {}), ("Adamax", {}), ("NAdam", {}), ("RAdam", {}), ("Rprop", {}), ("ASGD", {}), ("RMSprop", {}),
     ("RMSprop", {"momentum": 0.9, "centered": True})])
 def test_the_states_counted_are_what_torchs_optimizer_keeps_after_a_step(name, params):
@@ -28,5 +28,6 @@ def test_the_plan_counts_the_configs_optimizer_and_adamw_without_one():
     held = {name: estimate.model_states([1000], {"optimizer": {"type": name}} if name else {}, 1)[0]["optimizer"]
             for name in ("SGD", "Lion", "Adagrad", "AdamW", "")}
     assert held == {"SGD": 0, "Lion": 4000, "Adagrad": 4000, "AdamW": 8000, "": 8000}
-    offloaded = {"optimizer": {"type": "Lion"}, "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}}
+    offloaded = {"optimizer": {"type": "Lion"},
+                 "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}}
     assert estimate.model_states([1000], offloaded, 1)[1]["optimizer"] == 4000
