@@ -115,7 +115,7 @@ class Loop:
         self.train_loader, self.eval_loader, self.schedule, self.log = train_loader, eval_loader, schedule, log
         self.save, self.stop, self.answers, self.profiler, self.early = save, stop, answers, profiler, early
         self.early_stopped, self.save_after_epoch = False, False
-        self.meter, self.clock = Meter(step.metrics, self.engine.device), Stopwatch()
+        self.meter, self.clock = Meter(step.metrics, self.engine.device, self.engine.autotp_size()), Stopwatch()
         self.divergence = Divergence(self.engine, schedule.max_nonfinite_steps)
         self.samples, self.seconds, self.last_eval, self.stopped = 0.0, 0.0, {}, False
         self.position = None  # (epoch, micro batches done in it) at the last log row

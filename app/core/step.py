@@ -80,7 +80,7 @@ class TrainStep:
         """Eval loss and accuracy (and the task's own extras) over every rank's shard, padding excluded: means over
         samples, or answer tokens (the loader's weights count them)."""
         engine, task = self.engine, self.task
-        meter = Meter(["loss", "accuracy"], engine.device)
+        meter = Meter(["loss", "accuracy"], engine.device, engine.autotp_size())
         engine.eval()
         with torch.no_grad():
             for batch in loader:

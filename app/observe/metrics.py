@@ -15,10 +15,11 @@ from app.distributed import dist
 
 class Meter:
     """Sums, their weight and a count of samples, kept on the device (no host sync per step), reduced across ranks
-    on read."""
+    on read. copies: how many ranks add each sample alike (AutoTP's shards of one replica: engine.autotp_size()),
+    whose sum is divided by them so that each sample counts once."""
 
-    def __init__(self, names, device):
-        self.names = list(names)
+    def __init__(self, names, device, copies: int = 1):
+        self.names, self.copies = list(names), max(1, copies)
         self.totals = torch.zeros(len(self.names) + 2, dtype=torch.float64, device=device)
         self.not_finite = torch.zeros((), dtype=torch.bool, device=device)  # a sum added since take_not_finite()
 
@@ -39,7 +40,7 @@ class Meter:
 
     def reduce(self) -> dict:
         """Global weighted means over every rank since the last reset, plus the global 'count'; then reset."""
-        totals = dist.host_sum(self.totals.tolist())  # read on the host once per log row, summed on the host group
+        totals = [total / self.copies for total in dist.host_sum(self.totals.tolist())]  # read once per log row
         self.totals.zero_()
         weight = totals[-2]
         result = {name: totals[i] / weight if weight else float("nan") for i, name in enumerate(self.names)}

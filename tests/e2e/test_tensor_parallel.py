@@ -38,6 +38,7 @@ def test_two_shards_give_the_losses_of_one_process(tag, runs):
     assert "global batch 8," in stdout
     summary = read_summary(out)
     assert summary["tensor_parallel_size"] == 2 and summary["world_size"] == 2
+    assert summary["samples"] == read_summary(runs["one"])["samples"] == 12 * 8, "a replica's samples, once"
 
 
 def test_export_gathers_the_full_weights(runs, tmp_path):

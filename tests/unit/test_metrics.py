@@ -58,6 +58,13 @@ def test_a_weighted_meter_means_by_the_weights_and_counts_samples():
     assert meter.reduce() == {"loss": 2.5, "count": 3.0}
 
 
+def test_a_meter_of_ranks_that_add_each_sample_alike_counts_it_once():
+    """AutoTP's two shards of one replica add the same samples and sums: the means are theirs, the count halved."""
+    meter = metrics.Meter(["loss"], torch.device("cpu"), copies=2)
+    meter.add(torch.tensor(4.0), loss=torch.tensor(8.0))
+    assert meter.reduce() == {"loss": 2.0, "count": 2.0}
+
+
 def test_throughput_rates():
     assert metrics.Throughput().rates(64, 2.0) == {"samples_per_s": 32.0}
     assert metrics.Throughput().rates(64, 0.0) == {"samples_per_s": 0.0}

@@ -11,7 +11,7 @@ CPU = torch.device("cpu")
 
 
 class _Engine(torch.nn.Module):
-    """What TrainStep uses of DeepSpeed's engine: its forward, backward and step, its device and precision."""
+    """What TrainStep uses of DeepSpeed's engine: its forward, backward and step, its device, precision and shards."""
 
     def __init__(self, module: torch.nn.Module, dtype=torch.float32):
         super().__init__()
@@ -32,6 +32,9 @@ class _Engine(torch.nn.Module):
 
     def fp16_enabled(self):
         return self.dtype == torch.float16
+
+    def autotp_size(self):
+        return 1
 
 
 def _linear() -> torch.nn.Module:
