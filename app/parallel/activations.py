@@ -22,6 +22,7 @@ from torch import nn
 
 from app.core import models
 from app.ds.config import ACTIVATION_CHECKPOINTING as SECTION
+from app.ds.internals import torch_private
 
 # DeepSpeed's options for its own checkpointing function, at the values this implementation matches.
 DEFAULTS = {"partition_activations": False, "contiguous_memory_optimization": False, "cpu_checkpointing": False,
@@ -79,7 +80,7 @@ def _checkpointed(cls):
 def _call(self, *args, **kwargs):
     if not (self.training and torch.is_grad_enabled()):  # evaluation keeps nothing for a backward anyway
         return nn.Module.__call__(self, *args, **kwargs)
-    norms = [m for m in self.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm) and m.track_running_stats]
+    norms = _norms(self)
     extra = {"context_fn": functools.partial(_contexts, norms)} if norms else {}
     return torch.utils.checkpoint.checkpoint(nn.Module.__call__, self, *args, use_reentrant=False, **extra, **kwargs)
 
@@ -101,3 +102,31 @@ def _running_stats_kept(norms):
                 m.running_mean.copy_(mean)
                 m.running_var.copy_(var)
                 m.num_batches_tracked.copy_(count)
+
+
+def norms_kept_when_recomputed(module: nn.Module):
+    """Hooks on module's batch norms that leave their running statistics as they were when a checkpoint
+    recomputes them in the backward: DeepSpeed's pipeline checkpoints whole layers with its own function, whose
+    recomputation would update them a second time. The recomputation updates copies, which the backward may read
+    (the statistics themselves are not written once saved for it)."""
+    held = {}
+
+    def before(norm, args):
+        if torch_private.in_backward():
+            held[norm] = [getattr(norm, name) for name in RUNNING]
+            for name in RUNNING:
+                setattr(norm, name, getattr(norm, name).clone())
+
+    def after(norm, args, out):
+        for name, kept in zip(RUNNING, held.pop(norm, ())):
+            setattr(norm, name, kept)
+    for norm in _norms(module):
+        norm.register_forward_pre_hook(before)
+        norm.register_forward_hook(after)
+
+
+RUNNING = ("running_mean", "running_var", "num_batches_tracked")  # a batch norm's running statistics
+
+
+def _norms(module: nn.Module) -> list:
+    return [m for m in module.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm) and m.track_running_stats]

@@ -6,6 +6,7 @@ of an unsplit one) and keeps only its stage's layers on its device. DeepSpeed's 
 ranks out pipe-major: rank = stage x replicas + replica, so a rank's data-parallel rank is rank % replicas.
 """
 import json
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -18,6 +19,7 @@ from app.ds import internals as ds_internals
 from app.ds.precision import input_dtype
 from app.errors import UserError
 from app.observe.metrics import Meter
+from app.parallel import activations
 
 LAYOUT = "pipeline_layers.json"
 """In a pipeline checkpoint: for each layer index, its parameter names -> the unsplit model's names."""
@@ -53,9 +55,10 @@ def stage_plan(ds: dict, world_size: int, where: str):
                  section.get("activation_checkpoint_interval", 0))
     if found.stages < 1:
         raise UserError(f"{where}: set pipeline.stages to the number of pipeline stages (1 or more)")
-    if found.partition not in PARTITIONS[:2] and not found.partition.startswith("type:"):
-        raise UserError(f"{where}: pipeline.partition must be one of {', '.join(PARTITIONS)}, "
-                        f"got {found.partition!r}")
+    _check_partition(found.partition, where)
+    if section.get("seed_layers"):  # DeepSpeed seeds the layers it builds from LayerSpecs: the app's are built
+        raise UserError(f"{where}: pipeline.seed_layers reseeds layers DeepSpeed builds; the app builds the model "
+                        f"whole before it splits it (--seed seeds the run): leave seed_layers out")
     if found.activation_checkpoint_interval < 0:
         raise UserError(f"{where}: pipeline.activation_checkpoint_interval must be 0 (off) or more")
     if zero_stage(ds) >= 2:
@@ -66,6 +69,22 @@ def stage_plan(ds: dict, world_size: int, where: str):
                         f"launch a multiple of {found.stages} ranks (stages x data-parallel replicas), e.g. "
                         f"`deepspeed --num_gpus {found.stages} app/train.py ...`")
     return found
+
+
+def _check_partition(partition: str, where: str):
+    """pipeline.partition is one of PARTITIONS, a type: regex as DeepSpeed reads it (lower case, up to a ':')."""
+    if partition in PARTITIONS[:2]:
+        return
+    if not partition.startswith("type:"):
+        raise UserError(f"{where}: pipeline.partition must be one of {', '.join(PARTITIONS)}, got {partition!r}")
+    pattern = partition[len("type:"):]
+    if ":" in pattern:
+        raise UserError(f"{where}: pipeline.partition {partition!r}: DeepSpeed reads the regex only up to its first "
+                        f"':' ({pattern.split(':')[0]!r}); write it without one, e.g. type:Conv2d|Linear")
+    try:
+        re.compile(pattern.lower())
+    except re.error as e:
+        raise UserError(f"{where}: pipeline.partition {partition!r} is not a regular expression: {e}") from None
 
 
 def data_parallel(found, world_size: int, rank: int) -> tuple:
@@ -193,6 +212,7 @@ def split(model: nn.Module, model_name: str, found: StagePlan, task):
         raise UserError(f"pipeline.partition {found.partition!r}: {str(e).splitlines()[0]}") from None
     ds_internals.count_every_stage_in_grad_norm(module)
     ds_internals.drop_other_stages(module)
+    activations.norms_kept_when_recomputed(module)  # ResNet's: checkpointed layers hold them
     parts = module.partitions()
     for stage, (start, stop) in enumerate(zip(parts, parts[1:])):
         if not any(names[start:stop]):  # DeepSpeed's optimizer refuses a stage without weights

@@ -72,3 +72,22 @@ def test_megatron_options_load_and_are_named_as_not_applying(tmp_path, capsys):
 def test_the_shipped_config_turns_it_on():
     ds = ds_config.load_ds_config(REPO / "ds_configs" / "activation_checkpointing.json")
     assert ds[activations.SECTION] == {}
+
+
+@pytest.mark.parametrize("how", ["checkpoint", "non_reentrant_checkpoint"])
+def test_a_pipelines_checkpointed_layer_updates_its_batch_norm_once(how):
+    """DeepSpeed's pipeline checkpoints ResNet's layers with its own function (reentrant, or not with use_reentrant
+    false): forward and backward leave the running statistics of one plain forward, and the gradients are
+    those of a run without checkpointing."""
+    from deepspeed.runtime.activation_checkpointing import checkpointing
+    torch.manual_seed(0)
+    layer = torch.nn.Sequential(torch.nn.Conv2d(1, 4, 3), torch.nn.BatchNorm2d(4), torch.nn.ReLU())
+    twin = copy.deepcopy(layer)
+    activations.norms_kept_when_recomputed(layer)
+    x = torch.randn(2, 1, 6, 6, requires_grad=True)
+    getattr(checkpointing, how)(layer, x).square().sum().backward()
+    twin(x).square().sum().backward()
+    for name in activations.RUNNING:
+        assert torch.equal(getattr(layer[1], name), getattr(twin[1], name)), name
+    assert layer[1].num_batches_tracked == 1
+    assert all(torch.allclose(a.grad, b.grad) for a, b in zip(layer.parameters(), twin.parameters()))

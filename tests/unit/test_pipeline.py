@@ -32,6 +32,9 @@ def test_pipeline_json_plans_two_stages():
     ({"stages": 2}, 3, 2, "cannot pipeline with ZeRO stage 3"),
     ({"stages": 2}, 0, 3, "pipeline.stages 2 does not divide the world size 3"),
     ({"stages": 2, "activation_checkpoint_interval": -1}, 0, 2, "activation_checkpoint_interval must be 0"),
+    ({"stages": 2, "partition": "type:Basic[Block"}, 0, 2, "'type:Basic[Block' is not a regular expression"),
+    ({"stages": 2, "partition": "type:(?:Conv2d|Linear)"}, 0, 2, "reads the regex only up to its first ':' ('(?')"),
+    ({"stages": 2, "seed_layers": True}, 0, 2, "pipeline.seed_layers reseeds layers DeepSpeed builds"),
 ])
 def test_a_wrong_pipeline_section_is_one_line(section, zero, world, text):
     ds = {**DP, "pipeline": section, "zero_optimization": {"stage": zero}}

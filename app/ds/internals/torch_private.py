@@ -11,7 +11,8 @@ DYNAMO_LOGGER = "torch._dynamo"
 __all__ = ["TorchDispatchMode", "tree_flatten", "tree_map", "default_store", "fake_tensor_mode", "fake_run",
            "dynamo_reset", "is_dynamo_error", "compile_backward_with_forward", "dynamo_graphs", "allow_recompiles",
            "default_recompiles", "record_memory_history", "compiled_forward_graph", "backward",
-           "stop_memory_history", "dump_memory_snapshot", "memory_snapshot", "DYNAMO_LOGGER", "TORCH_WRITTEN_FOR"]
+           "stop_memory_history", "dump_memory_snapshot", "memory_snapshot", "DYNAMO_LOGGER", "TORCH_WRITTEN_FOR",
+           "in_backward"]
 
 
 def default_store():
@@ -142,3 +143,9 @@ def dump_memory_snapshot(path):
 def memory_snapshot() -> dict:
     """The CUDA allocator's segments and what was recorded, as dump_memory_snapshot writes them."""
     return torch.cuda.memory._snapshot()
+
+
+def in_backward() -> bool:
+    """Whether this runs inside autograd's backward (a checkpoint's recomputation of its forward: torch's own
+    checkpoint asks the same)."""
+    return torch._C._current_graph_task_id() != -1
