@@ -256,18 +256,18 @@ def resolve_batch_sizes(ds: dict, world_size: int, where: str) -> dict:
         accum = accum or 1
         if total % (accum * world_size):
             raise UserError(f"{where}: train_batch_size {total} is not divisible by gradient_accumulation_steps "
-                            f"{accum} x world size {world_size}; set train_micro_batch_size_per_gpu instead")
+                            f"{accum} x data-parallel ranks {world_size}; set train_micro_batch_size_per_gpu instead")
         micro = total // (accum * world_size)
     elif accum is None:
         accum = 1 if total is None else total // (micro * world_size)
         if total is not None and (accum < 1 or accum * micro * world_size != total):
             raise UserError(f"{where}: train_batch_size {total} cannot be split into micro batches of {micro} on "
-                            f"{world_size} ranks; drop train_batch_size or make it a multiple of {micro * world_size}")
+                            f"{world_size} data-parallel ranks; drop train_batch_size or make it a multiple of "
+                            f"{micro * world_size}")
     if total is not None and total != micro * accum * world_size:
-        raise UserError(
-            f"{where}: train_batch_size {total} != train_micro_batch_size_per_gpu {micro} x "
-            f"gradient_accumulation_steps {accum} x world size {world_size} = {micro * accum * world_size}; "
-            f"remove train_batch_size so it follows the world size")
+        raise UserError(f"{where}: train_batch_size {total} != train_micro_batch_size_per_gpu {micro} x "
+                        f"gradient_accumulation_steps {accum} x data-parallel ranks {world_size} = "
+                        f"{micro * accum * world_size}; remove train_batch_size so it follows the world size")
     ds["train_micro_batch_size_per_gpu"], ds["gradient_accumulation_steps"] = micro, accum
     ds["train_batch_size"] = micro * accum * world_size
     return ds

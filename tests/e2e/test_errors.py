@@ -46,7 +46,7 @@ CASES = {
                                 ["weight_decya"]),
     "unknown optimizer field": (_dp(optimizer={"type": "AdamW", "parms": {"lr": 0.001}}), ["optimizer.parms"]),
     "batch sizes that cannot agree": (_dp(train_batch_size=48), ["train_batch_size 48 != train_micro_batch_size_per_gpu 32",
-                                                                  "world size 1 = 32"]),
+                                                                  "data-parallel ranks 1 = 32"]),
     "non-positive batch": (_dp(train_micro_batch_size_per_gpu=0), ["train_micro_batch_size_per_gpu must be a positive"]),
     "duplicate key": ('{"train_micro_batch_size_per_gpu": 4, "train_micro_batch_size_per_gpu": 8}', ["appears twice"]),
 }
@@ -119,7 +119,7 @@ def test_batch_mismatch_names_the_world_size_with_two_ranks(tmp_path):
     """The numbers in the message are the real world size's, and only rank 0 says it."""
     result = run(train_command("deepspeed", 2, "--deepspeed_config", _config(tmp_path, _dp(train_batch_size=32)),
                                "--output_dir", tmp_path / "run"))
-    _fails_cleanly(result, "x world size 2 = 64", "remove train_batch_size")
+    _fails_cleanly(result, "x data-parallel ranks 2 = 64", "remove train_batch_size")
     assert not (tmp_path / "run" / "metrics.csv").exists()
 
 

@@ -59,7 +59,7 @@ def test_a_busy_master_port_fails(cluster, monkeypatch, capsys):
 @pytest.mark.parametrize("text, expected", [
     ('{"train_micro_batch_size_per_gpu": 4,,}', "not valid JSON"),
     (json.dumps({"train_micro_batch_size_per_gpu": 32, "gradient_accumulation_steps": 1,
-                "train_batch_size": 48}), "x world size 2 = 64"),
+                "train_batch_size": 48}), "x data-parallel ranks 2 = 64"),
 ])
 def test_a_bad_config_fails(text, expected, cluster, monkeypatch, capsys, tmp_path):
     """A config that cannot run on the hostfile's total slots fails before any node is touched."""

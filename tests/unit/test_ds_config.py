@@ -143,7 +143,7 @@ def test_batch_sizes_resolve(ds, world, expect):
     ({"train_batch_size": 30, "train_micro_batch_size_per_gpu": 4}, 2, "multiple of 8"),
     ({"train_batch_size": 30, "gradient_accumulation_steps": 4}, 2, "not divisible"),
     ({"train_batch_size": 64, "train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 2}, 2,
-     "train_batch_size 64 != train_micro_batch_size_per_gpu 4 x gradient_accumulation_steps 2 x world size 2 = 16"),
+     "train_batch_size 64 != train_micro_batch_size_per_gpu 4 x gradient_accumulation_steps 2 x data-parallel ranks 2 = 16"),
 ])
 def test_batch_sizes_that_cannot_agree(ds, world, message):
     with pytest.raises(UserError, match=message.replace(".", r"\.")):
