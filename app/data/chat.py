@@ -181,10 +181,10 @@ class AnswerRows(Samples):
         return ids[:start], ids[start:end]
 
 
-def token_counts(dataset) -> np.ndarray:
-    """Each row's input ids, counted from the column's offsets (no token read into Python)."""
+def token_counts(dataset, column: str = "input_ids") -> np.ndarray:
+    """Each row's tokens in the column, counted from its offsets (no token read into Python)."""
     import pyarrow.compute as pc
-    return pc.list_value_length(dataset.data.column("input_ids")).to_numpy(zero_copy_only=False)
+    return np.asarray(pc.list_value_length(dataset.data.column(column)).to_numpy(zero_copy_only=False), np.int64)
 
 
 def pack_order(lengths, block: int) -> list:

@@ -282,5 +282,5 @@ class Rows(Samples):
 
 def longest(dataset, column: str = "input_ids") -> int:
     """The most tokens a row of the column holds."""
-    import pyarrow.compute as pc
-    return pc.max(pc.list_value_length(dataset.data.column(column))).as_py() or 0
+    counts = chat.token_counts(dataset, column)
+    return int(counts.max()) if len(counts) else 0

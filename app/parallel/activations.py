@@ -104,6 +104,9 @@ def _running_stats_kept(norms):
                 m.num_batches_tracked.copy_(count)
 
 
+RUNNING = ("running_mean", "running_var", "num_batches_tracked")  # a batch norm's running statistics
+
+
 def norms_kept_when_recomputed(module: nn.Module):
     """Hooks on module's batch norms that leave their running statistics as they were when a checkpoint
     recomputes them in the backward: DeepSpeed's pipeline checkpoints whole layers with its own function, whose
@@ -123,9 +126,6 @@ def norms_kept_when_recomputed(module: nn.Module):
     for norm in _norms(module):
         norm.register_forward_pre_hook(before)
         norm.register_forward_hook(after)
-
-
-RUNNING = ("running_mean", "running_var", "num_batches_tracked")  # a batch norm's running statistics
 
 
 def _norms(module: nn.Module) -> list:

@@ -212,7 +212,8 @@ def split(model: nn.Module, model_name: str, found: StagePlan, task):
         raise UserError(f"pipeline.partition {found.partition!r}: {str(e).splitlines()[0]}") from None
     ds_internals.count_every_stage_in_grad_norm(module)
     ds_internals.drop_other_stages(module)
-    activations.norms_kept_when_recomputed(module)  # ResNet's: checkpointed layers hold them
+    if found.activation_checkpoint_interval > 0:  # ResNet's checkpointed layers hold batch norms
+        activations.norms_kept_when_recomputed(module)
     parts = module.partitions()
     for stage, (start, stop) in enumerate(zip(parts, parts[1:])):
         if not any(names[start:stop]):  # DeepSpeed's optimizer refuses a stage without weights
