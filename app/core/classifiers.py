@@ -40,7 +40,7 @@ def build(name: str, info: DataInfo, weights: str = "") -> nn.Module:
         _replace_first_conv(model, info.in_channels)
     _takes_images(model, name, info)
     if weights:
-        _start_from(model, pretrained(name, weights), name, weights)
+        _start_from(model, _positions_fitted(model, pretrained(name, weights)), name, weights)
     return model
 
 
@@ -65,10 +65,11 @@ def pretrained(name: str, weights: str) -> dict:
 def _state_file(path: str) -> dict:
     """A file's state dict: plain, under "model" or "state_dict" (torchvision's reference scripts, Lightning), its
     keys without DDP's "module." (a run's own export loads as it is)."""
+    from argparse import Namespace
     from safetensors import SafetensorError
     from app.ds.internals.safe_load import data_only
-    try:
-        with data_only(path):
+    try:  # Namespace: the "args" beside "model" in the checkpoints of torchvision's reference scripts
+        with data_only(path), torch.serialization.safe_globals([Namespace]):
             state = load_file(path) if path.endswith(".safetensors") else \
                 torch.load(path, map_location="cpu", weights_only=True)
     except (OSError, RuntimeError, EOFError, SafetensorError) as e:
@@ -79,6 +80,17 @@ def _state_file(path: str) -> dict:
     if not isinstance(held, dict):
         raise UserError(f"--model_weights {path} holds a {type(held).__name__}, not a state dict")
     return {key.removeprefix("module."): value for key, value in held.items()}
+
+
+def _positions_fitted(model: nn.Module, state: dict) -> dict:
+    """state with a vision transformer's position embeddings interpolated to the model's image side, as torchvision
+    does for weights trained at another side (vit_b_16's at 224, SWAG's at 384); other states as they are."""
+    from torchvision.models.vision_transformer import VisionTransformer, interpolate_embeddings
+    held = state.get("encoder.pos_embedding")
+    if not isinstance(model, VisionTransformer) or held is None or \
+            held.shape == model.encoder.pos_embedding.shape:
+        return state
+    return interpolate_embeddings(model.image_size, model.patch_size, state)
 
 
 def _start_from(model: nn.Module, state: dict, name: str, weights: str):

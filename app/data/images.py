@@ -5,6 +5,7 @@ import sys
 from pathlib import Path
 
 import torch
+from PIL import Image
 from torch.utils.data import Subset, TensorDataset
 
 from app.data import DataInfo
@@ -125,6 +126,9 @@ def _file_being_read(error: BaseException, folder: Path) -> str:
     return found
 
 
+# PIL's errors for a file that is not an image it reads: not an image and cut short (OSErrors), and one too large to
+# decode (DecompressionBombError: over twice Image.MAX_IMAGE_PIXELS)
+_UNREADABLE = (OSError, ValueError, SyntaxError, Image.DecompressionBombError)
 IMAGENET = ((0.485, 0.456, 0.406), (0.229, 0.224, 0.225))  # the mean and std torchvision's weights were trained at
 
 
@@ -135,6 +139,10 @@ def _imagefolder(data_dir, image_size, normal=((0.5, 0.5, 0.5), (0.25, 0.25, 0.2
     from torchvision import transforms
     root = Path(data_dir)
     train_dir = root / "train" if (root / "train").is_dir() else root
+    beside = next((d for d in EVAL_FOLDERS if (root / d).is_dir()), None)
+    if train_dir == root and beside:  # ImageFolder would read the held-out images as one more class, and train on them
+        raise UserError(f"ImageFolder {root} has {beside}/ but no train/: move the class folders beside it into "
+                        f"{root}/train")
     if not train_dir.is_dir() or not any(train_dir.iterdir()):
         raise UserError(f"ImageFolder data directory {train_dir} is missing or empty; put one folder of images "
                         f"per class in {root}/train (and optionally {root}/val)")
@@ -144,9 +152,8 @@ def _imagefolder(data_dir, image_size, normal=((0.5, 0.5, 0.5), (0.25, 0.25, 0.2
         train = torchvision.datasets.ImageFolder(str(train_dir), transform=tf, loader=open_image)
     except (FileNotFoundError, RuntimeError) as e:
         raise UserError(f"ImageFolder {train_dir}: {e}") from None
-    val_dir = next((root / d for d in EVAL_FOLDERS if (root / d).is_dir()), None)
-    if val_dir is not None:
-        eval_set = _eval_folder(val_dir, train, tf)
+    if beside:
+        eval_set = _eval_folder(root / beside, train, tf)
     else:
         order = torch.randperm(len(train), generator=torch.Generator().manual_seed(0)).tolist()
         cut = max(1, len(order) // 10)
@@ -178,12 +185,15 @@ def _eval_folder(val_dir: Path, train, tf):
 
 
 def open_image(path: str):
-    """An image file as RGB; one line naming the file when it is not a readable image."""
-    from PIL import Image
+    """An image file as RGB (16-bit grey scaled to 8 bits, not clipped); one line naming the file when it is not a
+    readable image."""
     try:
         with open(path, "rb") as f:
-            return Image.open(f).convert("RGB")
-    except (OSError, ValueError, SyntaxError) as e:  # PIL's not-an-image and cut-short errors are OSErrors
+            image = Image.open(f)
+            if image.mode.startswith("I;16") or image.mode == "I":  # PIL's convert clips every value above 255
+                image = image.point(lambda value: value * (1 / 257)).convert("L")
+            return image.convert("RGB")
+    except _UNREADABLE as e:
         raise UserError(f"{path} is not a readable image ({first_line(e)}); replace or remove it") from None
 
 
@@ -192,7 +202,6 @@ def unreadable_images(*datasets) -> str:
     verify: a PNG's chunks and checksums, a JPEG's header; no pixel is decoded), else the line naming the first
     that is not. Other datasets: ''."""
     from concurrent.futures import ThreadPoolExecutor
-    from PIL import Image
     bases = {id(base): base for base in (d.dataset if isinstance(d, Subset) else d for d in datasets)}.values()
     vision = sys.modules.get("torchvision")  # an image folder exists only once torchvision was imported to read it
     folders = vision.datasets.DatasetFolder if vision is not None else ()
@@ -203,7 +212,7 @@ def unreadable_images(*datasets) -> str:
             with Image.open(path) as image:
                 image.verify()
                 return ""
-        except (OSError, ValueError, SyntaxError) as e:
+        except _UNREADABLE as e:
             return f"{path} is not a readable image ({first_line(e)}); replace or remove it"
     with ThreadPoolExecutor(8) as pool:  # file reads: threads overlap their waits
         return next((said for said in pool.map(problem, paths) if said), "")

@@ -1,5 +1,6 @@
 """torchvision's classifiers fitted to the data: auxiliary heads off, the image side where a model is built for
 one, and a model that cannot take the data's images one line at build, not a traceback in the first step."""
+import argparse
 from pathlib import Path
 
 import pytest
@@ -59,7 +60,8 @@ def test_pretrained_weights_start_the_body_and_the_head_is_new_for_the_datas_cla
     every weight of the body; the 1,000-class head cannot hold the data's 10 classes and starts fresh, said."""
     state = _imagenet_resnet18()
     path = tmp_path / "resnet18.pth"
-    torch.save({"model": {f"module.{k}": v for k, v in state.items()}, "epoch": 89}, path)
+    torch.save({"model": {f"module.{k}": v for k, v in state.items()}, "epoch": 89,
+                "args": argparse.Namespace(lr=0.5, model="resnet18")}, path)
     model = classifiers.build("resnet18", DataInfo(10, 3, 32), str(path))
     own = model.state_dict()
     assert all(torch.equal(own[k], v) for k, v in state.items() if not k.startswith("fc."))
@@ -114,3 +116,18 @@ def test_googlenets_pretrained_weights_load_without_its_auxiliary_heads(tmp_path
     model = classifiers.build("googlenet", DataInfo(1000, 3, 64), str(tmp_path / "googlenet.pth"))
     assert model.transform_input and model.aux1 is None
     assert all(torch.equal(model.state_dict()[k], v) for k, v in state.items() if not k.startswith("aux"))
+
+
+def test_a_vision_transformers_weights_at_another_side_keep_their_position_embeddings(tmp_path, capsys):
+    """vit_b_16's weights hold 197 positions (224 / 16, squared, and the class token); built for 32x32 images the
+    model has 5: the weights' embeddings are interpolated to them, as torchvision does, not left fresh."""
+    import torchvision
+    from torchvision.models.vision_transformer import interpolate_embeddings
+    torch.manual_seed(0)
+    state = torchvision.models.vit_b_16().state_dict()
+    torch.save(state, tmp_path / "vit.pth")
+    model = classifiers.build("vit_b_16", DataInfo(10, 3, 32), str(tmp_path / "vit.pth"))
+    expected = interpolate_embeddings(32, 16, state)["encoder.pos_embedding"]
+    assert model.encoder.pos_embedding.shape == (1, 5, 768)
+    assert torch.equal(model.encoder.pos_embedding.detach(), expected)
+    assert capsys.readouterr().out.strip().endswith("new for the data's classes: heads.head.weight, heads.head.bias")

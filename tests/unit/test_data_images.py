@@ -95,6 +95,38 @@ def test_imagefolder_for_pretrained_weights_is_normalised_as_imagenet_was(tmp_pa
     assert plain[0][0][:, 0, 0].tolist() == pytest.approx([-2.0] * 3)
 
 
+def test_a_val_folder_beside_class_folders_without_train_is_one_line(tmp_path):
+    """Without train/ the root's folders are the classes: a val/ among them would be read as one more class, its
+    images trained on and evaluated."""
+    _images(tmp_path)
+    _images(tmp_path / "val", per_class=1)
+    with pytest.raises(UserError, match=f"ImageFolder {tmp_path} has val/ but no train/: move the class folders"):
+        images.build_image_sets("imagefolder", str(tmp_path))
+
+
+def test_sixteen_bit_grey_images_are_scaled_not_clipped(tmp_path):
+    """PIL's convert to RGB clips a 16-bit grey image's values at 255 (a ramp turns white); they are scaled."""
+    import numpy as np
+    from PIL import Image
+    ramp = np.tile(np.linspace(0, 65535, 256).astype("uint16"), (2, 1))
+    Image.fromarray(ramp).save(tmp_path / "ramp.png")
+    assert Image.open(tmp_path / "ramp.png").mode == "I;16"
+    pixels = np.asarray(images.open_image(str(tmp_path / "ramp.png")))
+    assert pixels.shape == (2, 256, 3) and pixels[0, :, 0].tolist() == [round(v / 257) for v in ramp[0]]
+
+
+def test_an_image_too_large_to_decode_is_one_line(tmp_path, monkeypatch):
+    """PIL refuses an image over twice MAX_IMAGE_PIXELS with DecompressionBombError, not an OSError."""
+    from PIL import Image
+    _images(tmp_path / "train", per_class=1)
+    monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", 100)
+    train, held_out, _ = images.build_image_sets("imagefolder", str(tmp_path), image_size=8)
+    assert "train/cat/0.png is not a readable image (Image size (240 pixels) exceeds limit" in \
+        images.unreadable_images(train, held_out)
+    with pytest.raises(UserError, match="cat/0.png is not a readable image"):
+        images.open_image(str(tmp_path / "train" / "cat" / "0.png"))
+
+
 def test_imagefolder_without_val_holds_out_a_tenth(tmp_path):
     _images(tmp_path, per_class=10)
     train, held_out, info = images.build_image_sets("imagefolder", str(tmp_path), image_size=8)
