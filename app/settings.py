@@ -175,9 +175,10 @@ class Settings:
     wandb, comet and csv_monitor sections report too."""
     early_stopping_patience: int = 0
     """Stop the run, saved and exit 0, after N evaluations in a row without improvement (0: never)."""
-    early_stopping_metric: str = "eval_loss"
+    early_stopping_metric: str = ""
     """The evaluation that early stopping and --keep_best watch, NAME or NAME:min / NAME:max (default: min for a
-    loss or perplexity, max for anything else, e.g. eval_reward_accuracy)."""
+    loss or perplexity, max for anything else, e.g. eval_reward_accuracy); '': the task's own (eval_loss; GRPO's
+    eval_reward)."""
     keep_best: bool = False
     """Keep the checkpoint of the best evaluation (--early_stopping_metric) besides the newest --keep_last."""
     compile: str = "auto"

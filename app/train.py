@@ -132,7 +132,8 @@ def settle(settings: Settings, world: World, ds: dict, board: endings.Board) -> 
     offload against the host, the task's own engines, the micro batch (and the host again where its search set the
     accumulation)."""
     ranks = layout.rank_layout(ds, world.world_size, world.rank, settings.deepspeed_config)
-    early_stop.watched(settings.early_stopping_metric)  # a mistake there is one line before anything is built
+    if settings.early_stopping_metric:  # a mistake there is one line before anything is built
+        early_stop.watched(settings.early_stopping_metric)
     spec = resolver.spec_of(settings)
     lora.check_flags(settings)
     lora.check_layout(settings.lora, ranks)
@@ -200,7 +201,7 @@ def train(job: Job) -> int:
                                 engine.is_deepcompile_enabled())
     resumed = built.resume_from
     start = resume.load(engine, task, resumed, built.saved, ranks.replicas) if resumed else (0, 0)
-    early = early_stop.for_run(settings, built.saved)
+    early = early_stop.for_run(settings, built.saved, task)
     if loop.nothing_to_do(engine, built.steps) or early is not None and early.ended_before():
         return 0
     outdir.clear(output_dir, built.resume_from, settings.overwrite)  # only now: a mistake found before leaves it all

@@ -11,13 +11,15 @@ LOWER_IS_BETTER = ("loss", "perplexity")
 
 def watched(metric: str) -> tuple:
     """(name, 'min' or 'max') of --early_stopping_metric NAME[:min|:max]; without a direction, min for a loss or
-    perplexity and max for anything else (an accuracy, a reward)."""
+    perplexity and max for anything else (an accuracy, a reward), judged by the name before any /<source> (a
+    source or a reward may be called anything)."""
     name, _, mode = metric.partition(":")
     if not name.startswith("eval_") or mode not in ("", "min", "max"):
         raise UserError(f"--early_stopping_metric {metric!r}: give an evaluation's name, optionally with its "
                         f"direction, as NAME, NAME:min or NAME:max (for example eval_loss or "
                         f"eval_reward_accuracy:max)")
-    return name, mode or ("min" if any(word in name for word in LOWER_IS_BETTER) else "max")
+    kind = name.split("/")[0]
+    return name, mode or ("min" if any(word in kind for word in LOWER_IS_BETTER) else "max")
 
 
 @dataclass
@@ -49,7 +51,7 @@ class EarlyStopping:
         0's, sent to every rank, so that all agree on the best and on the step to stop at."""
         state = self.state
         if state.metric not in evaluation:
-            held = ", ".join(sorted(k for k in evaluation if "/" not in k))
+            held = ", ".join(sorted(evaluation))
             raise UserError(f"--early_stopping_metric {state.metric}: the evaluation gives {held}; pick one of them")
         value = float(dist.broadcast_object(repr(float(evaluation[state.metric]))))  # as text: nan and inf too
         better = math.isfinite(value) and (state.best is None or
@@ -86,10 +88,11 @@ class EarlyStopping:
         return f"{state.metric} has not improved for {state.bad} evaluation(s) ({best})"  # None: NaN or empty counts
 
 
-def for_run(settings, saved) -> EarlyStopping | None:
+def for_run(settings, saved, task) -> EarlyStopping | None:
     """The run's EarlyStopping (None when neither --early_stopping_patience nor --keep_best is set), continuing
-    the count of the resumed checkpoint's state (saved; None for a fresh run)."""
+    the count of the resumed checkpoint's state (saved; None for a fresh run); without --early_stopping_metric it
+    watches the task's first summary metric (eval_loss; GRPO's eval_reward)."""
     if not (settings.early_stopping_patience or settings.keep_best):
         return None
-    return EarlyStopping(settings.early_stopping_metric, settings.early_stopping_patience, settings.keep_best,
-                         saved.early_stopping if saved is not None else None)
+    return EarlyStopping(settings.early_stopping_metric or task.summary_metrics[0], settings.early_stopping_patience,
+                         settings.keep_best, saved.early_stopping if saved is not None else None)

@@ -14,7 +14,9 @@ from app.errors import UserError
     ("eval_loss", ("eval_loss", "min")), ("eval_perplexity", ("eval_perplexity", "min")),
     ("eval_loss/wiki", ("eval_loss/wiki", "min")), ("eval_accuracy", ("eval_accuracy", "max")),
     ("eval_reward_accuracy", ("eval_reward_accuracy", "max")), ("eval_reward", ("eval_reward", "max")),
-    ("eval_loss:max", ("eval_loss", "max")), ("eval_accuracy:min", ("eval_accuracy", "min"))])
+    ("eval_loss:max", ("eval_loss", "max")), ("eval_accuracy:min", ("eval_accuracy", "min")),
+    ("eval_accuracy/glossary", ("eval_accuracy/glossary", "max")),  # a source's name does not turn it round
+    ("eval_rewards/length_loss/mean", ("eval_rewards/length_loss/mean", "max"))])
 def test_the_direction_is_min_for_a_loss_or_perplexity_else_max_unless_given(metric, watched):
     assert early_stop.watched(metric) == watched
 
@@ -76,7 +78,7 @@ def test_a_resumed_run_continues_the_count_of_the_same_metric_and_restarts_anoth
 def test_a_metric_the_evaluation_lacks_is_one_line_naming_what_it_has():
     early = EarlyStopping("eval_reward_accuracy", patience=1)
     with pytest.raises(UserError, match="--early_stopping_metric eval_reward_accuracy: the evaluation gives "
-                                        "eval_accuracy, eval_loss; pick one of them"):
+                                        "eval_accuracy, eval_loss, eval_loss/wiki; pick one of them"):
         early.update(10, {"eval_loss": 1.0, "eval_accuracy": 0.5, "eval_loss/wiki": 1.0})
 
 
@@ -91,9 +93,20 @@ def test_a_resumed_run_that_had_already_stopped_has_nothing_to_do(capsys):
 
 def test_the_run_has_none_unless_patience_or_keep_best_is_set():
     settings = SimpleNamespace(early_stopping_patience=0, keep_best=False, early_stopping_metric="eval_loss")
-    assert early_stop.for_run(settings, None) is None
+    task = SimpleNamespace(summary_metrics=("eval_reward",))
+    assert early_stop.for_run(settings, None, task) is None
     saved = SimpleNamespace(early_stopping={"metric": "eval_loss", "mode": "min", "best": 1.0, "best_step": 20,
                                             "bad": 1})
     settings.keep_best = True
-    early = early_stop.for_run(settings, saved)
+    early = early_stop.for_run(settings, saved, task)
     assert (early.kept_step(), early.state.bad, early.stop()) == (20, 1, False)
+
+
+def test_without_a_metric_the_run_watches_its_tasks_own():
+    """GRPO's evaluation gives no eval_loss: its default is the mean reward, the most the better."""
+    from app.core.grpo import Grpo
+    from app.core.tasks import CausalLM
+    settings = SimpleNamespace(early_stopping_patience=2, keep_best=False, early_stopping_metric="")
+    assert early_stop.for_run(settings, None, Grpo).state.metric == "eval_reward"
+    assert early_stop.for_run(settings, None, Grpo).state.mode == "max"
+    assert early_stop.for_run(settings, None, CausalLM).state.metric == "eval_loss"
