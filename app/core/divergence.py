@@ -25,8 +25,10 @@ class Divergence:
 
     def stepped(self, loss_not_finite: torch.Tensor):
         """After optimizer step engine.global_steps: loss_not_finite (a device bool) says whether any loss of its
-        micro batches was not finite."""
-        bad = loss_not_finite | (not self.engine.was_step_applied())
+        micro batches was not finite. A step fp16's dynamic loss scale skipped while above its minimum is its
+        search for a scale, not a bad step."""
+        skipped = not self.engine.was_step_applied() and not ds_internals.scale_searching(self.engine)
+        bad = loss_not_finite | skipped
         if self.norms is not None:
             bad = bad | (self.norms.last > 0)
         self.streak = (self.streak + 1) * bad

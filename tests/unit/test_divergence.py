@@ -1,4 +1,6 @@
 """A run that diverges: streaks of bad steps end it at a log row, and weights not finite are never saved."""
+from types import SimpleNamespace
+
 import pytest
 import torch
 
@@ -11,8 +13,9 @@ class _Engine:
     """What Divergence reads of DeepSpeed's engine: its step counters, whether the last step was applied, its
     weights, and the device's record of bad gradient norms where the app checks them there."""
 
-    def __init__(self, bf16=False, norms_on_device=True):
+    def __init__(self, bf16=False, norms_on_device=True, loss_scaler=None):
         self.device, self.module, self.bf16 = torch.device("cpu"), torch.nn.Linear(3, 1), bf16
+        self.optimizer = SimpleNamespace(loss_scaler=loss_scaler)  # fp16's (DeepSpeed's own class), or none
         self.global_steps, self.skipped_steps, self.applied, self.lr_scheduler = 0, 0, True, None
         if norms_on_device:
             self.app_bad_norms = BadNorms(self.device)
@@ -22,6 +25,9 @@ class _Engine:
 
     def bfloat16_enabled(self) -> bool:
         return self.bf16
+
+    def fp16_enabled(self) -> bool:
+        return self.optimizer.loss_scaler is not None
 
 
 def _steps(divergence: Divergence, kinds: str):
@@ -77,6 +83,30 @@ def test_no_limit_never_ends_the_run_and_counts_what_was_skipped():
     _steps(divergence, "l" * 50)
     divergence.engine.skipped_steps = 7  # DeepSpeed's host check counts its own skipped steps
     assert divergence.check() == 7
+
+
+def test_fp16_overflows_while_its_scale_searches_are_no_divergence():
+    """From initial_scale_power 32 DeepSpeed's scaler skips about 18 steps in a row, halving the scale, before one
+    applies: that is its search. Skipped at the minimum scale, the steps count."""
+    from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler
+    scaler = DynamicLossScaler(init_scale=2.0 ** 32, scale_window=1000, min_scale=1, delayed_shift=2,
+                               consecutive_hysteresis=False)
+    divergence = Divergence(_Engine(norms_on_device=False, loss_scaler=scaler), limit=10)
+    for _ in range(18):
+        _steps(divergence, "s")
+        scaler.cur_scale /= 2
+    _steps(divergence, "g" + "s" * 5)
+    divergence.check()
+    scaler.cur_scale = 1
+    _steps(divergence, "s" * 9)
+    divergence.check()
+    _steps(divergence, "s")
+    with pytest.raises(UserError, match="not been finite since step 25 "):
+        divergence.check()
+    plain = Divergence(_Engine(norms_on_device=False), limit=10)
+    _steps(plain, "g" * 18 + "s" * 10)
+    with pytest.raises(UserError, match="not been finite since step 19 "):
+        plain.check()  # without fp16 every skipped step counts
 
 
 def test_steps_skipped_on_the_device_reach_deepspeeds_count_once():

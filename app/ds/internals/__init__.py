@@ -13,6 +13,7 @@ from app.ds.internals.engine import (autocast_of, config_saved_as, count_every_s
                                      lighten_plain_step, note_clip_norms,
                                      skip_bad_steps_on_device,
                                      step_bf16_weights_on_device, uncompile)
+from app.ds.internals.loss_scale import scale_searching
 from app.ds.internals.adam_state import replay_cpu_adam_steps, restore_swapped_adam
 from app.ds.internals.device_constants import constants_on_device
 from app.ds.internals.gather import whole_bytes, whole_weights
@@ -34,7 +35,7 @@ __all__ = ["autocast_of", "Recorder", "parse_config", "scalar_defaults", "sectio
            "forward_within_the_step",
            "gathered_state_dict",
            "lighten_plain_step", "note_clip_norms", "replay_cpu_adam_steps", "restore_swapped_adam",
-           "restore_torch_linear", "deepspeed_linear",
+           "restore_torch_linear", "deepspeed_linear", "scale_searching",
            "sequence_groups", "whole_sequences", "skip_bad_steps_on_device",
            "step_bf16_weights_on_device", "constants_on_device", "uncompile", "cpu_info_once", "drop_shm_names",
            "env_file_problem", "launcher_world_info", "node_shell_line", "pdsh_exports", "pdsh_words",
