@@ -119,6 +119,8 @@ def clear(output_dir: Path, folder, overwrite: bool):
     if not overwrite or not dist.is_main():
         return
     root, output_dir = checkpoint_root(output_dir), Path(output_dir)
+    if folder is not None and Path(folder).parent.name == UNIVERSAL:  # the copy made for another world size
+        folder = Path(folder).parent.parent / Path(folder).name
     in_place = folder is not None and Path(folder).parent.resolve() == root.resolve()
     checkpoints = [p for p in complete_checkpoints(root) + unfinished_saves(root)
                    if not in_place or p.name > Path(folder).name]

@@ -1,6 +1,7 @@
 """Resume: find the checkpoint to continue from, check it against its manifest and the run, convert it for
 another world size, and restore everything it holds."""
 import json
+import shlex
 import shutil
 import subprocess
 import sys
@@ -63,7 +64,8 @@ def _read_json(folder: Path, name: str):
 def _instead(folder: Path) -> str:
     """What to resume from instead of a damaged checkpoint."""
     older = [p for p in complete_checkpoints(folder.parent) if p.name < folder.name]
-    return f"resume from the one before it: --resume {older[-1]}" if older else "start a new --output_dir"
+    return (f"resume from the one before it, deleting the later ones: --resume {shlex.quote(str(older[-1]))} "
+            f"--overwrite") if older else "start a new --output_dir"
 
 
 def named_checkpoint(resume: str) -> Path:
@@ -91,10 +93,9 @@ def find(output_dir: Path, resume: str):
     if not resume:
         return None, None
     if resume == "auto":
-        found = complete_checkpoints(checkpoint_root(output_dir))
-        if not found:
+        folder = (complete_checkpoints(checkpoint_root(output_dir)) or [None])[-1]
+        if folder is None:
             return None, None
-        folder = found[-1]
     else:
         folder = named_checkpoint(resume)
         if folder != Path(resume):
@@ -136,7 +137,6 @@ def check_compatible(saved: TrainerState, current: TrainerState, folder: Path):
         raise UserError(f"checkpoint {folder} holds LoRA adapters trained on another base model than {current.model} "
                         f"has now (its config or weights differ); resume on the base model they were trained on, "
                         f"or start a new --output_dir")
-
 
 
 # The flag that sets each field of a task's record where it is not --<field> (the reference one also follows --lora).

@@ -110,6 +110,21 @@ def test_overwrite_deletes_the_earlier_timeline_and_nothing_of_the_users(tmp_pat
     assert "metrics.csv, summary.json, loss.png, step00000002" in capsys.readouterr().out
 
 
+def test_overwrite_resuming_at_another_world_size_keeps_the_checkpoint_it_resumes(tmp_path, capsys):
+    """At another world size the run resumes the universal copy of a checkpoint of its own (checkpoints/universal/
+    step4): that is resuming in place, so only later checkpoints go, and the run's metrics stay."""
+    run = tmp_path / "run"
+    root = run / "checkpoints"
+    _checkpoint(root, 2), _checkpoint(root, 4), _checkpoint(root, 6)
+    copy = root / "universal" / "step00000004"
+    copy.mkdir(parents=True)
+    (run / "metrics.csv").write_text("step\n")
+    outdir.clear(run, copy, overwrite=True)
+    assert [p.name for p in complete_checkpoints(root)] == ["step00000002", "step00000004"] and copy.is_dir()
+    assert (run / "metrics.csv").is_file() and (root / "latest").read_text() == "step00000004"
+    assert "of the earlier timeline in" in capsys.readouterr().out
+
+
 def test_overwrite_drops_keep_best_s_pointer_only_when_its_checkpoint_goes(tmp_path):
     run = tmp_path / "run"
     root = run / "checkpoints"

@@ -3,6 +3,7 @@ manifests, the checkpoint to continue from, and what may change across a resume.
 import hashlib
 import io
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -184,12 +185,21 @@ def test_find_auto_picks_the_newest_complete_checkpoint(tmp_path):
 
 
 def test_find_auto_does_not_fall_back_past_a_damaged_newest_checkpoint(tmp_path):
-    root = tmp_path / "run" / "checkpoints"
+    """The line names the one before, as a command that is accepted: the damaged newest is a later checkpoint of
+    the same timeline, which only --overwrite lets go (the path quoted: the run's folder has a space)."""
+    import shlex
+    from app.checkpoint import outdir
+    run = tmp_path / "my run"
+    root = run / "checkpoints"
     _write_checkpoint(root / "step00000005", _state(step=5))
     _write_checkpoint(root / "step00000010", _state(step=10))
     (root / "step00000010" / "mp_rank_00_model_states.pt").unlink()
-    with pytest.raises(UserError, match="step00000010 is damaged: mp_rank_00_model_states.pt is missing"):
-        resume.find(tmp_path / "run", "auto")
+    with pytest.raises(UserError, match="step00000010 is damaged: mp_rank_00_model_states.pt is missing") as caught:
+        resume.find(run, "auto")
+    words = shlex.split(_one_line(caught).split("deleting the later ones: ")[1])
+    assert words == ["--resume", str(root / "step00000005"), "--overwrite"]
+    assert outdir.check_timeline(run, Path(words[1]), overwrite=True) == ""
+    assert "--overwrite deletes them" in outdir.check_timeline(run, Path(words[1]), overwrite=False)
 
 
 def test_find_a_named_folder(tmp_path):
