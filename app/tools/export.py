@@ -142,8 +142,9 @@ def export(folder: Path, out: Path, merged: bool = False) -> dict:
     if merged and not saved.lora:
         raise UserError(f"--merged folds LoRA adapters into their base model, and {folder} holds a whole model; "
                         f"leave out --merged")
-    if merged and out.suffix == ".safetensors":
-        raise UserError(f"--merged writes a transformers model folder; name a folder, not {out.name}")
+    if saved.lora and out.suffix == ".safetensors":  # the checkpoint holds the adapters alone, not the base
+        raise UserError(f"{folder} holds LoRA adapters: export them to a folder (the adapter folder peft loads), "
+                        f"or with --merged to a folder of the whole model; not to {out.name}")
     if out.exists():
         raise UserError(f"{out} already exists; pick a new output path")
     task = saved.data_info.get("task", "image_classification")

@@ -187,8 +187,10 @@ def test_a_lora_checkpoint_exports_the_adapter_folder_peft_loads_with_the_runs_t
     ("text", "merged", ["--merged"], "holds a whole model; leave out --merged"),
     ("cnn", "cnn", ["--merged"], "holds a whole model; leave out --merged"),
     ("cnn", "cnn.safetensors", ["--merged"], "holds a whole model; leave out --merged"),
-    ("lora", "m.safetensors", ["--merged"], "--merged writes a transformers model folder; name a folder, not "
+    ("lora", "m.safetensors", ["--merged"], "holds LoRA adapters: export them to a folder (the adapter folder "
+                                            "peft loads), or with --merged to a folder of the whole model; not to "
                                             "m.safetensors"),
+    ("lora", "m.safetensors", [], "holds LoRA adapters: export them to a folder"),  # not adapters as a whole model
     ("lora", "merged", ["--merged"], "--merged folds the adapters into the base model's weights, and gpt2-tiny was "
                                      "built from random weights the checkpoint does not hold"),
 ])
