@@ -65,3 +65,16 @@ def test_sizes_and_repetitions_that_cannot_be_measured_are_one_error_line_before
     assert commcheck.main(argv) == 2 and not torch_dist.is_initialized()
     errors = capsys.readouterr().err.splitlines()
     assert len(errors) == 1 and errors[0].startswith("error: ") and message in errors[0], errors
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 15, 16, 21, 35, 64, 512])
+def test_the_product_check_is_exact_in_fp32_at_any_world_size(world):
+    """A 2x8-GPU cluster has 16 ranks: 1 x 2 x ... x 16 in fp32, reduced in any order, is not the one rounding of
+    the exact product (and 21! overflows int64), so a healthy cluster failed the check. Each order a reduction may
+    take (here: from each rank in turn, around the ring) gives the expected value."""
+    terms = torch.tensor([commcheck.product_term(rank) for rank in range(world)], dtype=torch.float32)
+    for start in range(min(world, 8)):
+        product = torch.ones((), dtype=torch.float32)
+        for term in terms.roll(-start):
+            product = product * term
+        assert product.item() == commcheck.product_want(world)
