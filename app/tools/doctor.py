@@ -101,14 +101,19 @@ def package_names() -> list:
 
 
 def check_config(path, slots) -> tuple:
-    """The DeepSpeed JSON, and its batch sizes against the total slots."""
-    ds = ds_auto.fill(ds_config.load_ds_config(path), ds_auto.Facts(), slots)[0]  # "auto" as a run fills it
-    ds = ds_config.resolve_batch_sizes(ds, slots, path)
+    """The DeepSpeed JSON: its rank layout on the total slots (pipeline, tensor and sequence parallel sizes), and
+    its batch sizes against the data-parallel ranks that leaves, as a run checks them."""
+    from app.parallel import layout
+    ds = ds_config.load_ds_config(path)
+    replicas = layout.rank_layout(ds, slots, 0, str(path)).replicas
+    ds = ds_auto.fill(ds, ds_auto.Facts(), replicas)[0]  # "auto" as a run fills it
+    ds = ds_config.resolve_batch_sizes(ds, replicas, path)
+    ranks = f"{replicas} data-parallel rank(s)" + (f" of {slots}" if replicas != slots else "")
     if ds["train_micro_batch_size_per_gpu"] == ds_auto.AUTO:
-        return (f"micro batch: the largest that runs, found at start, x accumulation x {slots} rank(s) = global "
+        return (f"micro batch: the largest that runs, found at start, x accumulation x {ranks} = global "
                 f"batch {ds['train_batch_size']}")
     return (f"micro batch {ds['train_micro_batch_size_per_gpu']} x accumulation {ds['gradient_accumulation_steps']}"
-            f" x {slots} rank(s) = global batch {ds['train_batch_size']}")
+            f" x {ranks} = global batch {ds['train_batch_size']}")
 
 
 @contextlib.contextmanager

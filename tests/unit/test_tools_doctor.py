@@ -1,7 +1,10 @@
 """The pre-flight doctor's checks that need no host: a missing hostfile, the example hostfiles, a host name ssh
 would read as an option. Against a real sshd: tests/e2e/test_tools_doctor.py."""
+import json
+
 import pytest
 
+from app.errors import UserError
 from app.tools import doctor
 from helpers.cluster import HOSTS  # noqa: F401 (a fixture)
 from conftest import REPO, free_port
@@ -56,3 +59,18 @@ def test_a_deepspeed_env_line_the_launcher_would_misread_fails(text, bad, tmp_pa
     said = {check: status for check, _, status, *_ in rows}
     assert said["env file"].startswith(f"./.deepspeed_env {bad} is not NAME=value" if bad else ""), said["env file"]
     assert ("the nodes start nothing" in said["env file"]) == bool(bad)
+
+
+def test_the_config_is_checked_on_its_data_parallel_ranks_as_a_run_checks_it(tmp_path):
+    """DeepSpeed's global batch is micro x accumulation x data-parallel ranks: tensor parallelism over 2 of 4 slots
+    leaves 2. A size that does not divide the slots is the run's own line."""
+    assert doctor.check_config(REPO / "ds_configs" / "tensor_parallel.json", 4) == \
+        "micro batch 32 x accumulation 1 x 2 data-parallel rank(s) of 4 = global batch 64"
+    fixed = json.loads((REPO / "ds_configs" / "tensor_parallel.json").read_text())
+    fixed["train_batch_size"] = 64
+    (tmp_path / "tp64.json").write_text(json.dumps(fixed))
+    assert doctor.check_config(tmp_path / "tp64.json", 4).endswith("= global batch 64")
+    with pytest.raises(UserError, match="autotp_size 2 does not divide the world size 3"):
+        doctor.check_config(REPO / "ds_configs" / "tensor_parallel.json", 3)
+    assert doctor.check_config(REPO / "ds_configs" / "dp.json", 2) == \
+        "micro batch 32 x accumulation 1 x 2 data-parallel rank(s) = global batch 64"
