@@ -162,8 +162,6 @@ class Loop:
         step, schedule = self.engine.global_steps, self.schedule
         done = batch_index == len(self.train_loader)
         self.boundary = (epoch + 1, 0) if done else (epoch, batch_index)
-        if self.profiler is not None:
-            self.profiler.at(step)
         self.log.advance(1)
         self.divergence.stepped(self.meter.take_not_finite())
         self.stopped = self.stop is not None and self.stop.agreed(step)
@@ -182,6 +180,8 @@ class Loop:
                 self.save_after_epoch = True  # after the epoch's evaluation, whose verdict the checkpoint keeps
             else:
                 self._save(*self.boundary)
+        if self.profiler is not None:  # after the step's own evaluation and save, which its trace holds
+            self.profiler.at(step)
 
     def _save(self, epoch: int, batch: int):
         """A checkpoint of this step, to continue at (epoch, batch)."""

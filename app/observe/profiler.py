@@ -13,10 +13,12 @@ FOLDER = "profile"
 
 
 class StepProfiler:
-    """Records from the end of step first - 1 to the end of step last; at() is told the optimizer steps done."""
+    """Records from the end of step first - 1 to the end of step last (each step's log row, evaluation and save
+    with it); at() is told the optimizer steps done, after that step's work."""
 
     def __init__(self, first: int, last: int, path: Path, cuda: bool):
         self.first, self.last, self.path, self.recording, self.written = first, last, path, None, False
+        self.start = first  # the first step recorded: a run resumed inside the steps records from the next one
         self.activities = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if cuda
                                                                    else [])
 
@@ -28,8 +30,9 @@ class StepProfiler:
             self.recording = torch.profiler.profile(activities=self.activities, record_shapes=True,
                                                     with_stack=False, profile_memory=True)
             self.recording.__enter__()
+            self.start = done + 1
         elif self.recording is not None and done >= self.last:
-            self._write(self.path, self.last)
+            self._write(self.last)
 
     def finish(self, done: int):
         """At the run's end, `done` steps done: a recording the run ended inside (stopped early, on request) is
@@ -37,17 +40,20 @@ class StepProfiler:
         if self.written:
             return
         if self.recording is not None:
-            self._write(self.path.with_name(self.path.name.replace(f"-{self.last}.", f"-{done}.")), done)
+            self._write(done)
         else:
             print(f"profile: nothing recorded: this run, ended at step {done}, took none of steps "
                   f"{self.first}-{self.last} (it resumed after them or ended before them)", flush=True)
 
-    def _write(self, path: Path, last: int):
+    def _write(self, last: int):
+        """Stop, and write the steps recorded, start to last, named so."""
+        path = self.path.with_name(self.path.name.replace(f"steps{self.first}-{self.last}.",
+                                                          f"steps{self.start}-{last}."))
         self.recording.__exit__(None, None, None)
         path.parent.mkdir(parents=True, exist_ok=True)
         self.recording.export_chrome_trace(str(path))
         self.written = True  # the run records once
-        print(f"profile: steps {self.first}-{last} written to {path} (open it in ui.perfetto.dev, or with "
+        print(f"profile: steps {self.start}-{last} written to {path} (open it in ui.perfetto.dev, or with "
               f"TensorBoard's profiler: tensorboard --logdir {path.parent})", flush=True)
 
 

@@ -122,13 +122,15 @@ def test_gradient_accumulation_counts_optimizer_steps(tmp_path):
 
 def test_a_profile_of_three_steps_is_written_and_reads_as_a_chrome_trace(tmp_path):
     """--profile 2:4 on a CPU run: rank 0's trace of those steps, which Perfetto and TensorBoard read, and the run
-    says where it is."""
+    says where it is. Step 4's evaluation is in it: the CNN ran more forwards than backwards."""
     out = tmp_path / "run"
-    result = train("python", 1, "--max_steps", 5, "--log_interval", 1, "--profile", "2:4", "--output_dir", out)
+    result = train("python", 1, "--max_steps", 5, "--log_interval", 1, "--eval_interval", 4, "--profile", "2:4",
+                   "--output_dir", out)
     trace = out / "profile" / "rank0.steps2-4.pt.trace.json"
     assert f"profile: steps 2-4 written to {trace}" in result.stdout
-    events = json.loads(trace.read_text())["traceEvents"]
-    assert any(e.get("name") == "aten::convolution" for e in events), "the CNN's forward is in it"
+    names = [e.get("name") for e in json.loads(trace.read_text())["traceEvents"]]
+    forwards, backwards = names.count("aten::convolution"), names.count("aten::convolution_backward")
+    assert backwards and forwards > backwards, (forwards, backwards)
     refused = run(train_command("python", 1, "--max_steps", 4, "--profile", "3:9", "--output_dir", tmp_path / "x"))
     assert refused.returncode == 2
     assert_one_error_line(refused.stdout + refused.stderr, "--profile 3:9: the run takes 4 optimizer steps")
