@@ -78,9 +78,9 @@ def read_hosts(args) -> dict:
     """{host: slot count} the launch would use: DeepSpeed's own hostfile parsing and filters."""
     from deepspeed.launcher import runner
     from deepspeed.utils import logger
-    if not args.hostfile:
-        import torch
-        return {"localhost": args.num_gpus if args.num_gpus > 0 else max(1, torch.cuda.device_count())}
+    if not args.hostfile:  # as DeepSpeed's runner counts this machine: its accelerator's devices (on a CPU, its
+        from deepspeed.accelerator import get_accelerator  # NUMA nodes, or LOCAL_SIZE)
+        return {"localhost": args.num_gpus if args.num_gpus > 0 else max(1, get_accelerator().device_count())}
     if not Path(args.hostfile).is_file():
         raise UserError(f"hostfile {args.hostfile} {'is a folder' if Path(args.hostfile).is_dir() else 'not found'}")
     logger.setLevel(logging.CRITICAL)  # its parser logs the whole file before raising; the row says it

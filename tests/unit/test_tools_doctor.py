@@ -74,3 +74,13 @@ def test_the_config_is_checked_on_its_data_parallel_ranks_as_a_run_checks_it(tmp
         doctor.check_config(REPO / "ds_configs" / "tensor_parallel.json", 3)
     assert doctor.check_config(REPO / "ds_configs" / "dp.json", 2) == \
         "micro batch 32 x accumulation 1 x 2 data-parallel rank(s) = global batch 64"
+
+
+def test_without_a_hostfile_the_slots_are_what_deepspeeds_runner_counts(monkeypatch):
+    """DeepSpeed's runner starts a rank per accelerator device: on a CPU, per NUMA node or LOCAL_SIZE (not the
+    number of CUDA devices, 0 here)."""
+    from deepspeed.accelerator import get_accelerator
+    assert get_accelerator().device_name() == "cpu"  # the unit tests pin themselves to the CPU
+    monkeypatch.setenv("LOCAL_SIZE", "2")
+    args = doctor.build_parser().parse_args([])
+    assert doctor.read_hosts(args) == {"localhost": 2}
