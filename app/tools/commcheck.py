@@ -58,13 +58,12 @@ def product_want(world: int) -> float:
 def verify_primitives(device) -> list:
     """Run each primitive once with values whose right answer is known; return the names checked."""
     rank, world = torch_dist.get_rank(), torch_dist.get_world_size()
-    ranks = list(range(world))
+    ranks, ops = list(range(world)), torch_dist.ReduceOp
     torch_dist.barrier()
     checked = ["rank and world size", "barrier"] + (_verify_ring(device) if world > 1 else [])
     value = _filled(rank + 7, device)
     torch_dist.broadcast(value, src=0)
     _check("broadcast", value, 7)
-    ops = torch_dist.ReduceOp
     for op, want in ((ops.SUM, sum(r + 1 for r in ranks)), (ops.MAX, world), (ops.MIN, 1),
                      (ops.PRODUCT, product_want(world))):
         value = _filled(product_term(rank) if op == ops.PRODUCT else rank + 1, device)
