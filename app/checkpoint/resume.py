@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 from app.distributed import dist
-from app.ds import internals as ds_internals
+from app.ds import internals as ds_internals, precision
 from app.checkpoint import outdir
 from app.data import sources
 from app.ds.internals.safe_load import check_files, data_only
@@ -103,11 +103,6 @@ def find(output_dir: Path, resume: str):
     return folder, verify(folder)
 
 
-def _weights_of(ds: dict) -> str:
-    """What the engine keeps its weights in: 16-bit ones behind DeepSpeed's bf16 or fp16 section, else fp32."""
-    return next((name for name in ("bf16", "fp16") if (ds.get(name) or {}).get("enabled") is True), "fp32")
-
-
 def check_compatible(saved: TrainerState, current: TrainerState, folder: Path):
     """Refuse a checkpoint of another model, dataset, row order, ZeRO stage, pipeline split, precision, LoRA or task."""
     for key in ("model", "dataset", "zero_stage", "pipeline_stages", "tensor_parallel_size"):
@@ -119,7 +114,7 @@ def check_compatible(saved: TrainerState, current: TrainerState, folder: Path):
         then, now = (state.settings.get(key, order[key]) for state, order in zip((saved, current), orders))
         raise UserError(f"checkpoint {folder} was made with --{key} {then!r} but this run has {now!r}, which "
                         f"trains on other rows; pass the same or start a new --output_dir")
-    weights = [_weights_of(state.deepspeed_config) for state in (saved, current)]
+    weights = [precision.weights_of(state.deepspeed_config) for state in (saved, current)]
     if weights[0] != weights[1]:
         raise UserError(f"checkpoint {folder} was trained with {weights[0]} weights and this run has {weights[1]} "
                         f"ones (precision \"auto\" weighs this GPU's memory); set the JSON's precision sections to "

@@ -10,6 +10,7 @@ from torch import nn
 
 from app.core import classifiers, fused_loss
 from app.data import DataInfo
+from app.ds import precision
 from app.errors import UserError, first_line, folder_files
 
 
@@ -203,6 +204,7 @@ def build_hf(spec: HFSpec, info: DataInfo, tokenizer, ds_config: dict, attention
         from transformers.integrations import HfDeepSpeedConfig
         alive = HfDeepSpeedConfig(ds_config)  # noqa: F841 (transformers holds only a weak reference)
     cls, chosen = hf_class(info.task), {"attn_implementation": attention} if attention else {}
+    chosen["dtype"] = precision.WEIGHT_DTYPES[precision.weights_of(ds_config)]  # not config.json's (mostly bf16)
     if spec.pretrained:
         from safetensors import SafetensorError
         try:
@@ -248,9 +250,7 @@ def exported_config(files):
     """The run's transformers config from a checkpoint's hf folder as an exported model takes it: with the KV cache
     that training turns off turned on, so that generate() uses it."""
     from transformers import AutoConfig
-    config = AutoConfig.from_pretrained(files)
-    config.use_cache = True
-    return config
+    return AutoConfig.from_pretrained(files, use_cache=True)
 
 
 def train_flops_per_token(model: nn.Module, seq_len: int, forward_only: bool = False) -> float:

@@ -20,6 +20,14 @@ def _label(ds: dict, name: str) -> str:
     return f"{DTYPE_NAMES.get(str(ds[name].get('dtype', 'bfloat16')).replace('torch.', ''), 'bf16')} autocast"
 
 
+def weights_of(ds: dict) -> str:
+    """What the engine keeps its weights in: 16-bit ones behind DeepSpeed's bf16 or fp16 section, else fp32."""
+    return next((name for name in ("bf16", "fp16") if (ds.get(name) or {}).get("enabled") is True), "fp32")
+
+
+WEIGHT_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
 def bf16_runs(capability: tuple) -> bool:
     """Whether a CUDA device of this compute capability runs bf16 natively: Ampere (8.0) and later. Older GPUs
     (V100 7.0, T4 7.5) emulate it, slower than fp16, which torch.cuda.is_bf16_supported() counts as support."""

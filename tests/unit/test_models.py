@@ -99,3 +99,25 @@ def test_a_transformers_models_block_is_known_from_its_config(name, block, size)
         with torch.device("meta"):
             hf = models.hf_class(spec.task).from_config(spec.config)
         assert sum(p.numel() for p in hf.parameters()) == published[name]
+
+
+def test_a_model_saved_in_bf16_loads_in_the_jsons_weight_precision(tmp_path):
+    """Published models say "dtype": "bfloat16" in config.json, and transformers loads them so: under
+    torch_autocast (every shipped file) that would train bf16 weights with no fp32 copy. The JSON decides."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+    from app.data.tokenizers import byte_tokenizer
+    tokenizer = byte_tokenizer()
+    config = LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                         num_key_value_heads=2, vocab_size=len(tokenizer), max_position_embeddings=64)
+    LlamaForCausalLM(config).to(torch.bfloat16).save_pretrained(tmp_path / "model")
+    tokenizer.save_pretrained(tmp_path / "model")
+    spec = models.hf_spec(str(tmp_path / "model"))
+    assert spec.config.dtype == torch.bfloat16
+    info = DataInfo(0, task="causal_lm")
+    autocast = {"torch_autocast": {"enabled": True, "dtype": "bfloat16"}}
+    for ds_config, dtype in (({}, torch.float32), (autocast, torch.float32), ({"bf16": {"enabled": True}},
+                                                                              torch.bfloat16)):
+        model = models.build_hf(spec, info, tokenizer, ds_config)
+        assert {p.dtype for p in model.parameters()} == {dtype}, ds_config
+    preset = models.build_hf(models.hf_spec("llama-tiny"), info, tokenizer, {})
+    assert {p.dtype for p in preset.parameters()} == {torch.float32}
