@@ -20,14 +20,17 @@ FOLDER = "answers"
 class Answers:
     """Called with the step after each evaluation; prompts: [(prompt ids, expected answer ids)]."""
 
-    def __init__(self, engine, tokenizer, prompts: list, output_dir: Path, max_new_tokens: int, positions: int):
+    def __init__(self, engine, tokenizer, prompts: list, output_dir: Path, max_new_tokens: int, positions: int,
+                 ends: tuple):
+        """ends: the tokens that end an answer (the task's end_ids)."""
         self.engine, self.tokenizer, self.prompts, self.folder = engine, tokenizer, prompts, Path(output_dir) / FOLDER
+        self.ends = set(ends)
         longest = max(len(p) for p, _ in prompts)
         self.new_tokens = max(0, min(max_new_tokens, positions - longest))
 
     def generate(self) -> list:
-        """The greedy answer ids to each prompt, up to the end-of-text token or new_tokens."""
-        eos, pad = self.tokenizer.eos_token_id, self.tokenizer.pad_token_id
+        """The greedy answer ids to each prompt, up to a token that ends it (with it) or new_tokens."""
+        pad = self.tokenizer.pad_token_id
         length = max(len(p) for p, _ in self.prompts) + self.new_tokens
         ids = torch.full((len(self.prompts), length), pad, dtype=torch.long)
         ends = [len(p) for p, _ in self.prompts]
@@ -46,7 +49,7 @@ class Answers:
                     answers[row].append(token)
                     ids[row, ends[row]] = token
                     ends[row] += 1
-                    done[row] = token == eos
+                    done[row] = token in self.ends
                 if all(done):
                     break
         self.engine.train(was_training)
@@ -77,4 +80,5 @@ def for_run(engine, task, output_dir: Path, count: int, max_new_tokens: int):
     if engine.sequence_parallel_size > 1:
         dist.print0("answers: not generated under sequence parallelism (each rank holds a part of every sequence)")
         return None
-    return Answers(engine, task.tokenizer, prompts, output_dir, max_new_tokens, task.spec.max_positions)
+    return Answers(engine, task.tokenizer, prompts, output_dir, max_new_tokens, task.spec.max_positions,
+                   task.end_ids())

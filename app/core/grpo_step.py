@@ -128,7 +128,7 @@ class GrpoStep(TrainStep):
     def sample(self, prompts: torch.Tensor, lengths: torch.Tensor, u: torch.Tensor, how: rollout.Sampling) -> tuple:
         """(completions, mask, truncated) of the prompts with their draws u (app/core/rollout.py)."""
         tokenizer = self.task.tokenizer
-        return rollout.sample(self.engine, prompts, lengths, u, how, len(tokenizer), tokenizer.eos_token_id,
+        return rollout.sample(self.engine, prompts, lengths, u, how, len(tokenizer), self.task.end_ids(),
                               tokenizer.pad_token_id, self.task.synced(self.engine), self.gather)
 
     def scored(self, completions: torch.Tensor, mask: torch.Tensor, asked: Asked) -> tuple:

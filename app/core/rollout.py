@@ -86,18 +86,19 @@ from the model's own generation_config.json (a Qwen instruct model's repetition 
 from the model's distribution, the one the loss scores."""
 
 
-def generation_config(max_new: int, eos: int, pad: int):
+def generation_config(max_new: int, eos: tuple, pad: int):
     """HF generate's settings for the completions: greedy over the Sampler's scores (its draw is the pick), up to
     max_new tokens, nothing else shaping the scores (UNSHAPED)."""
     from transformers import GenerationConfig
-    return GenerationConfig(do_sample=False, num_beams=1, max_new_tokens=max_new, eos_token_id=eos, pad_token_id=pad,
-                            use_cache=True, **UNSHAPED)
+    return GenerationConfig(do_sample=False, num_beams=1, max_new_tokens=max_new, eos_token_id=list(eos),
+                            pad_token_id=pad, use_cache=True, **UNSHAPED)
 
 
 def sample(engine, prompts: torch.Tensor, lengths: torch.Tensor, u: torch.Tensor, how: Sampling, vocab: int,
-           eos: int, pad: int, synced: bool, gather: bool = False) -> tuple:
-    """(completions (rows, max_new) padded after their end, mask: their tokens up to and with the first eos,
-    truncated: rows that reached max_new without an eos); prompts left-padded (rows, P), lengths their tokens.
+           eos: tuple, pad: int, synced: bool, gather: bool = False) -> tuple:
+    """(completions (rows, max_new) padded after their end, mask: their tokens up to and with the first of eos (the
+    tokens that end one), truncated: rows that reached max_new without one); prompts left-padded (rows, P), lengths
+    their tokens.
     gather: under ZeRO-3, the whole model gathered once for the call (every rank calls together), so no decoding
     step gathers and the ranks need not step in lock-step; else synced keeps them so."""
     from transformers import LogitsProcessorList
@@ -119,9 +120,9 @@ def sample(engine, prompts: torch.Tensor, lengths: torch.Tensor, u: torch.Tensor
     return new.masked_fill(~mask, pad), mask, truncated
 
 
-def ends(completions: torch.Tensor, eos: int) -> tuple:
-    """(mask: each completion's tokens up to and with its first eos, truncated: those without one)."""
-    ended = completions == eos
+def ends(completions: torch.Tensor, eos: tuple) -> tuple:
+    """(mask: each completion's tokens up to and with its first of eos, truncated: those without one)."""
+    ended = torch.isin(completions, torch.tensor(eos, dtype=completions.dtype))
     length = completions.shape[1]
     first = torch.where(ended.any(1), ended.float().argmax(1), torch.full((len(completions),), length))
     return torch.arange(length)[None] <= first[:, None], ~ended.any(1)

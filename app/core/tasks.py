@@ -132,6 +132,12 @@ class TextTask(Task):
             self.adapters = model.hf.peft_config["default"]
         return model
 
+    def end_ids(self) -> tuple:
+        """The tokens that end a generated answer: the tokenizer's end token and those of the model's
+        generation_config.json (Gemma's <end_of_turn>, Llama 3's and Phi-3's end of a turn), as HF generate stops."""
+        said = getattr(self.generation, "eos_token_id", None)
+        return tuple(sorted({self.tokenizer.eos_token_id, *(said if isinstance(said, list) else [said])} - {None}))
+
     def flops_per_sample(self, model: nn.Module, info: DataInfo) -> float:
         """Training FLOPs of one sample from the transformer formula (app/core/models.py)."""
         return self.sequences * models.train_flops_per_token(model, info.seq_len) * info.seq_len

@@ -56,21 +56,40 @@ PROMPTS = [(_ids("ab"), _ids("cd")), (_ids("x"), _ids("yz"))]
 
 def test_each_prompt_is_answered_greedily_up_to_its_end_of_text_or_the_budget(tmp_path):
     engine = _alphabet_model()
-    said = answers.Answers(engine, TOKENIZER, PROMPTS, tmp_path, max_new_tokens=4, positions=64).generate()
+    said = answers.Answers(engine, TOKENIZER, PROMPTS, tmp_path, max_new_tokens=4, positions=64,
+                           ends=(EOS,)).generate()
     assert said == [_ids("cd") + [EOS], _ids("yzzz")], "no token past the tokenizer's, none after the end"
     assert engine.shapes == [(2, 6)] * 4, "every forward has one shape: a compiled model meets one graph"
 
 
+def test_an_answer_ends_at_any_of_the_models_end_tokens(tmp_path):
+    """Gemma's chat template ends a turn with <end_of_turn>, and its generation_config.json lists it beside the
+    tokenizer's <eos>: an answer stops there, not at the budget."""
+    turn_end = _ids("!")[0]
+    letters = [_ids(c)[0] for c in "abcd"]
+    engine = _Successor(dict(zip(letters[:3], letters[1:4])) | {letters[3]: turn_end, turn_end: letters[0]})
+    said = answers.Answers(engine, TOKENIZER, PROMPTS[:1], tmp_path, max_new_tokens=10, positions=64,
+                           ends=(EOS, turn_end)).generate()
+    assert said == [_ids("cd!")]
+    task = tasks.Instruction.__new__(tasks.Instruction)
+    task.tokenizer = TOKENIZER
+    task.generation = SimpleNamespace(eos_token_id=[turn_end, EOS])
+    assert task.end_ids() == tuple(sorted({EOS, turn_end}))
+    task.generation = SimpleNamespace(eos_token_id=EOS)
+    assert task.end_ids() == (EOS,)
+
+
 def test_generation_stops_once_every_prompt_has_ended(tmp_path):
     engine = _alphabet_model()
-    said = answers.Answers(engine, TOKENIZER, PROMPTS[:1], tmp_path, max_new_tokens=50, positions=64).generate()
+    said = answers.Answers(engine, TOKENIZER, PROMPTS[:1], tmp_path, max_new_tokens=50, positions=64,
+                           ends=(EOS,)).generate()
     assert said == [_ids("cd") + [EOS]] and len(engine.shapes) == 3
 
 
 @pytest.mark.parametrize("positions, new_tokens", [(5, 3), (2, 0), (1, 0)])
 def test_the_answers_never_run_past_the_models_positions(positions, new_tokens, tmp_path):
     engine = _alphabet_model()
-    made = answers.Answers(engine, TOKENIZER, PROMPTS, tmp_path, max_new_tokens=4, positions=positions)
+    made = answers.Answers(engine, TOKENIZER, PROMPTS, tmp_path, max_new_tokens=4, positions=positions, ends=(EOS,))
     assert made.new_tokens == new_tokens
     said = made.generate()
     assert [len(a) for a in said] == [min(new_tokens, 3), new_tokens]
@@ -80,14 +99,15 @@ def test_the_answers_never_run_past_the_models_positions(positions, new_tokens, 
 @pytest.mark.parametrize("training", [True, False])
 def test_the_model_is_left_in_the_mode_it_was_in(training, tmp_path):
     engine = _alphabet_model().train(training)
-    answers.Answers(engine, TOKENIZER, PROMPTS, tmp_path, max_new_tokens=2, positions=64).generate()
+    answers.Answers(engine, TOKENIZER, PROMPTS, tmp_path, max_new_tokens=2, positions=64, ends=(EOS,)).generate()
     assert engine.training is training and engine.table.grad is None
 
 
 def test_the_answers_are_written_for_the_step_and_the_first_three_shown(tmp_path, capsys, monkeypatch):
     monkeypatch.delenv("RANK", raising=False)
     prompts = PROMPTS + [(_ids("c"), _ids("d")), (_ids("y"), _ids("z"))]
-    answers.Answers(_alphabet_model(), TOKENIZER, prompts, tmp_path, max_new_tokens=4, positions=64)(10)
+    answers.Answers(_alphabet_model(), TOKENIZER, prompts, tmp_path, max_new_tokens=4, positions=64,
+                    ends=(EOS,))(10)
     written = tmp_path / answers.FOLDER / "step00000010.jsonl"
     rows = [json.loads(line) for line in written.read_text().splitlines()]
     assert [(r["prompt"], r["expected"], r["answer"]) for r in rows] == [
@@ -99,7 +119,7 @@ def test_the_answers_are_written_for_the_step_and_the_first_three_shown(tmp_path
 def test_a_rank_other_than_the_main_one_generates_but_writes_nothing(tmp_path, capsys, monkeypatch):
     monkeypatch.setenv("RANK", "1")
     engine = _alphabet_model()
-    answers.Answers(engine, TOKENIZER, PROMPTS, tmp_path, max_new_tokens=4, positions=64)(10)
+    answers.Answers(engine, TOKENIZER, PROMPTS, tmp_path, max_new_tokens=4, positions=64, ends=(EOS,))(10)
     assert len(engine.shapes) == 4, "it runs the same forwards: under ZeRO-3 they gather weights together"
     assert not (tmp_path / answers.FOLDER).exists() and capsys.readouterr().out == ""
 

@@ -32,7 +32,7 @@ def _generated(model, prompts: torch.Tensor, rows: list, how: rollout.Sampling) 
     u = rollout.draws(0, 1, rows, 1, how.max_new)
     width = prompts.shape[1]
     out = model.generate(input_ids=prompts, attention_mask=(prompts != 0).long(),
-                         generation_config=rollout.generation_config(how.max_new, 2, 0),
+                         generation_config=rollout.generation_config(how.max_new, (2,), 0),
                          logits_processor=LogitsProcessorList([rollout.Sampler(u, width, 30, how)]))
     new = torch.zeros(len(prompts), how.max_new, dtype=torch.long)  # a batch that ended early is shorter
     new[:, :out.shape[1] - width] = out[:, width:]
@@ -60,9 +60,12 @@ def test_a_prompts_completion_does_not_depend_on_the_batch_it_is_sampled_in():
 
 def test_a_completion_is_kept_up_to_and_with_its_first_end_and_one_without_is_truncated():
     completions = torch.tensor([[5, 9, 6, 9], [5, 6, 7, 8], [9, 1, 1, 1]])
-    mask, truncated = rollout.ends(completions, 9)
+    mask, truncated = rollout.ends(completions, (9,))
     assert mask.tolist() == [[True, True, False, False], [True] * 4, [True, False, False, False]]
     assert truncated.tolist() == [False, True, False]
+    mask, truncated = rollout.ends(completions, (6, 9))  # a model with two end tokens (Gemma's <end_of_turn>)
+    assert mask.tolist() == [[True, True, False, False], [True, True, False, False], [True, False, False, False]]
+    assert truncated.tolist() == [False, False, False]
 
 
 def test_the_cache_counts_a_key_and_a_value_per_layer_and_key_value_head():
