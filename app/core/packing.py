@@ -1,7 +1,7 @@
 """Packed rows must never see each other. transformers reads position ids that restart within a sequence as the
 bounds of packed rows and keeps each row's attention inside it, on the attention implementations and model families
-built on its masking utilities (eager, sdpa, flex_attention, flash_attention_2/3 for Llama, Qwen, Mistral, Gemma,
-GPT-2, ...); a family that ignores them (OpenAI GPT, Mamba, ...) would let rows leak into each other. So the run
+built on its masking utilities (eager, sdpa, flex_attention, and flash_attention_2/3 in a batch of one row only, for
+Llama, Qwen, Mistral, Gemma, GPT-2, ...); a family that ignores them (OpenAI GPT, Mamba, ...) would let rows leak into each other. So the run
 checks its own model and attention once, before training: a row's log-probabilities packed after another row must
 equal those of the row alone. Every rank runs the same two forwards (ZeRO-3 gathers the weights for each).
 """
@@ -32,7 +32,8 @@ def leak(forward, first: list, second: list, shape: tuple) -> float:
     with torch.no_grad():
         together = forward(*packed)[0, len(first):len(first) + len(second)].float().log_softmax(-1)
         apart = forward(*alone)[0, :len(second)].float().log_softmax(-1)
-    return (together - apart).abs().max().item()
+    moved = torch.where(together == apart, 0.0, (together - apart).abs())  # a padded vocabulary's -inf: unmoved
+    return moved.nan_to_num(nan=float("inf")).max().item()
 
 
 def check(engine, task, train_set):
