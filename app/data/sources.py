@@ -66,12 +66,13 @@ def mix_weights(text: str, count: int) -> list:
 
 
 def row_order(settings: dict) -> dict:
-    """What of a run's recorded settings decides the order of its training rows, as the run reads them: the
-    sources' shares (2,1 draws as 4,2 does) and what they weigh where weighed, the buffer where streamed."""
+    """What of a run's recorded settings decides the order of its training rows, as the run reads them: the seed
+    (each epoch's shuffle, and the rows held out of a dataset without a validation split), the sources' shares (2,1
+    draws as 4,2 does) and what they weigh where weighed, the buffer where streamed."""
     weights, streamed = settings.get("mix_weights", ""), settings.get("streaming", "off")
     shares = mix_weights(weights, len(weights.split(","))) if weights else None
     buffer = settings.get("shuffle_buffer", 10000) if streamed == "on" else None
-    return {"mix_weights": shares, "mix_by": settings.get("mix_by", "rows") if shares else None,
+    return {"seed": settings.get("seed", 42), "mix_weights": shares, "mix_by": settings.get("mix_by", "rows") if shares else None,
             "streaming": streamed, "shuffle_buffer": buffer}
 
 

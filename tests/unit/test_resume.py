@@ -244,14 +244,16 @@ def test_a_checkpoint_of_another_model_dataset_or_stage_is_refused(change, text,
 
 @pytest.mark.parametrize("key, then, now, within", [
     ("mix_weights", "1,3", "1,1", {}), ("mix_by", "rows", "tokens", {"mix_weights": "1,3"}),
-    ("streaming", "off", "on", {}), ("shuffle_buffer", 10000, 100, {"streaming": "on"})])
+    ("streaming", "off", "on", {}), ("shuffle_buffer", 10000, 100, {"streaming": "on"}),
+    ("seed", 1, 42, {})])  # the seed shuffles each epoch and holds rows out where no validation split does
 def test_a_resume_that_would_train_on_other_rows_is_refused(key, then, now, within, tmp_path):
     saved, current = (_state(settings={"model": "cnn", **within, key: value}) for value in (then, now))
     with pytest.raises(UserError, match=f"was made with --{key} {then!r} but this run has {now!r}, which trains on "
                                         f"other rows"):
         resume.check_compatible(saved, current, tmp_path / "step00000004")
     resume.check_compatible(_state(settings={}), _state(settings={key: {"mix_by": "rows", "streaming": "off",
-                                                                          "shuffle_buffer": 10000}.get(key, "")}),
+                                                                          "shuffle_buffer": 10000,
+                                                                          "seed": 42}.get(key, "")}),
                             tmp_path)  # a checkpoint from before these flags: their defaults
 
 
