@@ -24,8 +24,10 @@ class ShardSampler:
     of its whole window, A = accumulation micro batches on every rank, however it is split: a real sample i weighs
     W x A x units[i] / (units in its window). DeepSpeed divides each micro batch's loss by A and averages gradients
     over the W ranks, so summing weight x per-unit-mean loss gives exactly that mean. The windows are DeepSpeed's,
-    counted in micro batches from the run's start, so one may span two epochs; the counts come from the data on the
-    host, never from the device. normalise=False (evaluation) weighs each sample by its units alone.
+    counted in micro batches from where this process started (the run's start, or the resumed position: DeepSpeed
+    counts its micro steps from 0 again, which at another world size or micro batch need not fall on a window the
+    first run had), so one may span two epochs; the counts come from the data on the host, never from the device.
+    normalise=False (evaluation) weighs each sample by its units alone.
 
     repeats R (GRPO's --num_iterations): each window comes R times over before the next, so an epoch is R times
     the micro batches and each of its samples trains R optimizer steps; a window's weights are the same each time.
@@ -37,7 +39,7 @@ class ShardSampler:
             raise UserError("the dataset is empty; check --dataset and --data_dir")
         self.size, self.batch_size, self.rank, self.world_size = size, batch_size, rank, world_size
         self.batches, self.repeats = math.ceil(size / (batch_size * world_size)), repeats  # an epoch's, each once
-        self.shuffle, self.seed, self.epoch, self.skip = shuffle, seed, 0, 0
+        self.shuffle, self.seed, self.epoch, self.skip, self.origin = shuffle, seed, 0, 0, None
         self.accumulation, self.normalise = accumulation, normalise
         # plain numbers on the host (numpy), never tensors: nothing the step might wait on
         self.units = np.ones(size) if units is None else np.asarray(units, dtype=np.float64)
@@ -48,6 +50,8 @@ class ShardSampler:
         """Pick the order for an epoch (the same on every rank), leaving out its first `skip` batches; the units of
         the epochs its windows reach into are counted now, between steps."""
         self.epoch, self.skip = epoch, skip
+        if self.origin is None:  # the global micro batch DeepSpeed's first window starts at (repeated windows
+            self.origin = epoch * self.batches + skip if self.repeats == 1 else 0  # resume only as they were)
         if self.normalise and self.accumulation > 1:
             reach = -(-self.accumulation // self.batches)
             for near in range(max(0, epoch - reach), epoch + reach + 1):
@@ -106,8 +110,8 @@ class ShardSampler:
 
     def _window_units(self, epoch: int, k: int) -> float:
         """Units of the optimizer step's window that global micro batch k of epoch belongs to."""
-        n, a = self.batches, self.accumulation
-        first = (epoch * n + k) // a * a
+        n, a, origin = self.batches, self.accumulation, self.origin or 0
+        first = origin + (epoch * n + k - origin) // a * a
         return sum(self._batch_units(g // n)[g % n] for g in range(first, first + a))
 
     def __iter__(self):

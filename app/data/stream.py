@@ -133,24 +133,24 @@ class Batches(IterableDataset):
     """This rank's micro batches (inputs, labels, weights) of the stream, from global micro batch `skip` on. Global
     micro batch g is samples g x B x W onwards; rank r takes every W-th of it. The weights make each optimizer
     step's loss the mean over the units of its window's samples on every rank (app/data/loader.py: ShardSampler),
-    its window the `accumulation` global micro batches counted from the run's start."""
+    its window the `accumulation` global micro batches counted from `skip`, where DeepSpeed counts its micro steps
+    from again (a resume at another world size or micro batch need not fall on a window of the first run)."""
 
     def __init__(self, stream: Stream, batch: int, rank: int, world: int, accumulation: int, skip: int):
         self.stream, self.batch, self.rank, self.world = stream, batch, rank, world
         self.accumulation, self.skip = accumulation, skip
 
     def __iter__(self):
-        samples, span, g = self.stream.samples(), self.batch * self.world, 0
+        samples, span = self.stream.samples(), self.batch * self.world
+        next(itertools.islice(samples, self.skip * span, self.skip * span), None)  # those trained before a resume
         while True:
             window = [list(itertools.islice(samples, span)) for _ in range(self.accumulation)]
             total = sum(units for chunk in window for _, _, units in chunk)
             for chunk in window:
-                if g >= self.skip:
-                    mine = chunk[self.rank::self.world]
-                    weighed = weights([units for _, _, units in mine], total, self.world, self.accumulation)
-                    yield default_collate([(x, y, torch.tensor(w, dtype=torch.float32))
-                                           for (x, y, _), w in zip(mine, weighed)])
-                g += 1
+                mine = chunk[self.rank::self.world]
+                weighed = weights([units for _, _, units in mine], total, self.world, self.accumulation)
+                yield default_collate([(x, y, torch.tensor(w, dtype=torch.float32))
+                                       for (x, y, _), w in zip(mine, weighed)])
 
 
 class StreamSet(Samples):

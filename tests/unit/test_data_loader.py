@@ -148,6 +148,21 @@ def test_a_window_that_spans_two_epochs_weighs_the_rows_of_both():
     assert sum(spanning) / 2 == pytest.approx(1.0) and second is None
 
 
+def test_a_resume_at_another_world_size_weighs_deepspeeds_windows_from_where_it_resumes():
+    """Saved on 2 ranks at step 1 (micro 2, accumulation 4: 16 rows), resumed on 3: 16 rows are 2 global micro
+    batches of 6 and a third of it, so the resumed run starts at micro batch 2, and DeepSpeed counts its micro
+    steps from 0 again there. Each run of 4 micro batches from there is one optimizer step: its weights, over the
+    ranks, add up to W x A as in any step."""
+    units = torch.randint(1, 50, (100,), generator=torch.Generator().manual_seed(1)).tolist()
+    samplers = [loader.ShardSampler(100, 2, rank, 3, seed=5, accumulation=4, units=units) for rank in range(3)]
+    for sampler in samplers:
+        sampler.set_epoch(0, skip=2)
+    steps = list(zip(*samplers))
+    for first in range(0, len(steps) - 3, 4):
+        total = sum(w for step in steps[first:first + 4] for batch in step for _, w in batch)
+        assert total == pytest.approx(12), first
+
+
 def test_evaluation_weighs_each_row_by_its_units():
     sampler = loader.ShardSampler(6, 4, 0, 1, shuffle=False, units=[3, 1, 2, 5, 4, 1], normalise=False)
     assert list(sampler) == [[(0, 3.0), (1, 1.0), (2, 2.0), (3, 5.0)], [(4, 4.0), (5, 1.0), (4, 0.0), (4, 0.0)]]

@@ -87,10 +87,18 @@ def test_ranks_take_exclusive_equal_shares_weighed_as_the_loaded_sampler_does(tm
 
 
 def test_a_resume_skips_the_global_micro_batches_done(tmp_path):
+    """At a step's end of the same layout the resumed batches are the unbroken run's, weights too. Where a resume
+    at another layout starts inside a window the first run had (micro batch 5 of windows of 2), DeepSpeed counts
+    its windows from there: each pair from there weighs W x A over the ranks."""
     made = _stream(_chats(tmp_path / "chats.jsonl", 30), "instruction", form="messages", block=64)
     whole = list(itertools.islice(iter(stream.Batches(made, 2, 1, 2, 2, 0)), 12))
-    resumed = list(itertools.islice(iter(stream.Batches(made, 2, 1, 2, 2, 5)), 7))
-    assert all(torch.equal(a[0], b[0]) and torch.equal(a[2], b[2]) for a, b in zip(whole[5:], resumed))
+    resumed = list(itertools.islice(iter(stream.Batches(made, 2, 1, 2, 2, 4)), 8))
+    assert all(torch.equal(a[0], b[0]) and torch.equal(a[2], b[2]) for a, b in zip(whole[4:], resumed))
+    inside = [list(itertools.islice(iter(stream.Batches(made, 2, rank, 2, 2, 5)), 6)) for rank in range(2)]
+    assert torch.equal(inside[1][0][0], whole[5][0])
+    for first in range(0, 6, 2):
+        total = sum(float(batches[k][2].sum()) for batches in inside for k in (first, first + 1))
+        assert total == pytest.approx(4.0), first
 
 
 def test_the_streamed_and_the_loaded_loader_answer_the_loops_calls_alike(tmp_path):
@@ -103,9 +111,9 @@ def test_the_streamed_and_the_loaded_loader_answer_the_loops_calls_alike(tmp_pat
     for each in (loaded, streamed):
         each.set_epoch(0)
         whole = list(itertools.islice(iter(each), 6))
-        each.set_epoch(0, 3)
-        resumed = list(itertools.islice(iter(each), 3))
-        assert all(torch.equal(a[0], b[0]) and torch.equal(a[2], b[2]) for a, b in zip(whole[3:], resumed))
+        each.set_epoch(0, 4)  # a step's end: windows of 2
+        resumed = list(itertools.islice(iter(each), 2))
+        assert all(torch.equal(a[0], b[0]) and torch.equal(a[2], b[2]) for a, b in zip(whole[4:], resumed))
         assert not torch.equal(whole[0][0], resumed[0][0]) and each.drawn(0, 3) == {}
     assert loaded.total_units() == sum(train.units) and streamed.total_units() == math.inf
     assert len(loaded) == math.ceil(stream.HEAD / 4) and len(streamed) == stream.ENDLESS
