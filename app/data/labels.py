@@ -13,7 +13,7 @@ UNLABELLED = -1  # a ClassLabel's value for a row without a label (SNLI's, a GLU
 def text_columns(dataset, wanted: str) -> str:
     """The text column, or two joined by a comma (--text_column a,b, or a pair PAIRS names where no 'text' is)."""
     if "," in wanted:
-        if wanted.count(",") > 1:
+        if wanted.count(",") > 1 or not all(name.strip() for name in wanted.split(",")):
             raise UserError(f"--text_column {wanted!r}: a classifier reads one text a row or a pair of them (a,b)")
         for name in wanted.split(","):
             text.pick_column(dataset, name, "text", ())
@@ -96,6 +96,9 @@ def labelled_rows(dataset, tokenizer, column: str, label_column: str, labels: li
     def encode(batch):
         kept = [i for i, y in enumerate(batch[label_column]) if y != unlabelled]
         unknown = [batch[label_column][i] for i in kept if batch[label_column][i] not in index]
+        if None in unknown:
+            raise UserError(f"--label_column {label_column!r} of the {what} rows holds empty values; every row needs "
+                            f"one label")
         if unknown:
             raise UserError(f"the {what} label {unknown[0]!r} never occurs in the training data")
         texts = [[batch[name][i] or "" for i in kept] for name in [first, *second]]

@@ -27,6 +27,9 @@ def test_labels_of_any_kind_map_to_class_indices(tmp_path):
     with pytest.raises(UserError, match="the held-out label 'meh' never occurs"):
         held = train.map(lambda row: {"label": "meh"})
         labels.labelled_rows(held, byte_tokenizer(), "text", "label", names, 4, "held-out")
+    held = datasets.Dataset.from_dict({"text": ["fine day", "no label"], "label": ["good", None]})  # one left empty
+    with pytest.raises(UserError, match="--label_column 'label' of the held-out rows holds empty values"):
+        labels.labelled_rows(held, byte_tokenizer(), "text", "label", names, 4, "held-out")
 
 
 def test_whole_numbers_of_any_sign_are_classes_and_scores_several_labels_or_kinds_are_one_line():
@@ -72,8 +75,9 @@ def test_sentence_pairs_are_read_both_and_unlabelled_rows_left_out(capsys):
     assert labels.text_columns(rows, "sentence2") == "sentence2"
     with pytest.raises(UserError, match="--text_column 'premise' is not in the dataset"):
         labels.text_columns(rows, "premise,hypothesis")
-    with pytest.raises(UserError, match="one text a row or a pair of them"):
-        labels.text_columns(rows, "sentence1,sentence2,label")
+    for wrong in ("sentence1,sentence2,label", "sentence1,", ",sentence1"):  # a stray comma names no column
+        with pytest.raises(UserError, match="one text a row or a pair of them"):
+            labels.text_columns(rows, wrong)
     tokenizer = byte_tokenizer()
     encoded = labels.labelled_rows(rows, tokenizer, "sentence1,sentence2", "label", [0, 1], 64, "train")
     assert list(encoded["target"]) == [0, 1]
