@@ -98,21 +98,9 @@ def hf_spec(name: str):
         config, source = AutoConfig.for_model(family, **shape, **NO_DROPOUT[family]), ""
         config.architectures = [PRESET_ARCHITECTURES[family]]
         pad_vocab(config)
-    elif Path(name).is_dir():
-        if not (Path(name) / "config.json").is_file():
-            raise UserError(f"model folder {name} has no config.json; pass a folder written by save_pretrained")
-        try:
-            config, source = AutoConfig.from_pretrained(name), name
-        except (OSError, ValueError, KeyError) as e:
-            raise UserError(f"{Path(name) / 'config.json'} cannot be read ({first_line(e)}): the folder may be "
-                            f"damaged or cut short; write it again with save_pretrained, or copy it again") from None
     else:
-        try:
-            config, source = AutoConfig.from_pretrained(name), name
-        except Exception:
-            raise UserError(f"unknown model {name!r}: not cnn, mlp, a torchvision classifier (resnet18, ...), a preset "
-                            f"({', '.join(PRESETS)}), a save_pretrained folder, nor a hub model that can be "
-                            f"reached now") from None
+        from app.core import hf_config
+        config, source = hf_config.read(name), name
     positions = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", 0)
     return HFSpec(config, source, _task_of(config), positions)
 
