@@ -65,6 +65,12 @@ class Clock:
             return [a.elapsed_time(b) / 1e3 for a, b in zip(self.marks, self.marks[1:])]
         return [b - a for a, b in zip(self.marks, self.marks[1:])]
 
+    def measured(self, warmup: int, steps: int) -> tuple:
+        """(the first step's time, the times and the batch waits of the `steps` steps after the first `warmup`,
+        the first step among those): steps run after them (a profile's) are in none."""
+        times = self.times()
+        return times[0], times[warmup:warmup + steps], self.waits[warmup:warmup + steps]
+
 
 class TimedLoader:
     """A loader whose next() time goes on the clock; endless when `endless` (for the raw loops)."""
@@ -86,16 +92,16 @@ class TimedLoader:
         return self.loader.total_units()
 
     def __iter__(self):
-        epoch = 0
+        epoch, start = 0, time.perf_counter()
         while True:
             it = iter(self.loader)
             while True:
-                start = time.perf_counter()
                 batch = next(it, None)
-                self.clock.waits.append(time.perf_counter() - start)
-                if batch is None:
+                if batch is None:  # the epoch's end: its time goes on the next batch's wait, one wait a step
                     break
+                self.clock.waits.append(time.perf_counter() - start)
                 yield batch
+                start = time.perf_counter()
             if not self.endless:
                 return
             epoch += 1

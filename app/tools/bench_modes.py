@@ -142,9 +142,8 @@ def measure(mode, args, world, threads, per_rank_batch, work: Workload) -> dict:
     ranks = rank_layout_of(mode, args, world)
     loader = build_loader(work.train_set, per_rank_batch, ranks.replica, ranks.replicas, True, 0)
     zero, dtype, compiled, held, graphs = _run(mode, args, world, work, loader, clock)
-    times = clock.times()
-    first_step, times = times[0], times[1:][args.warmup:args.warmup + args.steps]
-    wait_share = sum(clock.waits[args.warmup:args.warmup + args.steps]) / sum(times)
+    first_step, times, waits = clock.measured(args.warmup, args.steps)
+    wait_share = sum(waits) / sum(times)
     dist.barrier()  # every rank probes the matmul rate at once, as they shared the machine while training
     peak = metrics.matmul_flops(world.device, dtype, 0.1 if args.quick else 0.5)  # in the mode's own dtype
     datasheet = metrics.datasheet_flops(world.device, dtype)

@@ -7,8 +7,9 @@ from app.tools.bench_common import DTYPES, TimedLoader, Workload, build_model, p
 
 
 def run_torch(mode, args, world, work: Workload, loader, clock, total):
-    """A hand-written PyTorch loop: the plain model (DDP / DataParallel wrapped), torch AdamW, clipping, autocast
-    in --dtype; raw-compile adds torch.compile of model and loss and the fused AdamW, PyTorch at its best."""
+    """A hand-written PyTorch loop: the plain model (DDP / DataParallel wrapped), torch AdamW as the reference file
+    has it (fused where it says, as the app's step), clipping, autocast in --dtype; raw-compile adds torch.compile
+    of model and loss and the fused AdamW always, PyTorch at its best."""
     model = build_model(work).to(world.device)
     if mode == "ddp":
         model = torch.nn.parallel.DistributedDataParallel(model)
@@ -22,9 +23,12 @@ def run_torch(mode, args, world, work: Workload, loader, clock, total):
 
 def train(model, forward, compiled, args, world, work: Workload, loader, clock, total) -> list:
     """The torch modes' loop, `total` steps: forward under autocast in --dtype, loss, backward, clipping and AdamW as
-    args.reference says (AdamW fused, loss compiled where compiled), a clock tick; each step's loss, on the device."""
-    params = {k: v for k, v in args.reference["optimizer"]["params"].items() if k not in ("torch_adam", "fused")}
-    optimizer = torch.optim.AdamW(model.parameters(), **params, **({"fused": True} if compiled else {}))
+    args.reference says (AdamW fused where it says, as the app's modes step, and always compiled; the loss compiled
+    where compiled), a clock tick; each step's loss, on the device."""
+    given = args.reference["optimizer"]["params"]
+    params = {k: v for k, v in given.items() if k not in ("torch_adam", "fused")}
+    optimizer = torch.optim.AdamW(model.parameters(), **params, **({"fused": True} if compiled or given.get("fused")
+                                                                   else {}))
     loss_fn = lambda logits, y: work.task.loss(logits, y).mean()  # noqa: E731 (equal-length samples: the mean)
     loss_fn = torch.compile(loss_fn, dynamic=False) if compiled else loss_fn
     clip = args.reference.get("gradient_clipping", 0.0)

@@ -29,14 +29,16 @@ def test_the_timed_loader_counts_each_wait_and_ends_with_its_loader():
     timed.set_epoch(1, 2)
     assert (loader.batch_sampler.epoch, loader.batch_sampler.skip) == (1, 2), "the loop's calls reach the loader"
     assert timed.total_units() == 12.0 and timed.drawn(1, 2) == {}
-    assert len(clock.waits) == 4, "one wait per batch, and the one that found the loader done"
+    assert len(clock.waits) == 3, "one wait per batch: the i-th is the i-th step's"
     assert sorted(torch.cat([x for x, _, _ in batches]).tolist()) == [float(i) for i in range(12)]
 
 
 def test_an_endless_timed_loader_goes_on_into_a_new_epoch_in_a_new_order():
     loader = build_loader(torch.utils.data.TensorDataset(torch.arange(64.0), torch.arange(64)), 32, 0, 1, True, 0)
-    batches = iter(bench_common.TimedLoader(loader, bench_common.Clock(CPU), endless=True))
+    clock = bench_common.Clock(CPU)
+    batches = iter(bench_common.TimedLoader(loader, clock, endless=True))
     epochs = [torch.cat([next(batches)[0] for _ in range(2)]).tolist() for _ in range(3)]
+    assert len(clock.waits) == 6, "an epoch's end adds no wait: the i-th is still the i-th step's"
     assert all(sorted(epoch) == [float(i) for i in range(64)] for epoch in epochs)
     assert epochs[0] != epochs[1] != epochs[2], "each epoch shuffled by its own number"
 
@@ -64,3 +66,16 @@ def test_a_folders_model_is_counted_from_its_config_without_reading_its_weights(
     assert sum(p.numel() for p in model.parameters()) == sum(
         p.numel() for p in GPT2LMHeadModel.from_pretrained(tmp_path).parameters())
     assert task.spec.pretrained == str(tmp_path)
+
+
+def test_the_measured_steps_are_those_after_the_warm_up_and_none_after_them():
+    """5 steps: 2 warm-up (the first, with its compile, among them), 2 measured, then 1 profiled: steps 3 and 4."""
+    clock = bench_common.Clock(CPU)
+    for pause in (0.05, 0.0, 0.02, 0.03, 0.2):
+        time.sleep(pause)
+        clock.waits.append(pause)
+        clock.tick()
+    first, times, waits = clock.measured(2, 2)
+    assert first >= 0.05 and len(times) == 2 and waits == [0.02, 0.03]
+    assert 0.02 <= times[0] < 0.1 and 0.03 <= times[1] < 0.15, "neither the first nor the profiled step"
+    assert len(clock.measured(0, 1)[1]) == 1, "--steps 1 --warmup 0 measures one step"
