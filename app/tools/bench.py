@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 
 from app.distributed import dist
-from app.ds import accelerate_file, auto as ds_auto, config as ds_config
+from app.ds import accelerate_file, auto as ds_auto, config as ds_config, precision
 from app.distributed import launch
 from app.parallel import layout
 from app.core import lora, resolver
@@ -84,7 +84,8 @@ def _checked(args):
     if not args.compile or set(args.compile) - {"auto", "on", "off"}:
         raise UserError(f"--compile takes a comma list of auto, on, off; got {','.join(args.compile)!r}")
     if args.dtype == "auto":
-        args.dtype = "bf16" if torch.cuda.is_available() and torch.cuda.is_bf16_supported() else "fp32"
+        args.dtype = "bf16" if torch.cuda.is_available() and precision.bf16_runs(torch.cuda.get_device_capability()) \
+            else "fp32"  # the app's rule: bf16 where it runs natively (torch's own check says yes to emulation)
     if args.quick:
         args.steps, args.warmup = 3, 1
     if min(args.steps, args.seq_len, args.ranks) < 1 or args.warmup < 0 or args.batch < 0:

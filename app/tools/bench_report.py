@@ -17,16 +17,20 @@ def one_device(rows: list):
 
 def add_ratios(rows: list):
     """Step time against the raw loop and against torch at the same world size; weak-scaling efficiency; speed
-    against one device; speed against torch's FSDP2 at the same world size."""
+    against one device; speed against torch's FSDP2 at the same world size. None against a mode that ran in another
+    dtype (--dtype for the torch modes, the ds_config's precision for the app's): that is no like for like."""
     by_mode = {(r["mode"], r["ranks"]): r for r in rows}
-    raw, one_thread = by_mode.get(("raw", 1)), by_mode.get(("raw-1thread", 1))
-    best, single = by_mode.get(("raw-compile", 1)), one_device(rows)
+    by_mode[("one device", 0)] = one_device(rows)
     for r in rows:
-        fsdp2 = by_mode.get(("fsdp2", r["ranks"]))
+        def like(mode, ranks):
+            found = by_mode.get((mode, ranks))
+            return found if found is not None and found["dtype"] == r["dtype"] else None
+        raw, one_thread, best, single = like("raw", 1), like("raw-1thread", 1), like("raw-compile", 1), \
+            like("one device", 0)
+        fsdp2, torch_ref = like("fsdp2", r["ranks"]), raw if r["ranks"] == 1 else like("ddp", r["ranks"])
         r["speed_vs_fsdp2"] = fsdp2["step_time_s"] / r["step_time_s"] if fsdp2 else None
         r["speed_vs_one_device"] = r["samples_per_s"] / single["samples_per_s"] if single else None
         r["speed_vs_raw_compile"] = best["step_time_s"] / r["step_time_s"] if best and r["ranks"] == 1 else None
-        torch_ref = raw if r["ranks"] == 1 else by_mode.get(("ddp", r["ranks"]))
         r["ratio_to_raw"] = r["step_time_s"] / raw["step_time_s"] if raw else None
         r["ratio_to_torch"] = r["step_time_s"] / torch_ref["step_time_s"] if torch_ref else None
         r["scaling_efficiency"] = r["samples_per_s"] / (r["ranks"] * one_thread["samples_per_s"]) \

@@ -53,6 +53,18 @@ def test_the_second_headline_compares_each_app_mode_with_fsdp2_at_its_own_world_
     assert by[("ddp", 2)] == pytest.approx(2.0) and by[("zero1", 4)] is None
 
 
+def test_a_mode_is_compared_with_no_mode_that_ran_in_another_dtype():
+    """--dtype bf16 on a CPU: the torch modes in bf16, the app's in its ds_config's fp32; no ratio between them."""
+    rows = [_row("raw", dtype="bfloat16"), _row("raw-compile", dtype="bfloat16"), _row("fsdp2", dtype="bfloat16"),
+            _row("ddp", ranks=2, dtype="bfloat16"), _row("dp"), _row("dp", ranks=2)]
+    add_ratios(rows)
+    app = [r for r in rows if r["mode"] == "dp"]
+    assert all(r[key] is None for r in app for key in ("ratio_to_raw", "ratio_to_torch", "speed_vs_raw_compile",
+                                                         "speed_vs_fsdp2"))
+    assert rows[0]["ratio_to_raw"] == 1.0 and rows[3]["ratio_to_torch"] == 1.0, "each against its own kind"
+    assert headline(rows).startswith("headline: needs")
+
+
 def test_without_an_fsdp2_row_or_an_app_mode_beside_it_there_is_no_second_headline():
     rows = [_row("raw"), _row("dp"), _row("fsdp2", ranks=2), _row("ddp", ranks=2)]
     add_ratios(rows)
