@@ -18,7 +18,8 @@ def one_device(rows: list):
 def add_ratios(rows: list):
     """Step time against the raw loop and against torch at the same world size; weak-scaling efficiency; speed
     against one device; speed against torch's FSDP2 at the same world size. None against a mode that ran in another
-    dtype (--dtype for the torch modes, the ds_config's precision for the app's): that is no like for like."""
+    dtype (--dtype for the torch modes, the ds_config's precision for the app's): that is no like for like; no
+    scaling efficiency for ranks of more threads than the one-thread reference (a machine of more cores than ranks)."""
     by_mode = {(r["mode"], r["ranks"]): r for r in rows}
     by_mode[("one device", 0)] = one_device(rows)
     for r in rows:
@@ -34,7 +35,7 @@ def add_ratios(rows: list):
         r["ratio_to_raw"] = r["step_time_s"] / raw["step_time_s"] if raw else None
         r["ratio_to_torch"] = r["step_time_s"] / torch_ref["step_time_s"] if torch_ref else None
         r["scaling_efficiency"] = r["samples_per_s"] / (r["ranks"] * one_thread["samples_per_s"]) \
-            if one_thread and r["ranks"] > 1 else None
+            if one_thread and r["ranks"] > 1 and r["threads_per_rank"] == one_thread["threads_per_rank"] else None
 
 
 def _fmt(value, spec):

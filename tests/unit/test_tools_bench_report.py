@@ -63,6 +63,10 @@ def test_a_mode_is_compared_with_no_mode_that_ran_in_another_dtype():
                                                          "speed_vs_fsdp2"))
     assert rows[0]["ratio_to_raw"] == 1.0 and rows[3]["ratio_to_torch"] == 1.0, "each against its own kind"
     assert headline(rows).startswith("headline: needs")
+    rows = [_row("raw-1thread", rate=100.0), _row("ddp", ranks=2, rate=150.0), _row("dp", ranks=2, rate=400.0,
+                                                                                     threads_per_rank=4)]
+    add_ratios(rows)  # 8 cores, 2 ranks: 4 threads each against one
+    assert rows[1]["scaling_efficiency"] == 0.75 and rows[2]["scaling_efficiency"] is None
 
 
 def test_without_an_fsdp2_row_or_an_app_mode_beside_it_there_is_no_second_headline():
