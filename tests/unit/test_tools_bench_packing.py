@@ -23,7 +23,7 @@ def test_each_mode_trains_the_same_model_and_data_with_its_own_packing_and_folde
     assert (_flag(command, "--model"), _flag(command, "--dataset")) == (ARGS.model, ARGS.dataset)
     assert _flag(command, "--packing") == packing
     assert _flag(command, "--output_dir") == str(Path("runs/bench-packing") / mode)
-    assert _flag(command, "--max_steps") == _flag(command, "--log_interval") == "7"
+    assert _flag(command, "--max_steps") == "7" and _flag(command, "--log_interval") == "1", "a row a step"
     assert _flag(command, "--eval_answers") == "0" and "--overwrite" in command
     assert command[-2:] == ["--deepspeed_config", "ds_configs/zero2.json"], "the flags after -- come last and win"
 
@@ -42,16 +42,21 @@ def test_a_launcher_of_this_environment_is_found_beside_its_python_when_not_on_t
         "left as typed, so its own error names it"
 
 
-def test_the_rates_of_a_run_are_read_from_its_summary():
-    summary = {"samples_per_s": 12.5, "rows_per_s": 50.0, "real_tokens_per_s": 3200.0, "train_s": 2.4, "steps": 30,
+def test_the_rates_of_a_run_leave_its_first_step_out():
+    """The first step compiles and warms up, and more for one shape than the other: the median of the rest, times
+    the rows and real tokens a sample holds (summary.json's ratios)."""
+    summary = {"samples_per_s": 12.5, "rows_per_s": 50.0, "real_tokens_per_s": 3200.0, "train_s": 2.4, "steps": 4,
                "final_loss": 1.2, "zero_stage": 2}
-    assert bench_packing.rates(summary) == {"samples_per_s": 12.5, "rows_per_s": 50.0, "real_tokens_per_s": 3200.0,
-                                            "train_s": 2.4, "steps": 30}
+    rows = [{"step": 1, "samples_per_s": 0.5}, {"step": 2, "samples_per_s": 20.0}, {"step": 3, "samples_per_s": 22.0},
+            {"step": 4, "samples_per_s": 18.0}]
+    assert bench_packing.rates(summary, rows) == {"samples_per_s": 20.0, "rows_per_s": 80.0,
+                                                  "real_tokens_per_s": 5120.0, "train_s": 2.4, "steps": 3}
 
 
 @pytest.mark.parametrize("argv, message", [
     ([], "the following arguments are required: --model, --dataset"),
     (["--model", "m", "--dataset", "d", "--steps", "many"], "--steps: invalid int value: 'many'"),
+    (["--model", "m", "--dataset", "d", "--steps", "1"], "--steps must be at least 2"),
 ])
 def test_a_missing_or_bad_flag_is_one_error_line_before_any_run(argv, message, capsys, tmp_path):
     with pytest.raises(SystemExit) as caught:
