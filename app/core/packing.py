@@ -1,9 +1,9 @@
 """Packed rows must never see each other. transformers reads position ids that restart within a sequence as the
 bounds of packed rows and keeps each row's attention inside it, on the attention implementations and model families
 built on its masking utilities (eager, sdpa, flex_attention, and flash_attention_2/3 in a batch of one row only, for
-Llama, Qwen, Mistral, Gemma, GPT-2, ...); a family that ignores them (OpenAI GPT, Mamba, ...) would let rows leak into each other. So the run
-checks its own model and attention once, before training: a row's log-probabilities packed after another row must
-equal those of the row alone. Every rank runs the same two forwards (ZeRO-3 gathers the weights for each).
+Llama, Qwen, Mistral, Gemma, GPT-2, ...); a family that ignores them (OpenAI GPT, Mamba, ...) would let rows leak
+into each other. So the run checks its own model and attention once, before training: a row's log-probabilities
+packed after another row must equal those of the row alone. Every rank runs the same two forwards (ZeRO-3 gathers the weights for each).
 """
 import torch
 

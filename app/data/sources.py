@@ -72,7 +72,8 @@ def row_order(settings: dict) -> dict:
     weights, streamed = settings.get("mix_weights", ""), settings.get("streaming", "off")
     shares = mix_weights(weights, len(weights.split(","))) if weights else None
     buffer = settings.get("shuffle_buffer", 10000) if streamed == "on" else None
-    return {"seed": settings.get("seed", 42), "mix_weights": shares, "mix_by": settings.get("mix_by", "rows") if shares else None,
+    return {"seed": settings.get("seed", 42), "mix_weights": shares,
+            "mix_by": settings.get("mix_by", "rows") if shares else None,
             "streaming": streamed, "shuffle_buffer": buffer}
 
 
