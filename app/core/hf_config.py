@@ -8,8 +8,9 @@ from pathlib import Path
 from app.errors import UserError, first_line
 
 
-def read(name: str):
-    """The config of the folder or hub name `name`."""
+def read(name: str, presets: str = ""):
+    """The config of the folder or hub name `name`; presets: the app's own, named in the line for a name that is
+    none of them and no hub model either."""
     from transformers import AutoConfig
     folder = Path(name).is_dir()
     if folder:
@@ -17,7 +18,7 @@ def read(name: str):
     try:
         config = AutoConfig.from_pretrained(name, trust_remote_code=False)
     except Exception as e:  # noqa: BLE001 (offline, gated, misspelt, damaged: transformers says which)
-        raise UserError(_unread(name, folder, e)) from None
+        raise UserError(_unread(name, folder, e, presets)) from None
     if config.get_text_config() is not config:
         kind = ", ".join(config.architectures or [config.model_type])
         raise UserError(f"{name} is a multimodal model ({kind}), and the app trains text models on their own: pass "
@@ -44,11 +45,10 @@ def _check_folder(folder: Path):
                         f"transformers (pip install -U transformers)")
 
 
-def _unread(name: str, folder: bool, error: Exception) -> str:
+def _unread(name: str, folder: bool, error: Exception, presets: str = "") -> str:
     if folder:
         return (f"{Path(name) / 'config.json'} cannot be read ({first_line(error)}): the folder may be damaged or cut "
                 f"short; write it again with save_pretrained, or copy it again")
-    from app.core.models import PRESETS
     return (f"unknown model {name!r}: not cnn, mlp, a torchvision classifier (resnet18, ...), a preset "
-            f"({', '.join(PRESETS)}), a save_pretrained folder, nor a hub model that can be had now "
+            f"({presets}), a save_pretrained folder, nor a hub model that can be had now "
             f"({first_line(error)})")

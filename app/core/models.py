@@ -100,7 +100,7 @@ def hf_spec(name: str):
         pad_vocab(config)
     else:
         from app.core import hf_config
-        config, source = hf_config.read(name), name
+        config, source = hf_config.read(name, ", ".join(PRESETS)), name
     positions = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", 0)
     return HFSpec(config, source, _task_of(config), positions)
 
