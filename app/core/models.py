@@ -192,7 +192,7 @@ def build_hf(spec: HFSpec, info: DataInfo, tokenizer, ds_config: dict, attention
         from transformers.integrations import HfDeepSpeedConfig
         alive = HfDeepSpeedConfig(ds_config)  # noqa: F841 (transformers holds only a weak reference)
     cls, chosen = hf_class(info.task), {"attn_implementation": attention} if attention else {}
-    chosen["dtype"] = precision.WEIGHT_DTYPES[precision.weights_of(ds_config)]  # not config.json's (mostly bf16)
+    chosen["dtype"] = precision.weights_dtype(ds_config)  # not config.json's (mostly bf16)
     if spec.pretrained:
         from safetensors import SafetensorError
         try:

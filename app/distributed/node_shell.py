@@ -11,7 +11,7 @@ import re
 from app.distributed import dist
 from app.ds import internals as ds_internals
 from app.errors import UserError
-from app.redact import looks_secret
+from app.redact import has_password, looks_secret
 
 SAFE = re.compile(r"[\w@%+=:,./-]")  # what a POSIX shell reads as itself outside quotes
 FIX = "rename it, or start each node yourself (deepspeed --no_ssh --node_rank K, docs/multinode.md)"
@@ -62,7 +62,7 @@ def check_hosts(hosts, where: str):
 def secrets_warning(names) -> str:
     """One line naming the secret-looking variables among those DeepSpeed's pdsh runner puts on its command line
     (names), which every user of the machine can read in the process list; '' when there are none."""
-    secret = sorted({name for name in names if looks_secret(name)})
+    secret = sorted({name for name in names if looks_secret(name) or has_password(os.environ.get(name, ""))})
     if not secret:
         return ""
     return (f"warning: {', '.join(secret)} travel{'s' if len(secret) == 1 else ''} to the nodes on DeepSpeed's "

@@ -14,6 +14,7 @@ import warnings
 from pathlib import Path
 
 from app.errors import UserError, first_line
+from app.redact import redacted
 
 SUFFIXES = (".yaml", ".yml")
 LAUNCH_KEYS = ("deepspeed_multinode_launcher", "deepspeed_hostfile", "deepspeed_exclusion_filter",
@@ -96,7 +97,7 @@ def _say(path: Path, top: dict, section: dict, ds: dict, unread: list, say):
     said = ", ".join(f"{key}: {value}" for key, value in launch.items())
     backend = _dynamo_backend(top)
     say(f"note: {path} is an accelerate config, read as the DeepSpeed JSON accelerate builds from it: "
-        f"{json.dumps(ds)}" + (f"; its launch settings ({said}) are the launcher's to take" if said else "")
+        f"{json.dumps(redacted(ds))}" + (f"; its launch settings ({said}) are the launcher's to take" if said else "")
         + (f"; its dynamo_backend {backend} is --compile's here (auto: on a GPU, off on a CPU)"
            if backend != "NO" else "")
         + (f"; not read here: {', '.join(unread)}" if unread else ""))

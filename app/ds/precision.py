@@ -25,7 +25,10 @@ def weights_of(ds: dict) -> str:
     return next((name for name in ("bf16", "fp16") if (ds.get(name) or {}).get("enabled") is True), "fp32")
 
 
-WEIGHT_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+def weights_dtype(ds: dict) -> torch.dtype:
+    """The dtype a model is built in for an engine of ds: its bf16 or fp16 section's, else torch's default (fp32;
+    the memory plan builds a bf16-weights model under bf16)."""
+    return {"bf16": torch.bfloat16, "fp16": torch.float16}.get(weights_of(ds), torch.get_default_dtype())
 
 
 def bf16_runs(capability: tuple) -> bool:

@@ -8,7 +8,7 @@ from dataclasses import asdict
 
 from app.distributed import dist
 from app.errors import UserError, first_line
-from app.redact import redacted
+from app.redact import redacted, without_password
 
 TRACKERS = ("wandb", "comet", "mlflow")
 """What --report_to names; "none" and "tensorboard" (always written) are taken too, and add nothing."""
@@ -114,7 +114,8 @@ def _mlflow_store_problem() -> str:
     try:
         mlflow.MlflowClient().search_experiments(max_results=1)
     except Exception as e:  # noqa: BLE001 (any failure to open the store is the same line: which store, and why)
-        return (f"--report_to mlflow: MLflow cannot use its store {mlflow.get_tracking_uri()} ({first_line(e)}); "
+        return (f"--report_to mlflow: MLflow cannot use its store {without_password(mlflow.get_tracking_uri())} "
+                f"({without_password(first_line(e))}); "
                 f"set MLFLOW_TRACKING_URI to a tracking server or to sqlite:///<file>")
     return ""
 

@@ -68,6 +68,17 @@ def test_a_deepspeed_config_file_it_names_is_read_beside_it_as_accelerate_reads_
         "the file's bf16 'auto' off"
 
 
+def test_the_note_of_what_the_file_became_shows_no_secret(tmp_path):
+    """A monitor's key in the JSON it names is the run's (the engine gets it), never the note's."""
+    (tmp_path / "z.json").write_text(json.dumps({"zero_optimization": {"stage": 2}, "train_micro_batch_size_per_gpu": 4,
+                                                 "comet": {"enabled": True, "api_key": "COMET-SECRET-123"}}))
+    (tmp_path / "acc.yaml").write_text("distributed_type: DEEPSPEED\ndeepspeed_config:\n"
+                                       "  deepspeed_config_file: z.json\n")
+    ds, said = _read(tmp_path / "acc.yaml")
+    assert ds["comet"]["api_key"] == "COMET-SECRET-123"
+    assert said and not any("COMET-SECRET-123" in line for line in said) and "<redacted>" in said[0]
+
+
 
 @pytest.mark.parametrize("lines, precision", [("fp16: true\n", "fp16"), ("fp16: false\n", "no"),
                                               ("fp16: true\nmixed_precision: bf16\n", "bf16"), ("", "no")])

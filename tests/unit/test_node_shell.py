@@ -65,6 +65,14 @@ def test_secret_looking_variables_that_pdsh_would_carry_are_named(tmp_path):
     assert node_shell.secrets_warning(["PYTHONPATH", "NCCL_IB_PKEY"]) == ""
 
 
+def test_a_url_with_a_password_in_an_exported_variable_is_a_secret(monkeypatch):
+    """MLflow's tracking URI of a database store holds its password (user:password@host)."""
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", "postgresql://alice:s3cr3t@db.internal/mlflow")
+    assert node_shell.secrets_warning(["MLFLOW_TRACKING_URI"]).startswith("warning: MLFLOW_TRACKING_URI travels ")
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", "http://db.internal:5000")
+    assert node_shell.secrets_warning(["MLFLOW_TRACKING_URI"]) == ""
+
+
 def test_trainer_state_is_written_without_the_monitors_key():
     ds = {"train_micro_batch_size_per_gpu": 2, "comet": {"enabled": False, "api_key": "abc123", "project": "p"}}
     state = TrainerState(1, 0, 0, "mlp", "d", 1, 0, {}, {}, ds)

@@ -51,3 +51,17 @@ def test_a_list_or_dict_under_a_secret_looking_key_is_hidden_whole_and_a_number_
     hidden = redacted({"api_keys": ["sk-live-1", "sk-live-2"], "secret": {"value": "abc"}, "pad_token_id": 50256,
                        "tokens": []})
     assert hidden == {"api_keys": REDACTED, "secret": REDACTED, "pad_token_id": 50256, "tokens": []}
+
+
+def test_a_urls_password_is_hidden_in_any_string_and_its_user_kept():
+    """MLflow's postgresql://user:password@host/db, a dataset's https://user:token@host/...; ssh://git@host has
+    no password, and a path holding "key" is no secret."""
+    from app.redact import has_password, without_password
+    said = redacted({"dataset": "https://ana:hf_tok@data.example/rows.jsonl", "uri": ["postgresql://a:b@db/x"],
+                     "output_dir": "/home/keys/run", "repo": "ssh://git@github.com/x"})
+    assert said == {"dataset": "https://ana:<redacted>@data.example/rows.jsonl",
+                    "uri": ["postgresql://a:<redacted>@db/x"], "output_dir": "/home/keys/run",
+                    "repo": "ssh://git@github.com/x"}
+    assert has_password("mysql+pymysql://u:p@h/d") and not has_password("http://h:5000/x")
+    assert without_password("see http://u:p@h and https://v:q@k/") == \
+        "see http://u:<redacted>@h and https://v:<redacted>@k/"

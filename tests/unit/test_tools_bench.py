@@ -90,8 +90,8 @@ def test_compile_choices_name_the_app_modes():
 def test_ratios_and_the_headline():
     """Each mode against raw PyTorch and against torch at its own world size; scaling against one thread."""
     from app.tools.bench_report import add_ratios, headline
-    rows = [{"mode": mode, "ranks": ranks, "step_time_s": step, "samples_per_s": rate}
-            for mode, ranks, step, rate in [("raw", 1, 0.010, 3200.0), ("raw-compile", 1, 0.008, 4000.0),
+    rows = [{"mode": mode, "ranks": ranks, "step_time_s": step, "samples_per_s": rate, "dtype": "float32",
+             "threads_per_rank": 1} for mode, ranks, step, rate in [("raw", 1, 0.010, 3200.0), ("raw-compile", 1, 0.008, 4000.0),
                                             ("raw-1thread", 1, 0.012, 1000.0), ("ddp", 2, 0.020, 1600.0),
                                             ("dp", 1, 0.016, 2000.0), ("dp", 2, 0.025, 1500.0)]]
     add_ratios(rows)
@@ -117,7 +117,8 @@ def test_split_configs_run_where_the_ranks_hold_them():
 def test_the_splitting_line_compares_with_one_device():
     from app.tools.bench_report import add_ratios, splitting
     rows = [{"mode": mode, "ranks": ranks, "step_time_s": step, "samples_per_s": rate, "pipeline_stages": stages,
-             "tensor_parallel": 1, "param_bytes": held, "peak_memory_bytes": peak}
+             "tensor_parallel": 1, "param_bytes": held, "peak_memory_bytes": peak, "dtype": "float32",
+             "threads_per_rank": 1}
             for mode, ranks, step, rate, stages, held, peak in [
                 ("raw", 1, 0.010, 100.0, 1, [400], [1000]), ("dp", 1, 0.010, 100.0, 1, [400], [1000]),
                 ("pipeline", 2, 0.0107, 93.0, 2, [180, 220], [500, 600])]]

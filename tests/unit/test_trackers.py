@@ -99,6 +99,10 @@ def test_an_mlflow_store_that_cannot_open_is_one_line(tmp_path, monkeypatch):
     line = str(said.value)
     assert line.startswith(f"--report_to mlflow: MLflow cannot use its store file:{tmp_path}/mlruns (")
     assert "MLFLOW_ALLOW_FILE_STORE" in line and "\n" not in line, "MLflow's own reason, in the one line"
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", "postgresql://alice:s3cr3t@127.0.0.1:1/mlflow")  # MLflow's own form
+    with pytest.raises(UserError) as said:
+        trackers.enabled({}, "mlflow")
+    assert "s3cr3t" not in str(said.value) and "postgresql://alice:<redacted>@127.0.0.1:1/mlflow" in str(said.value)
 
 
 @pytest.fixture
