@@ -131,11 +131,8 @@ class Board:
             return
         with contextlib.suppress(torch_dist.DistError):  # the store gone: nobody left a word
             if self.store.check([self.prefix + "alone"]):
-                why = wire.decode(self.store.get(self.prefix + "alone"), f"the rendezvous store's key {self.prefix}alone")
-                if not isinstance(why, str):
-                    raise UserError(f"the rendezvous store's key {self.prefix}alone holds a value this run's ranks did "
-                                    f"not write; firewall the store's port (docs/trust.md)")
-                raise Ended(why)
+                raise Ended(wire.decode(self.store.get(self.prefix + "alone"),
+                                        f"the rendezvous store's key {self.prefix}alone", str))
 
     def stopping(self, asked: bool, step: int) -> bool:
         """At the boundary after step: whether every rank stops here. asked: a stop was asked of this rank, which
@@ -163,7 +160,7 @@ def agree_on_start(store, keys: list, rank: int, node: tuple, join_s: int):
         return
     store.set_timeout(datetime.timedelta(seconds=2 * join_s))  # rank 0 may start later than we did
     try:
-        verdict = store.get("verdict").decode()
+        verdict = bytes(store.get("verdict")).decode("utf-8", "replace")  # rank 0's line, or another's bytes
     except torch_dist.DistError:
         raise UserError(f"rank {rank} on {node[0]}: rank 0 did not finish the start-up within "
                         f"{2 * join_s} s") from None

@@ -272,7 +272,7 @@ def _join(rank: int, world_size: int, node: tuple, backend: str, device, join_s:
     store.set(keys[rank], json.dumps(node))
     endings.agree_on_start(store, keys, rank, node, join_s)
     store.set_timeout(datetime.timedelta(seconds=timeout_s))
-    nodes = [tuple(json.loads(store.get(key))) for key in keys]
+    nodes = [tuple(wire.decode(store.get(key), f"the rendezvous store's key {key}", list)) for key in keys]
     torch_dist.init_process_group(backend, store=store, rank=rank,
                             world_size=world_size, timeout=datetime.timedelta(seconds=timeout_s),
                             # as DeepSpeed does: bind the GPU, except alone (later new_group()s would need a peer)

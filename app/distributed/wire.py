@@ -29,13 +29,18 @@ def encode(value) -> bytes:
     return json.dumps(value).encode("utf-8")
 
 
-def decode(raw: bytes, where: str):
-    """The JSON value another rank sent; one line naming where it came from when it is not JSON (nothing runs)."""
+def decode(raw: bytes, where: str, kind: type = object):
+    """The JSON value another rank sent, of kind; one line naming where it came from when it is not JSON, or of
+    another kind (nothing runs)."""
     try:
-        return json.loads(bytes(raw).decode("utf-8"))
+        found = json.loads(bytes(raw).decode("utf-8"))
     except (UnicodeDecodeError, ValueError):
-        raise UserError(f"{where} holds a value this run's ranks did not write (not JSON, so it was not read): "
-                        f"something else reached the run's ports; firewall them (docs/trust.md)") from None
+        found = ValueError
+    if found is ValueError or not isinstance(found, kind):
+        raise UserError(f"{where} holds a value this run's ranks did not write (not JSON of what they write, so it "
+                        f"was not read): something else reached the run's ports; firewall them "
+                        f"(docs/trust.md)") from None
+    return found
 
 
 def _bound_socket(addr: str, port: int) -> tuple:

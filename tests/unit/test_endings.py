@@ -225,8 +225,17 @@ def test_a_rank_waiting_for_the_others_ends_without_a_line_when_one_ended_alone(
 def test_a_reason_that_is_not_a_string_was_not_written_by_the_run():
     store = torch_dist.HashStore()
     store.set("app/run0/alone", wire.encode(["not", "a", "reason"]))
-    with pytest.raises(UserError, match="key app/run0/alone holds a value this run's ranks did not write; firewall"):
+    with pytest.raises(UserError, match="key app/run0/alone holds a value this run's ranks did not write \\(not "
+                                        "JSON of what they write.*firewall"):
         _board(store, rank=1).ended_by_another()
+
+
+def test_a_verdict_of_bytes_no_rank_wrote_ends_the_rank_without_a_traceback():
+    """The store has no authentication: something else on the network may write the start's verdict."""
+    store = torch_dist.HashStore()
+    store.set("verdict", b"\xff\xfe not text")
+    with pytest.raises(Ended):
+        endings.agree_on_start(store, ["node/0", "node/1"], 1, ("node-b", 0), join_s=1)
 
 
 def test_ranks_that_ran_out_of_memory_together_say_rank_0s_words():

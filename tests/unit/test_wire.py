@@ -47,7 +47,7 @@ def test_a_pickle_from_the_network_is_refused_in_one_line_and_runs_nothing(tmp_p
         wire.decode(pickle.dumps(_Payload(marker)), "the rendezvous store's key app/run0/alone")
     message = str(caught.value)
     assert message.startswith("the rendezvous store's key app/run0/alone holds a value this run's ranks did not "
-                              "write (not JSON, so it was not read)")
+                              "write (not JSON of what they write, so it was not read)")
     assert "firewall them (docs/trust.md)" in message and "\n" not in message
     assert caught.value.__cause__ is None and caught.value.__suppress_context__, "no traceback of the parser"
     assert not marker.exists()
@@ -96,3 +96,12 @@ def test_a_host_name_leaves_the_store_on_every_interface():
     store = wire.open_store("localhost", port, 1, True, TIMEOUT)
     assert _listening(port) and _listening(port) <= {"0.0.0.0", "::"}, _listening(port)
     store.set("k", "v")
+
+
+@pytest.mark.parametrize("raw", [b"5", b'"host"', b'{"a": 1}'])
+def test_json_of_another_kind_than_the_ranks_write_is_one_line(raw):
+    """A rank's node is a list (host, ...): a number or a text where it should be, from something else on the
+    network, ends the run in the same line, not in a TypeError."""
+    with pytest.raises(UserError, match="^the rendezvous store's key node/1 holds a value this run's ranks did not"):
+        wire.decode(raw, "the rendezvous store's key node/1", list)
+    assert wire.decode(b'["h", 3]', "x", list) == ["h", 3]
