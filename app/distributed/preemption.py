@@ -12,6 +12,10 @@ import psutil
 LAUNCHER_WORDS = ("deepspeed", "torchrun", "torch.distributed.run", "mpirun", "srun")
 
 
+# SIGUSR1: what Slurm's --signal=USR1@<seconds> sends ahead of a time limit or a preemption (scripts/train.sbatch)
+SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
+
+
 class StopRequest:
     """Catches stop signals on this rank, looks for its launcher at step boundaries, and agrees with the other ranks
     on the step to stop at. A request that the run cannot honour within the grace period ends the process."""
@@ -20,7 +24,7 @@ class StopRequest:
         self.board, self.grace_s, self.reason, self.timer = board, grace_s, "", None
         self.launchers = _launcher_ancestors() if watch_launcher else []
         self.looked = time.monotonic()
-        self.previous = {sig: signal.signal(sig, self._on_signal) for sig in (signal.SIGTERM, signal.SIGINT)}
+        self.previous = {sig: signal.signal(sig, self._on_signal) for sig in SIGNALS}
 
     def __enter__(self):
         return self

@@ -134,11 +134,15 @@ def test_deepspeed_openmpi(cluster, reference, tmp_path):
 
 
 def test_slurm_sbatch_script_with_srun(cluster, reference, tmp_path):
-    """scripts/train.sbatch as a user submits it; srun starts the tasks, the app reads SLURM_*."""
+    """scripts/train.sbatch as a user submits it; srun starts the tasks, the app reads SLURM_*. The same script run
+    again (as a requeued job is) continues from its checkpoint instead of refusing the folder."""
     before, out, log = shm_segments(), tmp_path / "run", tmp_path / "slurm.out"
-    launch(["sbatch", "--wait", "--nodes=1", "--ntasks-per-node=2", f"--output={log}", "scripts/train.sbatch",
-            *ARGS, "--output_dir", str(out)], cluster.env(HF_HUB_OFFLINE="1"), timeout=300)
+    submit = ["sbatch", "--wait", "--nodes=1", "--ntasks-per-node=2", f"--output={log}", "scripts/train.sbatch",
+              *ARGS, "--output_dir", str(out)]
+    launch(submit, cluster.env(HF_HUB_OFFLINE="1"), timeout=300)
     check_run(out, log.read_text(), reference, "srun", "1 node(s): localhost (ranks 0-1)", before)
+    launch(submit, cluster.env(HF_HUB_OFFLINE="1"), timeout=300)
+    assert "nothing to do" in log.read_text(), log.read_text()[-3000:]
 
 
 def test_torchrun_c10d_rendezvous_two_nodes(reference, tmp_path):

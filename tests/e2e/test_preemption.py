@@ -75,13 +75,14 @@ def _config(name: str) -> list:
 
 
 def _sigterm_to_rank_1(out, name: str) -> tuple:
-    """(exit code, output) of the standard 2-rank run of a config, rank 1 sent SIGTERM after step 10."""
+    """(exit code, output) of the standard 2-rank run of a config, rank 1 sent SIGTERM after step 10 (the pipeline's
+    SIGUSR1, as Slurm's --signal=USR1@120 sends ahead of a time limit)."""
     launcher = _start(out, *_config(name))
     ranks = _ranks(launcher)
     _wait_for_step(out, 10, launcher)
     # Hold rank 1 while the signal is queued, so it lands mid-run however fast the steps are.
     ranks[1].suspend()
-    ranks[1].send_signal(signal.SIGTERM)
+    ranks[1].send_signal(signal.SIGUSR1 if name == "pipeline" else signal.SIGTERM)
     ranks[1].resume()
     output = _output(launcher, 60)
     return launcher.returncode, output

@@ -6,7 +6,7 @@ from app.distributed import endings, preemption
 
 
 def test_a_signal_asks_to_stop_and_a_closed_request_gives_the_signals_back():
-    before = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
+    before = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)}
     board = endings.Board()
     stop = preemption.StopRequest(board, 60, watch_launcher=False)
     assert not stop.agreed(1)
@@ -16,3 +16,7 @@ def test_a_signal_asks_to_stop_and_a_closed_request_gives_the_signals_back():
     stop.close()
     assert {sig: signal.getsignal(sig) for sig in before} == before, "a launcher's SIGTERM past the run ends it"
     assert not stop.timer.is_alive(), "the grace period's timer is stopped"
+    slurm = preemption.StopRequest(endings.Board(), 60, watch_launcher=False)
+    os.kill(os.getpid(), signal.SIGUSR1)  # Slurm's --signal=USR1@120, ahead of the time limit
+    assert slurm.reason == "SIGUSR1" and slurm.agreed(1)
+    slurm.close()
