@@ -7,10 +7,13 @@ launcher (the deepspeed launcher has no such option).
 A command that ends with a code other than 0 (done, or stopped on request) and 2 (a user's error, which running
 again would not cure) is run again, up to --max_restarts times: with --resume auto once it has saved a checkpoint in
 --output_dir, so the run continues from its newest; before that, as it was given (its own --resume, a checkpoint of
-another run, still the one to start from). Each attempt sees APP_RESTART_COUNT (0, 1, ...).
+another run, still the one to start from), with --overwrite for what the crashed attempt left there. Each attempt
+sees APP_RESTART_COUNT (0, 1, ...). SIGTERM, SIGINT or SIGUSR1 to the tool go on to the run, which saves and stops,
+and nothing is run after it.
 """
 import argparse
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -62,6 +65,20 @@ def checkpoints(command: list) -> set:
             for folder in complete_checkpoints(checkpoint_root(Path(output_dir)))}
 
 
+def _forwarding() -> dict:
+    """{"run": the command's process, "asked": whether this tool was asked to stop}: SIGTERM, SIGINT and SIGUSR1 to
+    the tool go on to the run (which saves and stops), and no run starts after it, as torchrun's agent does."""
+    state = {"run": None, "asked": False}
+
+    def forward(signum, frame):
+        state["asked"] = True
+        if state["run"] is not None and state["run"].poll() is None:
+            state["run"].send_signal(signum)
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1):
+        signal.signal(sig, forward)
+    return state
+
+
 def main(argv=None) -> int:
     """Run the command, again after each crash; the last run's exit code."""
     try:
@@ -69,12 +86,15 @@ def main(argv=None) -> int:
     except UserError as e:
         return report(e)
     before, run = checkpoints(command), command  # before: another run's, or a timeline the command drops
+    stopping = _forwarding()
     for attempt in range(max_restarts + 1):
-        code = subprocess.run(run, env={**os.environ, "APP_RESTART_COUNT": str(attempt)}).returncode
-        if code in (0, USER_ERROR) or attempt == max_restarts:
+        stopping["run"] = subprocess.Popen(run, env={**os.environ, "APP_RESTART_COUNT": str(attempt)})
+        code = stopping["run"].wait()
+        if code in (0, USER_ERROR) or attempt == max_restarts or stopping["asked"]:
             return code
         saved = bool(checkpoints(command) - before)
-        run = with_resume(command) if saved else command
+        # not saved: as it was given, over what the crashed run left (its metrics.csv would be another run's)
+        run = with_resume(command) if saved else [*command, *(["--overwrite"] if "--overwrite" not in command else [])]
         print(f"restart: the run exited with {code}; running it again from "
               f"{'its last checkpoint' if saved else 'where it started (it saved no checkpoint)'} "
               f"({attempt + 1} of {max_restarts} restarts) in {wait:g} s", flush=True)

@@ -48,8 +48,28 @@ def test_a_restart_keeps_the_commands_own_resume_until_the_run_saved_a_checkpoin
     assert restart.main(["--max_restarts", "2", "--wait", "0", "--", *command]) == 1
     assert log.read_text().splitlines() == [
         f"--output_dir {out} --resume runs/a/checkpoints/step00000200",  # the first run, as given
-        f"--output_dir {out} --resume runs/a/checkpoints/step00000200",  # no save yet: as given again
+        f"--output_dir {out} --resume runs/a/checkpoints/step00000200 --overwrite",  # no save yet: as given, over
+        # what the crashed attempt left (its metrics.csv)
         f"--output_dir {out} --resume auto"]  # it saved step 3: from there
     said = capsys.readouterr().out
     assert "running it again from where it started (it saved no checkpoint) (1 of 2" in said
     assert "running it again from its last checkpoint (2 of 2" in said
+
+
+def test_a_signal_to_the_tool_goes_on_to_the_run_and_nothing_runs_after_it(tmp_path):
+    """As torchrun's agent: SIGTERM to the tool reaches the run, which saves and exits 0, and no attempt follows."""
+    import signal
+    import subprocess
+    import time
+    ready, done, runs = tmp_path / "ready", tmp_path / "saved", tmp_path / "runs"
+    script = (f"import pathlib, signal, sys, time; r = pathlib.Path({str(runs)!r}); "
+              f"r.write_text((r.read_text() if r.exists() else '') + 'x'); "
+              f"signal.signal(signal.SIGTERM, lambda *_: (pathlib.Path({str(done)!r}).write_text('1'), sys.exit(0))); "
+              f"pathlib.Path({str(ready)!r}).write_text('1'); time.sleep(60); sys.exit(1)")
+    tool = subprocess.Popen([sys.executable, "-m", "app.tools.restart", "--max_restarts", "2", "--wait", "0", "--",
+                             sys.executable, "-c", script, "--output_dir", str(tmp_path / "out")])
+    deadline = time.monotonic() + 60
+    while not ready.exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    tool.send_signal(signal.SIGTERM)
+    assert tool.wait(timeout=60) == 0 and done.read_text() == "1" and runs.read_text() == "x"
