@@ -104,8 +104,9 @@ def main(argv=None):
     parser.add_argument("folder")
     parser.add_argument("--rows", type=int, default=2000)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--pairs", action="store_true", help="preference pairs (pairs.jsonl) instead of chats")
-    parser.add_argument("--prompts", action="store_true", help="prompts and a reward (prompts.jsonl, rewards.py) "
+    kind = parser.add_mutually_exclusive_group()
+    kind.add_argument("--pairs", action="store_true", help="preference pairs (pairs.jsonl) instead of chats")
+    kind.add_argument("--prompts", action="store_true", help="prompts and a reward (prompts.jsonl, rewards.py) "
                         "for --task grpo instead of chats")
     args = parser.parse_args(argv)
     data = (write_pairs if args.pairs else write_prompts if args.prompts else write)(Path(args.folder), args.rows,

@@ -43,6 +43,8 @@ def main(argv=None) -> int:
     parser.add_argument("--steps", type=int, default=3, help="optimizer steps per file (default: 3)")
     parser.add_argument("--output_dir", default="runs/try-configs", help="where each run and report.json go")
     args = parser.parse_args(argv)
+    if args.steps < 1:
+        parser.error(f"--steps must be at least 1 (got {args.steps}): each file trains that many optimizer steps")
     out, rows = Path(args.output_dir), []
     out.mkdir(parents=True, exist_ok=True)
     for path in files_of(args.paths):

@@ -3,6 +3,7 @@ tiny Llama folder."""
 import json
 import re
 
+import pytest
 import torch
 from safetensors.torch import load_file
 
@@ -121,6 +122,9 @@ def test_the_command_writes_pairs_instead_of_chats_when_asked(tmp_path, capsys):
     instructions.main([str(tmp_path), "--rows", "7", "--pairs"])
     assert capsys.readouterr().out == f"wrote {tmp_path / 'pairs.jsonl'} and {tmp_path / 'model'}\n"
     assert len(_rows(tmp_path / "pairs.jsonl")) == 7 and not (tmp_path / "chats.jsonl").exists()
+    with pytest.raises(SystemExit):  # one kind of data a folder, not the first of two asked for
+        instructions.main([str(tmp_path / "both"), "--pairs", "--prompts"])
+    assert "not allowed with argument" in capsys.readouterr().err and not (tmp_path / "both").exists()
 
 
 def test_prompts_for_grpo_carry_their_answer_and_the_reward_scores_it_as_trl_calls_it(tmp_path, capsys):
